@@ -1,0 +1,49 @@
+"""One exception hierarchy for lightning-nb.
+
+Every error the library raises on purpose is a :class:`LightningNbError`. Each
+subclass also inherits the builtin it replaces, so ``except ValueError`` in user
+code keeps working. Messages say what went wrong, why, and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "LightningNbError",
+    "ConfigError",
+    "NotFoundError",
+    "InvalidRewardError",
+    "InvalidStatusTransition",
+    "MissingDependencyError",
+    "AttemptTimeout",
+]
+
+
+class LightningNbError(Exception):
+    """Base class of every error raised by lightning-nb."""
+
+
+class ConfigError(LightningNbError, ValueError):
+    """A configuration value or an argument is invalid; the message names the field."""
+
+
+class NotFoundError(LightningNbError, KeyError):
+    """An id (rollout, attempt, resources) is not in the store."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidRewardError(LightningNbError, ValueError):
+    """A reward is not a finite real number."""
+
+
+class InvalidStatusTransition(LightningNbError, ValueError):
+    """A rollout or attempt was asked to move to a status its state machine forbids."""
+
+
+class MissingDependencyError(LightningNbError, ImportError):
+    """An optional package is missing; the message names the extra to install."""
+
+
+class AttemptTimeout(LightningNbError, TimeoutError):
+    """An agent ran past its rollout's ``timeout_seconds``."""

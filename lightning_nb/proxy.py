@@ -1,0 +1,298 @@
+"""LLM proxy: an OpenAI-compatible ``/v1/chat/completions`` on 127.0.0.1, built on LiteLLM.
+
+Agents call ``{proxy}/rollout/{rollout_id}/attempt/{attempt_id}/v1`` (the runner
+hands them that base URL as their :class:`~lightning_nb.types.LLMResource`), so
+every call is attributed to its attempt. The proxy routes the request through
+``litellm.acompletion`` to the in-process engine (a LiteLLM ``CustomLLM``
+provider named ``lightning_nb``) and records one span per call with the request,
+the response text, the prompt and completion token IDs and the logprobs. Like
+vLLM's ``return_token_ids``, the response also carries ``prompt_token_ids`` and
+``choices[0].token_ids``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import os
+import secrets
+import threading
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from lightning_nb.engine import Generation, TransformersEngine
+from lightning_nb.errors import ConfigError, LightningNbError, NotFoundError
+from lightning_nb.store.base import LightningStore
+from lightning_nb.tracer import Tracer
+from lightning_nb.types import LLMResource
+
+__all__ = ["LLMProxy", "ChatCompletionRequest", "LLM_SPAN_NAME"]
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the cost map at import
+LLM_SPAN_NAME = "llm.chat.completions"
+_PROVIDER = "lightning_nb"
+_ENGINES: dict[str, TransformersEngine] = {}
+_RESULTS: dict[str, Generation] = {}
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """The subset of the OpenAI chat request the engine honours (other fields are ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1, le=4096)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=4096)
+    temperature: float = Field(1.0, ge=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    stream: bool = Field(False, description="streaming is not supported")
+
+
+def _custom_llm_class() -> type:
+    import litellm
+    from litellm import CustomLLM, ModelResponse
+
+    class _EngineLLM(CustomLLM):
+        """LiteLLM provider that completes with a TransformersEngine in this process."""
+
+        async def acompletion(self, model: str, messages: list, api_base: str, model_response: ModelResponse,
+                              optional_params: dict, **kwargs: Any) -> ModelResponse:
+            engine = _ENGINES[api_base]
+            params = optional_params or {}
+            prompt_ids = engine.apply_chat_template(messages)
+            gen: Generation = await asyncio.wrap_future(
+                engine.submit(
+                    prompt_ids,
+                    max_tokens=int(params.get("max_tokens") or params.get("max_completion_tokens") or 256),
+                    temperature=float(params.get("temperature", 1.0)),
+                    top_p=float(params.get("top_p", 1.0)),
+                )
+            )
+            response_id = f"chatcmpl-{uuid.uuid4().hex}"
+            _RESULTS[response_id] = gen
+            return litellm.ModelResponse(
+                id=response_id,
+                model=model,
+                choices=[{"index": 0, "finish_reason": gen.finish_reason,
+                          "message": {"role": "assistant", "content": gen.text}}],
+                usage={"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.completion_ids),
+                       "total_tokens": len(gen.prompt_ids) + len(gen.completion_ids)},
+            )
+
+    return _EngineLLM
+
+
+_REGISTER_LOCK = threading.Lock()
+
+
+def _register_provider() -> None:
+    import litellm
+
+    with _REGISTER_LOCK:
+        litellm.telemetry = False
+        if not any(p.get("provider") == _PROVIDER for p in litellm.custom_provider_map):
+            litellm.custom_provider_map.append({"provider": _PROVIDER, "custom_handler": _custom_llm_class()()})
+            from litellm.utils import custom_llm_setup
+
+            custom_llm_setup()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class LLMProxy:
+    """Serve ``engine`` behind an OpenAI-compatible endpoint and trace every call into ``store``.
+
+    Args:
+        engine: the inference engine to forward to.
+        store: where LLM-call spans go.
+        host: bind address; 127.0.0.1 by default.
+        port: 0 picks a free port.
+        api_key: bearer token required on every request. Required (ConfigError
+            otherwise) when ``host`` is not a loopback address.
+
+    Use as a context manager or call :meth:`start` / :meth:`stop`.
+    """
+
+    def __init__(self, engine: TransformersEngine, store: LightningStore, *, host: str = "127.0.0.1",
+                 port: int = 0, api_key: Optional[str] = None, tracer: Optional[Tracer] = None) -> None:
+        if not _is_loopback(host) and not api_key:
+            raise ConfigError(
+                f"host={host!r} is reachable from other machines, so api_key is required; "
+                f"pass api_key=secrets.token_urlsafe() (or bind to 127.0.0.1)"
+            )
+        self.engine, self.store = engine, store
+        self.host, self.port = host, port
+        self.api_key = api_key
+        self.tracer = tracer or Tracer(store)
+        self._key = f"{_PROVIDER}://{secrets.token_hex(8)}"
+        self._server: Any = None
+        self._thread: Optional[threading.Thread] = None
+
+    # ----- lifecycle ------------------------------------------------------------------
+    def start(self) -> "LLMProxy":
+        """Start serving in a background thread; returns once the port is bound."""
+        import uvicorn
+
+        if self._server is not None:
+            return self
+        _register_provider()
+        _ENGINES[self._key] = self.engine
+        config = uvicorn.Config(self._app(), host=self.host, port=self.port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="lightning_nb-proxy", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise LightningNbError(f"LLM proxy failed to start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+            self._server = None
+        _ENGINES.pop(self._key, None)
+
+    def __enter__(self) -> "LLMProxy":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def endpoint(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> str:
+        """Base URL (ending in /v1) for the OpenAI SDK; attributed when ids are given."""
+        if rollout_id and attempt_id:
+            return f"{self.url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
+        return f"{self.url}/v1"
+
+    def as_resource(self, **sampling_parameters: Any) -> LLMResource:
+        """This proxy as the ``main_llm`` resource agents receive."""
+        return LLMResource(endpoint=self.endpoint(), model=self.engine.model_name,
+                           sampling_parameters=sampling_parameters, api_key=self.api_key or "not-needed")
+
+    # ----- HTTP app -------------------------------------------------------------------
+    def _app(self) -> Any:
+        app = FastAPI(title="lightning-nb LLM proxy")
+
+        def error(status: int, message: str, param: Optional[str] = None) -> JSONResponse:
+            body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": status}}
+            return JSONResponse(body, status_code=status)
+
+        @app.middleware("http")
+        async def auth(request: Request, call_next: Any) -> Any:
+            if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+                return error(401, "missing or wrong bearer token; send Authorization: Bearer <api_key>")
+            return await call_next(request)
+
+        @app.get("/health")
+        async def health() -> dict:
+            return {"status": "ok", "model": self.engine.model_name, "weight_version": self.engine.weight_version}
+
+        @app.get("/v1/models")
+        async def models() -> dict:
+            return {"object": "list", "data": [{"id": self.engine.model_name, "object": "model"}]}
+
+        async def handle(request: Request, rollout_id: Optional[str], attempt_id: Optional[str]) -> Any:
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return error(400, "request body is not valid JSON; send a JSON chat completion request")
+            try:
+                req = ChatCompletionRequest.model_validate(body)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                field = ".".join(str(p) for p in first["loc"]) or "body"
+                return error(400, f"invalid field '{field}': {first['msg']}", param=field)
+            if req.stream:
+                return error(400, "invalid field 'stream': streaming is not supported; set stream=false", "stream")
+            if rollout_id is not None:
+                try:
+                    self.store.query_attempts(rollout_id)
+                    if attempt_id not in {a.attempt_id for a in self.store.query_attempts(rollout_id)}:
+                        raise NotFoundError(f"attempt_id {attempt_id!r} is not an attempt of rollout {rollout_id!r}")
+                except NotFoundError as exc:
+                    return error(404, str(exc), "rollout_id")
+            return await self._complete(req, rollout_id, attempt_id)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Any:
+            return await handle(request, None, None)
+
+        @app.post("/rollout/{rollout_id}/attempt/{attempt_id}/v1/chat/completions")
+        async def chat_attributed(rollout_id: str, attempt_id: str, request: Request) -> Any:
+            return await handle(request, rollout_id, attempt_id)
+
+        return app
+
+    async def _complete(self, req: ChatCompletionRequest, rollout_id: Optional[str], attempt_id: Optional[str]) -> Any:
+        import litellm
+
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        max_tokens = req.max_completion_tokens or req.max_tokens or 256
+        span = None
+        if rollout_id and attempt_id:
+            span = self.tracer.start_span(LLM_SPAN_NAME, rollout_id, attempt_id, {
+                "gen_ai.system": _PROVIDER,
+                "gen_ai.request.model": req.model,
+                "gen_ai.request.temperature": req.temperature,
+                "gen_ai.request.max_tokens": max_tokens,
+                "gen_ai.prompt": json.dumps(messages),
+            })
+        try:
+            response = await litellm.acompletion(
+                model=f"{_PROVIDER}/{self.engine.model_name}", messages=messages, api_base=self._key,
+                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+            )
+        except Exception as exc:
+            if span is not None:
+                span.set_attribute("error", repr(exc))
+                span.end()
+            return JSONResponse({"error": {"message": f"engine error: {exc}", "type": "server_error"}}, status_code=500)
+        gen = _RESULTS.pop(response.id)
+        if span is not None:
+            span.set_attributes({
+                "gen_ai.response.id": response.id,
+                "gen_ai.response.finish_reasons": [gen.finish_reason],
+                "gen_ai.usage.input_tokens": len(gen.prompt_ids),
+                "gen_ai.usage.output_tokens": len(gen.completion_ids),
+                "gen_ai.completion": gen.text,
+                "prompt_token_ids": gen.prompt_ids,
+                "completion_token_ids": gen.completion_ids,
+                "logprobs": gen.logprobs,
+                "temperature": gen.temperature,
+                "weight_version": gen.weight_version,
+            })
+            span.end()
+        payload = response.model_dump()
+        payload["prompt_token_ids"] = gen.prompt_ids
+        payload["choices"][0]["token_ids"] = gen.completion_ids
+        payload["choices"][0]["logprobs"] = {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(gen.completion_ids, gen.logprobs)]}
+        return payload

@@ -1,0 +1,236 @@
+"""The store contract every backend implements.
+
+Implementations must be safe to call from many threads at once (runners, the
+LLM proxy, the algorithm and a notebook cell), must not call ``asyncio.run``
+(a Jupyter kernel already runs an event loop), and must never drop data that a
+call already acknowledged: a bad call raises and leaves the store unchanged.
+
+The DataFrame views (``rollouts_df`` ...) are built here from the query methods,
+so every backend gets them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from abc import ABC, abstractmethod
+from typing import Any, Iterable, Optional, Sequence
+
+import pandas as pd
+
+from lightning_nb.types import (
+    Attempt,
+    AttemptedRollout,
+    AttemptStatus,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    RolloutMode,
+    Span,
+)
+
+__all__ = ["LightningStore"]
+
+
+class LightningStore(ABC):
+    """Contract for rollout queue + attempt, span and resources storage.
+
+    Status machines are documented in :mod:`lightning_nb.types`.
+    """
+
+    # ----- rollouts -------------------------------------------------------------------
+    @abstractmethod
+    def enqueue_rollout(
+        self,
+        input: Any,
+        *,
+        mode: RolloutMode = "train",
+        resources_id: Optional[str] = None,
+        config: Optional[RolloutConfig] = None,
+        metadata: Optional[dict[str, Any]] = None,
+    ) -> Rollout:
+        """Add a task to the queue in status ``queuing`` and return it.
+
+        Implementations must raise :class:`~lightning_nb.errors.NotFoundError` if
+        ``resources_id`` is given and unknown.
+        """
+
+    @abstractmethod
+    def dequeue_rollout(self, worker_id: Optional[str] = None, timeout: float = 0.0) -> Optional[AttemptedRollout]:
+        """Pop the oldest ``queuing``/``requeuing`` rollout and create its next attempt.
+
+        Waits up to ``timeout`` seconds for one to arrive; returns None if none did.
+        Implementations must hand each queued rollout to exactly one caller, move it
+        to ``preparing`` and create an attempt in ``preparing``.
+        """
+
+    @abstractmethod
+    def get_rollout_by_id(self, rollout_id: str) -> Rollout:
+        """Return the rollout; raise NotFoundError (naming the id) if unknown."""
+
+    @abstractmethod
+    def query_rollouts(
+        self, *, status: Optional[Sequence[str]] = None, rollout_ids: Optional[Sequence[str]] = None
+    ) -> list[Rollout]:
+        """Rollouts in enqueue order, optionally filtered by status and ids."""
+
+    @abstractmethod
+    def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> list[Rollout]:
+        """Block until every listed rollout is terminal or ``timeout`` seconds pass.
+
+        Returns the rollouts that are terminal (all of them unless it timed out).
+        Raises NotFoundError for an unknown id before waiting.
+        """
+
+    @abstractmethod
+    def cancel_rollout(self, rollout_id: str) -> Rollout:
+        """Move a non-terminal rollout to ``cancelled``; a queued one is never dequeued."""
+
+    # ----- attempts -------------------------------------------------------------------
+    @abstractmethod
+    def update_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        *,
+        status: Optional[AttemptStatus] = None,
+        worker_id: Optional[str] = None,
+        error: Optional[str] = None,
+        heartbeat: bool = False,
+    ) -> Attempt:
+        """Change an attempt's status (and its rollout's, per the status machine).
+
+        Implementations must raise InvalidStatusTransition when leaving a terminal
+        status and NotFoundError for unknown ids. Ending an attempt in ``failed`` or
+        ``timeout`` requeues the rollout while ``num_attempts < max_attempts``.
+        """
+
+    @abstractmethod
+    def query_attempts(self, rollout_id: Optional[str] = None) -> list[Attempt]:
+        """Attempts of one rollout (or of all), oldest first."""
+
+    # ----- spans ----------------------------------------------------------------------
+    @abstractmethod
+    def add_span(self, span: Span) -> Span:
+        """Store a finished span and return it with its ``sequence_id`` assigned.
+
+        Implementations must raise NotFoundError if the rollout or attempt is
+        unknown; sequence ids increase by one per attempt, starting at 1.
+        """
+
+    @abstractmethod
+    def query_spans(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> list[Span]:
+        """Spans ordered by (rollout enqueue order, attempt, sequence_id).
+
+        ``attempt_id="latest"`` selects the latest attempt of ``rollout_id``.
+        """
+
+    # ----- resources ------------------------------------------------------------------
+    @abstractmethod
+    def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
+        """Store a resources set; it becomes the latest. Returns the stored update."""
+
+    @abstractmethod
+    def get_latest_resources(self) -> Optional[ResourcesUpdate]:
+        """The most recently added resources, or None."""
+
+    @abstractmethod
+    def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate:
+        """Raise NotFoundError if unknown."""
+
+    # ----- DataFrame views (shared by all backends) -------------------------------------
+    def rollouts_df(self) -> pd.DataFrame:
+        """One row per rollout: id, mode, status, attempts, times, reward (latest attempt's last reward span)."""
+        rewards = self._final_rewards()
+        rows = []
+        for r in self.query_rollouts():
+            row = r.model_dump(exclude={"config", "metadata", "input"})
+            row["input"] = _short(r.input)
+            row["reward"] = rewards.get(r.rollout_id, math.nan)
+            row["duration_s"] = (r.end_time - r.start_time) if r.end_time and r.start_time else math.nan
+            rows.append(row)
+        return pd.DataFrame(rows, columns=_ROLLOUT_COLUMNS)
+
+    def attempts_df(self) -> pd.DataFrame:
+        """One row per attempt."""
+        return pd.DataFrame([a.model_dump() for a in self.query_attempts()], columns=list(Attempt.model_fields))
+
+    def spans_df(self, rollout_id: Optional[str] = None) -> pd.DataFrame:
+        """One row per span.
+
+        Columns: rollout_id, attempt_id, sequence_id, name, start_time, end_time,
+        duration_s, status, prompt_tokens, completion_tokens, reward, then every
+        attribute flattened to one column (lists of numbers, such as token IDs,
+        are kept as lists; nested JSON strings are left as strings).
+        """
+        rows = []
+        for s in self.query_spans(rollout_id):
+            row = {k: getattr(s, k) for k in _SPAN_BASE_COLUMNS if hasattr(s, k)}
+            row["duration_s"] = s.end_time - s.start_time
+            row["prompt_tokens"] = s.attributes.get("gen_ai.usage.input_tokens")
+            row["completion_tokens"] = s.attributes.get("gen_ai.usage.output_tokens")
+            row["reward"] = s.attributes.get("reward")
+            row.update(s.attributes)
+            rows.append(row)
+        df = pd.DataFrame(rows)
+        if df.empty:
+            return pd.DataFrame(columns=_SPAN_COLUMNS)
+        for col in ("start_time", "end_time"):
+            df[col] = pd.to_datetime(df[col], unit="s")
+        return df
+
+    def rewards_df(self) -> pd.DataFrame:
+        """One row per reward span: rollout_id, attempt_id, mode, reward, time."""
+        modes = {r.rollout_id: r.mode for r in self.query_rollouts()}
+        rows = [
+            {
+                "rollout_id": s.rollout_id,
+                "attempt_id": s.attempt_id,
+                "mode": modes.get(s.rollout_id),
+                "reward": s.attributes.get("reward"),
+                "time": pd.to_datetime(s.end_time, unit="s"),
+            }
+            for s in self.query_spans()
+            if s.name == "reward"
+        ]
+        return pd.DataFrame(rows, columns=["rollout_id", "attempt_id", "mode", "reward", "time"])
+
+    def _final_rewards(self) -> dict[str, float]:
+        """rollout_id -> value of the last reward span of its latest attempt."""
+        latest: dict[str, str] = {}
+        for a in self.query_attempts():
+            latest[a.rollout_id] = a.attempt_id
+        out: dict[str, float] = {}
+        for s in self.query_spans():
+            if s.name == "reward" and latest.get(s.rollout_id) == s.attempt_id:
+                out[s.rollout_id] = float(s.attributes.get("reward", math.nan))
+        return out
+
+    def final_reward(self, rollout_id: str) -> Optional[float]:
+        """Reward of the rollout's latest attempt (its last reward span), or None."""
+        spans = [s for s in self.query_spans(rollout_id, "latest") if s.name == "reward"]
+        return float(spans[-1].attributes["reward"]) if spans else None
+
+    def enqueue_rollouts(self, inputs: Iterable[Any], **kwargs: Any) -> list[Rollout]:
+        """Enqueue many tasks with the same options; see :meth:`enqueue_rollout`."""
+        return [self.enqueue_rollout(x, **kwargs) for x in inputs]
+
+    def _repr_html_(self) -> str:
+        counts = pd.Series([r.status for r in self.query_rollouts()]).value_counts().to_dict()
+        return f"<b>{type(self).__name__}</b> rollouts by status: {counts}, spans: {len(self.query_spans())}"
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+_ROLLOUT_COLUMNS = [
+    "rollout_id", "input", "mode", "status", "resources_id", "enqueue_time",
+    "start_time", "end_time", "num_attempts", "reward", "duration_s",
+]
+_SPAN_BASE_COLUMNS = [
+    "rollout_id", "attempt_id", "sequence_id", "name", "start_time", "end_time", "status",
+    "trace_id", "span_id", "parent_id",
+]
+_SPAN_COLUMNS = _SPAN_BASE_COLUMNS + ["duration_s", "prompt_tokens", "completion_tokens", "reward"]

@@ -1,0 +1,278 @@
+"""Thread-safe in-memory store (the default)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+from typing import Any, Optional, Sequence
+
+from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundError
+from lightning_nb.store.base import LightningStore
+from lightning_nb.types import (
+    ATTEMPT_TERMINAL,
+    ROLLOUT_TERMINAL,
+    Attempt,
+    AttemptedRollout,
+    AttemptStatus,
+    LLMResource,
+    PromptTemplate,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    RolloutMode,
+    Span,
+    new_id,
+)
+
+__all__ = ["InMemoryStore"]
+
+_ATTEMPT_NEXT: dict[str, set[str]] = {
+    "preparing": {"running", "succeeded", "failed", "timeout"},
+    "running": {"succeeded", "failed", "timeout"},
+}
+
+
+class InMemoryStore(LightningStore):
+    """All tables in process memory behind one lock (a ``threading.Condition``).
+
+    Calls never block on I/O while holding the lock; ``dequeue_rollout`` and
+    ``wait_for_rollouts`` wait on the condition, which releases the lock.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._rollouts: OrderedDict[str, Rollout] = OrderedDict()
+        self._queue: deque[str] = deque()
+        self._attempts: dict[str, list[Attempt]] = {}
+        self._spans: dict[str, list[Span]] = {}  # attempt_id -> spans
+        self._resources: OrderedDict[str, ResourcesUpdate] = OrderedDict()
+
+    # ----- rollouts -------------------------------------------------------------------
+    def enqueue_rollout(
+        self,
+        input: Any,
+        *,
+        mode: RolloutMode = "train",
+        resources_id: Optional[str] = None,
+        config: Optional[RolloutConfig] = None,
+        metadata: Optional[dict[str, Any]] = None,
+    ) -> Rollout:
+        rollout = Rollout(
+            rollout_id=new_id("ro"),
+            input=input,
+            mode=mode,
+            resources_id=resources_id,
+            config=config or RolloutConfig(),
+            metadata=dict(metadata or {}),
+        )
+        with self._cond:
+            if resources_id is not None and resources_id not in self._resources:
+                raise NotFoundError(f"resources_id {resources_id!r} is not in the store; add it with add_resources()")
+            self._rollouts[rollout.rollout_id] = rollout
+            self._attempts[rollout.rollout_id] = []
+            self._queue.append(rollout.rollout_id)
+            self._cond.notify_all()
+            return rollout.model_copy()
+
+    def dequeue_rollout(self, worker_id: Optional[str] = None, timeout: float = 0.0) -> Optional[AttemptedRollout]:
+        deadline = time.monotonic() + max(timeout, 0.0)
+        with self._cond:
+            while True:
+                while self._queue:
+                    rid = self._queue.popleft()
+                    rollout = self._rollouts[rid]
+                    if rollout.status not in ("queuing", "requeuing"):
+                        continue  # cancelled while queued
+                    rollout.num_attempts += 1
+                    rollout.status = "preparing"
+                    rollout.start_time = rollout.start_time or time.time()
+                    attempt = Attempt(
+                        rollout_id=rid,
+                        attempt_id=new_id("at"),
+                        sequence_id=rollout.num_attempts,
+                        worker_id=worker_id,
+                    )
+                    self._attempts[rid].append(attempt)
+                    self._spans[attempt.attempt_id] = []
+                    self._cond.notify_all()
+                    return AttemptedRollout(rollout=rollout.model_copy(), attempt=attempt.model_copy())
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    def get_rollout_by_id(self, rollout_id: str) -> Rollout:
+        with self._cond:
+            return self._rollout(rollout_id).model_copy()
+
+    def query_rollouts(
+        self, *, status: Optional[Sequence[str]] = None, rollout_ids: Optional[Sequence[str]] = None
+    ) -> list[Rollout]:
+        with self._cond:
+            if rollout_ids is not None:
+                items = [self._rollout(rid) for rid in rollout_ids]
+            else:
+                items = list(self._rollouts.values())
+            return [r.model_copy() for r in items if status is None or r.status in status]
+
+    def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> list[Rollout]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            for rid in rollout_ids:
+                self._rollout(rid)
+            while True:
+                done = [self._rollouts[rid] for rid in rollout_ids if self._rollouts[rid].status in ROLLOUT_TERMINAL]
+                if len(done) == len(rollout_ids):
+                    return [r.model_copy() for r in done]
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return [r.model_copy() for r in done]
+                # wake up periodically so a KeyboardInterrupt in a notebook is honoured promptly
+                self._cond.wait(0.5 if remaining is None else min(remaining, 0.5))
+
+    def cancel_rollout(self, rollout_id: str) -> Rollout:
+        with self._cond:
+            rollout = self._rollout(rollout_id)
+            if rollout.status in ROLLOUT_TERMINAL:
+                raise InvalidStatusTransition(
+                    f"rollout {rollout_id} is already {rollout.status}; only non-terminal rollouts can be cancelled"
+                )
+            rollout.status = "cancelled"
+            rollout.end_time = time.time()
+            self._cond.notify_all()
+            return rollout.model_copy()
+
+    # ----- attempts -------------------------------------------------------------------
+    def update_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        *,
+        status: Optional[AttemptStatus] = None,
+        worker_id: Optional[str] = None,
+        error: Optional[str] = None,
+        heartbeat: bool = False,
+    ) -> Attempt:
+        with self._cond:
+            rollout = self._rollout(rollout_id)
+            attempt = self._attempt(rollout_id, attempt_id)
+            if status is not None and status != attempt.status:
+                if status not in _ATTEMPT_NEXT.get(attempt.status, set()):
+                    raise InvalidStatusTransition(
+                        f"attempt {attempt_id} cannot move from {attempt.status!r} to {status!r}; "
+                        f"allowed: {sorted(_ATTEMPT_NEXT.get(attempt.status, set())) or 'none (terminal)'}"
+                    )
+            if worker_id is not None:
+                attempt.worker_id = worker_id
+            if error is not None:
+                attempt.error = error
+            now = time.time()
+            if heartbeat:
+                attempt.last_heartbeat_time = now
+            if status is not None and status != attempt.status:
+                attempt.status = status
+                is_latest = self._attempts[rollout_id][-1].attempt_id == attempt_id
+                if is_latest and rollout.status not in ROLLOUT_TERMINAL:
+                    self._follow_attempt(rollout, status, now)
+                if status in ATTEMPT_TERMINAL:
+                    attempt.end_time = now
+            self._cond.notify_all()
+            return attempt.model_copy()
+
+    def _follow_attempt(self, rollout: Rollout, status: str, now: float) -> None:
+        """Rollout transition driven by its latest attempt (lock held)."""
+        if status == "running":
+            rollout.status = "running"
+        elif status == "succeeded":
+            rollout.status, rollout.end_time = "succeeded", now
+        elif status in ("failed", "timeout"):
+            if rollout.num_attempts < rollout.config.max_attempts:
+                rollout.status = "requeuing"
+                self._queue.append(rollout.rollout_id)
+            else:
+                rollout.status, rollout.end_time = "failed", now
+
+    def query_attempts(self, rollout_id: Optional[str] = None) -> list[Attempt]:
+        with self._cond:
+            if rollout_id is not None:
+                self._rollout(rollout_id)
+                return [a.model_copy() for a in self._attempts[rollout_id]]
+            return [a.model_copy() for rid in self._rollouts for a in self._attempts[rid]]
+
+    # ----- spans ----------------------------------------------------------------------
+    def add_span(self, span: Span) -> Span:
+        with self._cond:
+            self._attempt(span.rollout_id, span.attempt_id)
+            spans = self._spans[span.attempt_id]
+            stored = span.model_copy(update={"sequence_id": len(spans) + 1})
+            spans.append(stored)
+            self._cond.notify_all()
+            return stored.model_copy()
+
+    def query_spans(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> list[Span]:
+        with self._cond:
+            if rollout_id is None:
+                if attempt_id is not None:
+                    raise ConfigError("query_spans: attempt_id needs rollout_id; pass both or neither")
+                attempts = [a for rid in self._rollouts for a in self._attempts[rid]]
+            else:
+                attempts = self._attempts[self._rollout(rollout_id).rollout_id]
+                if attempt_id == "latest":
+                    attempts = attempts[-1:]
+                elif attempt_id is not None:
+                    attempts = [self._attempt(rollout_id, attempt_id)]
+            return [s.model_copy() for a in attempts for s in self._spans[a.attempt_id]]
+
+    # ----- resources ------------------------------------------------------------------
+    def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
+        update = ResourcesUpdate(resources_id=resources_id or new_id("res"), resources=_coerce(resources))
+        with self._cond:
+            self._resources[update.resources_id] = update
+            self._resources.move_to_end(update.resources_id)
+            return update.model_copy()
+
+    def get_latest_resources(self) -> Optional[ResourcesUpdate]:
+        with self._cond:
+            if not self._resources:
+                return None
+            return next(reversed(self._resources.values())).model_copy()
+
+    def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate:
+        with self._cond:
+            if resources_id not in self._resources:
+                raise NotFoundError(f"resources_id {resources_id!r} is not in the store")
+            return self._resources[resources_id].model_copy()
+
+    # ----- helpers (lock held) --------------------------------------------------------
+    def _rollout(self, rollout_id: str) -> Rollout:
+        try:
+            return self._rollouts[rollout_id]
+        except KeyError:
+            raise NotFoundError(
+                f"rollout_id {rollout_id!r} is not in the store; list ids with store.rollouts_df()"
+            ) from None
+
+    def _attempt(self, rollout_id: str, attempt_id: str) -> Attempt:
+        for attempt in self._attempts[self._rollout(rollout_id).rollout_id]:
+            if attempt.attempt_id == attempt_id:
+                return attempt
+        raise NotFoundError(f"attempt_id {attempt_id!r} is not an attempt of rollout {rollout_id!r}")
+
+
+def _coerce(resources: dict[str, Any]) -> dict[str, LLMResource | PromptTemplate]:
+    if not isinstance(resources, dict) or not resources:
+        raise ConfigError("resources must be a non-empty dict of name -> LLMResource | PromptTemplate")
+    out: dict[str, LLMResource | PromptTemplate] = {}
+    for name, value in resources.items():
+        if isinstance(value, (LLMResource, PromptTemplate)):
+            out[name] = value
+        elif isinstance(value, dict) and value.get("kind") == "prompt_template":
+            out[name] = PromptTemplate(**value)
+        elif isinstance(value, dict):
+            out[name] = LLMResource(**value)
+        else:
+            raise ConfigError(
+                f"resources[{name!r}] is a {type(value).__name__}; pass an LLMResource, a PromptTemplate or a dict of one"
+            )
+    return out

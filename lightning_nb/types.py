@@ -1,0 +1,189 @@
+"""Data model shared by the store, runners, proxy, adapter and trainer.
+
+Status machines
+---------------
+Rollout (a task)::
+
+    queuing ──dequeue──▶ preparing ──runner starts agent──▶ running ──▶ succeeded
+                                                              │
+                                                              ├──▶ failed     (attempts exhausted)
+                                                              └──▶ requeuing ──dequeue──▶ preparing ...
+    any non-terminal status ──cancel──▶ cancelled
+
+Attempt (one execution of a rollout)::
+
+    preparing ──▶ running ──▶ succeeded | failed | timeout
+
+``succeeded``, ``failed``, ``timeout`` are terminal for an attempt; ``succeeded``,
+``failed`` and ``cancelled`` are terminal for a rollout. A rollout whose attempt
+ends in ``failed`` or ``timeout`` goes back to ``requeuing`` while it has
+attempts left (``RolloutConfig.max_attempts``), else to ``failed``.
+
+Times are float seconds since the epoch (``time.time()``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "RolloutStatus",
+    "AttemptStatus",
+    "RolloutMode",
+    "RolloutConfig",
+    "Rollout",
+    "Attempt",
+    "AttemptedRollout",
+    "Span",
+    "LLMResource",
+    "PromptTemplate",
+    "ResourcesUpdate",
+    "Triplet",
+    "new_id",
+    "ROLLOUT_TERMINAL",
+    "ATTEMPT_TERMINAL",
+]
+
+RolloutStatus = Literal["queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled"]
+AttemptStatus = Literal["preparing", "running", "succeeded", "failed", "timeout"]
+RolloutMode = Literal["train", "val", "test"]
+
+ROLLOUT_TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+ATTEMPT_TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "timeout"})
+
+
+def new_id(prefix: str) -> str:
+    """A short unique id such as ``ro-1f3a9c2b7d4e``."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RolloutConfig(_Model):
+    """Retry and timeout policy of one rollout."""
+
+    max_attempts: int = Field(1, ge=1, description="Attempts before the rollout is marked failed.")
+    timeout_seconds: Optional[float] = Field(
+        None, gt=0, description="Wall-clock limit of one attempt; None means no limit."
+    )
+
+
+class Rollout(_Model):
+    """A unit of work (a task) and its lifecycle. ``input`` is whatever the agent takes."""
+
+    rollout_id: str
+    input: Any
+    mode: RolloutMode = "train"
+    status: RolloutStatus = "queuing"
+    resources_id: Optional[str] = None
+    config: RolloutConfig = Field(default_factory=RolloutConfig)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    enqueue_time: float = Field(default_factory=time.time)
+    start_time: Optional[float] = None
+    end_time: Optional[float] = None
+    num_attempts: int = 0
+
+
+class Attempt(_Model):
+    """One execution of a rollout by a runner."""
+
+    rollout_id: str
+    attempt_id: str
+    sequence_id: int = Field(description="1 for the first attempt of the rollout, 2 for the retry, ...")
+    status: AttemptStatus = "preparing"
+    worker_id: Optional[str] = None
+    start_time: float = Field(default_factory=time.time)
+    end_time: Optional[float] = None
+    last_heartbeat_time: Optional[float] = None
+    error: Optional[str] = Field(None, description="Traceback or message when the attempt did not succeed.")
+
+
+class AttemptedRollout(_Model):
+    """What ``dequeue_rollout`` hands a runner: the rollout and its fresh attempt."""
+
+    rollout: Rollout
+    attempt: Attempt
+
+
+class Span(_Model):
+    """One finished span (an LLM call, a tool call, a reward, the agent itself).
+
+    ``attributes`` holds OpenTelemetry attribute values (str, bool, int, float or
+    lists of them). ``sequence_id`` is assigned by the store, increasing per attempt.
+    """
+
+    rollout_id: str
+    attempt_id: str
+    sequence_id: int = 0
+    trace_id: str
+    span_id: str
+    parent_id: Optional[str] = None
+    name: str
+    start_time: float
+    end_time: float
+    status: Literal["ok", "error", "unset"] = "unset"
+    attributes: dict[str, Any] = Field(default_factory=dict)
+
+
+class LLMResource(_Model):
+    """An OpenAI-compatible endpoint agents call (usually the LLM proxy)."""
+
+    kind: Literal["llm"] = "llm"
+    endpoint: str = Field(description="Base URL ending in /v1, e.g. http://127.0.0.1:8000/v1")
+    model: str
+    sampling_parameters: dict[str, Any] = Field(default_factory=dict)
+    api_key: str = "not-needed"
+
+
+class PromptTemplate(_Model):
+    """A prompt the algorithm may tune. ``template`` uses ``str.format`` fields."""
+
+    kind: Literal["prompt_template"] = "prompt_template"
+    template: str
+
+    def format(self, **fields: Any) -> str:
+        return self.template.format(**fields)
+
+
+class ResourcesUpdate(_Model):
+    """A named, versioned set of resources (``{"main_llm": LLMResource(...), ...}``)."""
+
+    resources_id: str
+    resources: dict[str, LLMResource | PromptTemplate]
+    create_time: float = Field(default_factory=time.time)
+
+
+class Triplet(_Model):
+    """One transition for RL: the prompt the model saw, the tokens it produced, the reward.
+
+    ``prompt_ids`` and ``response_ids`` are exactly the token IDs the engine used
+    (never re-tokenized). ``logprobs`` (len == len(response_ids)) are the engine's
+    log-probabilities of the response tokens under the sampling distribution.
+    ``reward`` is the episode reward the transition is credited with (LightningRL).
+    """
+
+    rollout_id: str
+    attempt_id: str
+    group_id: str = Field(description="Tasks sharing a group_id form one GRPO group.")
+    turn: int = Field(description="0-based index of this LLM call within the attempt.")
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: Optional[list[float]] = None
+    reward: float
+    temperature: float = 1.0
+    prompt_text: str = ""
+    response_text: str = ""
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError(f"reward must be a finite number, got {v!r}")
+        return v
