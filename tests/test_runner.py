@@ -1,0 +1,124 @@
+"""Runners with real OpenTelemetry tracing; agents here are plain functions that do not call a model."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+
+from lightning_nb import emit_reward, start_runners, tool_span
+from lightning_nb.errors import InvalidRewardError, LightningNbError
+from lightning_nb.runner import attributed_llm
+from lightning_nb.types import LLMResource, RolloutConfig
+
+
+@pytest.fixture
+def resourced(store):
+    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
+    return store
+
+
+def test_agent_reward_and_spans_recorded(resourced):
+    store = resourced
+
+    def agent(task, llm):
+        assert "/rollout/" in llm.endpoint and llm.endpoint.endswith("/v1")
+        with tool_span("calculator", "1 + 2") as span:
+            span.set_attribute("tool.output", "3")
+        emit_reward(0.25, kind="intermediate")
+        return float(task)
+
+    ids = [store.enqueue_rollout(x).rollout_id for x in (0.0, 1.0, 0.5)]
+    with start_runners(agent, store, n=2):
+        done = store.wait_for_rollouts(ids, timeout=30)
+    assert [r.status for r in done] == ["succeeded"] * 3
+    assert [store.final_reward(i) for i in ids] == [0.0, 1.0, 0.5]
+    names = [s.name for s in store.query_spans(ids[1])]
+    assert names == ["tool:calculator", "reward", "reward", "agent"]
+    spans = store.query_spans(ids[1])
+    agent_span = spans[-1]
+    assert all(s.parent_id == agent_span.span_id for s in spans[:-1])
+    assert spans[0].attributes["tool.output"] == "3"
+
+
+def test_failing_agent_marks_attempt_failed_with_traceback(resourced):
+    store = resourced
+
+    def agent(task, llm):
+        emit_reward(0.5)
+        raise RuntimeError("tool exploded")
+
+    rid = store.enqueue_rollout("t", config=RolloutConfig(max_attempts=2)).rollout_id
+    with start_runners(agent, store, n=1):
+        store.wait_for_rollouts([rid], timeout=30)
+    attempts = store.query_attempts(rid)
+    assert [a.status for a in attempts] == ["failed", "failed"]
+    assert "RuntimeError: tool exploded" in attempts[0].error and "Traceback" in attempts[0].error
+    assert store.get_rollout_by_id(rid).status == "failed"
+    # the reward emitted before the crash is kept, once per attempt
+    assert len([s for s in store.query_spans(rid) if s.name == "reward"]) == 2
+
+
+def test_hung_agent_times_out_without_blocking_other_runners(resourced):
+    store = resourced
+    release = threading.Event()
+
+    def agent(task, llm):
+        if task == "hang":
+            release.wait(60)
+        return 1.0
+
+    slow = store.enqueue_rollout("hang", config=RolloutConfig(timeout_seconds=1.0)).rollout_id
+    fast = [store.enqueue_rollout(f"ok{i}").rollout_id for i in range(5)]
+    t0 = time.monotonic()
+    group = start_runners(agent, store, n=2)
+    try:
+        assert len(store.wait_for_rollouts(fast, timeout=20)) == 5
+        store.wait_for_rollouts([slow], timeout=20)
+        assert time.monotonic() - t0 < 15
+        attempt = store.query_attempts(slow)[0]
+        assert attempt.status == "timeout" and "timeout_seconds=1.0" in attempt.error
+        assert store.get_rollout_by_id(slow).status == "failed"
+        status = group.status()
+        assert status["timed_out"].sum() == 1 and status["succeeded"].sum() == 5
+    finally:
+        release.set()
+        group.stop()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, "1.0", True])
+def test_non_finite_reward_fails_attempt_with_clear_error(resourced, bad):
+    store = resourced
+    rid = store.enqueue_rollout("t").rollout_id
+    keep = store.enqueue_rollout("fine").rollout_id
+    with start_runners(lambda task, llm: 1.0 if task == "fine" else bad, store, n=1):
+        store.wait_for_rollouts([rid, keep], timeout=30)
+    attempt = store.query_attempts(rid)[0]
+    assert attempt.status == "failed"
+    assert "InvalidRewardError" in attempt.error and "reward must be a finite real number" in attempt.error
+    assert store.final_reward(keep) == 1.0
+
+
+def test_emit_reward_validates_before_needing_a_rollout():
+    with pytest.raises(InvalidRewardError, match="finite"):
+        emit_reward(float("nan"))
+    with pytest.raises(LightningNbError, match="outside a rollout"):
+        emit_reward(1.0)
+
+
+def test_missing_llm_resource_fails_with_instructions(store):
+    rid = store.enqueue_rollout("t").rollout_id
+    with start_runners(lambda task, llm: 1.0, store, n=1):
+        store.wait_for_rollouts([rid], timeout=30)
+    assert "add_resources" in store.query_attempts(rid)[0].error
+
+
+def test_attributed_llm_rewrites_proxy_endpoint_only():
+    proxy = LLMResource(endpoint="http://127.0.0.1:5/v1", model="m", sampling_parameters={"temperature": 1.0})
+    out = attributed_llm(proxy, "ro-1", "at-1", {"temperature": 0.0})
+    assert out.endpoint == "http://127.0.0.1:5/rollout/ro-1/attempt/at-1/v1"
+    assert out.sampling_parameters == {"temperature": 0.0}
+    other = LLMResource(endpoint="https://example.invalid/api", model="m")
+    assert attributed_llm(other, "ro-1", "at-1").endpoint == "https://example.invalid/api"
