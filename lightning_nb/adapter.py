@@ -68,6 +68,8 @@ class TripletAdapter:
 
 def triplets_df(triplets: Sequence[Triplet], advantages: Optional[dict[str, float]] = None) -> pd.DataFrame:
     """One row per triplet: ids, turn, reward, advantage (if given), token counts, response text."""
+    columns = ["rollout_id", "group_id", "turn", "reward", "advantage", "prompt_tokens", "response_tokens",
+               "response_text"]
     rows = []
     for t in triplets:
         rows.append({
@@ -75,4 +77,4 @@ def triplets_df(triplets: Sequence[Triplet], advantages: Optional[dict[str, floa
             "advantage": (advantages or {}).get(t.rollout_id), "prompt_tokens": len(t.prompt_ids),
             "response_tokens": len(t.response_ids), "response_text": t.response_text,
         })
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=columns)

@@ -37,7 +37,7 @@ def _plot(metrics_csv: Path, out_png: Path, before: float, after: float) -> None
 
 
 def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int = 4, val_size: int = 64,
-             runners: int = 16, learning_rate: float = 2e-5, temperature: float = 1.0, seed: int = 0,
+             runners: int = 16, learning_rate: float = 5e-5, temperature: float = 1.0, seed: int = 0,
              max_tokens: int = 32) -> dict:
     """Train the calculator agent on SmolLM2-135M and write metrics.csv, reward_curve.png, summary.json."""
     import torch
@@ -105,7 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     demo.add_argument("--group-size", type=int, default=4, help="rollouts per task, the GRPO group (default 4)")
     demo.add_argument("--val-size", type=int, default=64, help="held-out tasks evaluated before/after (default 64)")
     demo.add_argument("--runners", type=int, default=16, help="runner threads (default 16)")
-    demo.add_argument("--lr", type=float, default=2e-5, help="learning rate (default 2e-5)")
+    demo.add_argument("--lr", type=float, default=5e-5, help="learning rate (default 5e-5)")
     demo.add_argument("--temperature", type=float, default=1.0, help="training sampling temperature (default 1.0)")
     demo.add_argument("--max-tokens", type=int, default=32, help="completion token limit per LLM call (default 32)")
     demo.add_argument("--seed", type=int, default=0, help="seed (default 0)")

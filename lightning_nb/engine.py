@@ -60,6 +60,7 @@ def load_default_model(num_threads: Optional[int] = None) -> tuple[Any, Any]:
         torch.set_num_threads(num_threads)
     path = default_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, clean_up_tokenization_spaces=False)
+    tokenizer.clean_up_tokenization_spaces = False  # BPE: cleanup would strip spaces before punctuation
     tokenizer.eos_token = IM_END
     tokenizer.pad_token = IM_END
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)

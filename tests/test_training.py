@@ -56,14 +56,17 @@ def test_triplets_carry_engine_token_ids_and_logprobs_match_trainer(loop, engine
         assert (tuple(t.prompt_ids), tuple(t.response_ids)) in produced
     n_llm_spans = sum(1 for s in store.query_spans() if s.name == "llm.chat.completions")
     assert len(triplets) == n_llm_spans
-    before = _weights(trainer.model)
-    metrics = trainer.update(triplets)
+    # forward every sequence, even those whose group had equal rewards (advantage 0)
+    checker = GRPOTrainer(engine, GRPOConfig(skip_zero_advantage=False, track_reference_kl=False))
+    before = _weights(checker.model)
+    metrics = checker.update(triplets)
     # engine log-probs (sampling time) and the trainer's recomputation agree: same tokens, same weights
     assert abs(metrics["ppo_kl"]) < 1e-3
     assert metrics["step"] == 1 and metrics["episodes"] == len(ids)
-    if metrics["sequences_trained"]:
-        assert not _same(before, _weights(trainer.model))
-    assert list(trainer.last_batch_df().columns[:4]) == ["rollout_id", "group_id", "turn", "reward"]
+    assert metrics["sequences_trained"] >= len(ids) and metrics["tokens_trained"] > 0
+    moved = any(a != 0 for a in checker.last_advantages.values())
+    assert moved == (not _same(before, _weights(checker.model)))
+    assert list(checker.last_batch_df().columns[:4]) == ["rollout_id", "group_id", "turn", "reward"]
 
 
 def test_packing_merges_turns_that_extend_the_prompt():
