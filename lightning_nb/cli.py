@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
-__all__ = ["main", "run_demo"]
+__all__ = ["main", "run_demo", "run_eval"]
 
 
 def _plot(metrics_csv: Path, out_png: Path, before: float, after: float) -> None:
@@ -36,6 +37,26 @@ def _plot(metrics_csv: Path, out_png: Path, before: float, after: float) -> None
     plt.close(fig)
 
 
+@contextlib.contextmanager
+def _serving(runners: int) -> Iterator[tuple]:
+    """Engine + store + LLM proxy + runner threads for the calc agent; torn down on exit (Ctrl-C included)."""
+    from lightning_nb import InMemoryStore, LLMProxy, TransformersEngine, start_runners
+    from lightning_nb.calc import calc_agent
+
+    print("[lightning-nb] loading SmolLM2-135M-Instruct ...", flush=True)
+    engine = TransformersEngine.from_default(max_batch_size=runners)
+    store = InMemoryStore()
+    proxy = LLMProxy(engine, store).start()
+    store.add_resources({"main_llm": proxy.as_resource()})
+    group = start_runners(calc_agent, store, n=runners)
+    try:
+        yield engine, store
+    finally:
+        group.stop()
+        proxy.stop()
+        engine.stop()
+
+
 def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int = 4, val_size: int = 64,
              runners: int = 16, learning_rate: float = 5e-5, temperature: float = 1.0, seed: int = 0,
              max_tokens: int = 32) -> dict:
@@ -43,25 +64,17 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     import torch
     from tqdm.auto import tqdm
 
-    from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy,
-                              TransformersEngine, start_runners)
-    from lightning_nb.calc import calc_agent, load_tasks
+    from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL
+    from lightning_nb.calc import load_tasks
 
     t_start = time.time()
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"[demo] loading {'SmolLM2-135M-Instruct'} ...", flush=True)
-    engine = TransformersEngine.from_default(max_batch_size=runners)
-    store = InMemoryStore()
-    proxy = LLMProxy(engine, store).start()
-    store.add_resources({"main_llm": proxy.as_resource()})
-    group = start_runners(calc_agent, store, n=runners)
-    trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=learning_rate))
-    config = AlgorithmConfig(steps=steps, tasks_per_step=tasks_per_step, group_size=group_size,
-                             temperature=temperature, seed=seed, val_every=0,
-                             max_tokens=max_tokens)
-    algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=val_size), config)
-    try:
+    with _serving(runners) as (engine, store):
+        trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=learning_rate))
+        config = AlgorithmConfig(steps=steps, tasks_per_step=tasks_per_step, group_size=group_size,
+                                 temperature=temperature, seed=seed, max_tokens=max_tokens)
+        algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=val_size), config)
         print(f"[demo] evaluating on {val_size} held-out tasks (greedy) ...", flush=True)
         before = algo.evaluate()
         print(f"[demo] val reward before training: {before:.3f}", flush=True)
@@ -74,14 +87,9 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
         after = algo.evaluate()
         trainer.add_metrics(trainer.step, val_reward=after)
         print(f"[demo] val reward after {steps} steps: {after:.3f}", flush=True)
-    finally:
-        group.stop()
-        proxy.stop()
-        engine.stop()
     df = trainer.metrics_df()
     cols = ["step", "reward_mean", "val_reward", "loss", "kl", "step_seconds"]
-    rest = [c for c in df.columns if c not in cols]
-    df = df.reindex(columns=cols + rest)
+    df = df.reindex(columns=cols + [c for c in df.columns if c not in cols])
     df.to_csv(out / "metrics.csv", index=False)
     _plot(out / "metrics.csv", out / "reward_curve.png", before, after)
     summary = {"val_reward_before": before, "val_reward_after": after, "steps": steps, "val_size": val_size,
@@ -91,6 +99,22 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     print(f"[demo] held-out reward: before {before:.3f} -> after {after:.3f} "
           f"({'rose' if after > before else 'did NOT rise'}) in {summary['minutes']:.1f} min")
     return summary
+
+
+def run_eval(val_size: int, *, checkpoint: Optional[Path] = None, runners: int = 16, max_tokens: int = 32) -> float:
+    """Held-out reward (greedy) of the default model, or of a trainer checkpoint."""
+    from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL
+    from lightning_nb.calc import load_tasks
+
+    with _serving(runners) as (engine, store):
+        trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+        if checkpoint is not None:
+            trainer.load(checkpoint)
+        val = load_tasks("val", limit=val_size)
+        algo = LightningRL(store, trainer, val, val, AlgorithmConfig(max_tokens=max_tokens))
+        reward = algo.evaluate()
+    print(f"[eval] held-out reward on {len(val)} val tasks (greedy, step {trainer.step}): {reward:.3f}")
+    return reward
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -109,11 +133,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     demo.add_argument("--temperature", type=float, default=1.0, help="training sampling temperature (default 1.0)")
     demo.add_argument("--max-tokens", type=int, default=32, help="completion token limit per LLM call (default 32)")
     demo.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    ev = sub.add_parser("eval", help="held-out reward (greedy) of the default model or a checkpoint",
+                        description="Evaluate the calc agent on the val split with greedy decoding.")
+    ev.add_argument("--val-size", type=int, default=200, help="val tasks to evaluate (default 200, all)")
+    ev.add_argument("--checkpoint", type=Path, default=None, help="a GRPOTrainer.save() file to evaluate")
+    ev.add_argument("--max-tokens", type=int, default=32, help="completion token limit per LLM call (default 32)")
+    ev.add_argument("--runners", type=int, default=16, help="runner threads (default 16)")
     args = parser.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.command == "eval":
+        run_eval(args.val_size, checkpoint=args.checkpoint, runners=args.runners, max_tokens=args.max_tokens)
     if args.command == "demo":
         if args.steps < 1:
             parser.error("--steps must be >= 1")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         run_demo(args.steps, args.out, tasks_per_step=args.tasks_per_step, group_size=args.group_size,
                  val_size=args.val_size, runners=args.runners, learning_rate=args.lr,
                  temperature=args.temperature, seed=args.seed,

@@ -235,11 +235,12 @@ class LLMProxy:
                 return error(400, "invalid field 'stream': streaming is not supported; set stream=false", "stream")
             if rollout_id is not None:
                 try:
-                    self.store.query_attempts(rollout_id)
-                    if attempt_id not in {a.attempt_id for a in self.store.query_attempts(rollout_id)}:
-                        raise NotFoundError(f"attempt_id {attempt_id!r} is not an attempt of rollout {rollout_id!r}")
+                    attempts = {a.attempt_id for a in self.store.query_attempts(rollout_id)}
                 except NotFoundError as exc:
                     return error(404, str(exc), "rollout_id")
+                if attempt_id not in attempts:
+                    return error(404, f"attempt_id {attempt_id!r} is not an attempt of rollout {rollout_id!r}",
+                                 "attempt_id")
             return await self._complete(req, rollout_id, attempt_id)
 
         @app.post("/v1/chat/completions")

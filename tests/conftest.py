@@ -10,13 +10,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from lightning_nb.store import InMemoryStore  # noqa: E402
 
-STORE_BACKENDS = {"memory": InMemoryStore}
+def _memory_store(tmp_path):
+    yield InMemoryStore()
+
+
+# name -> generator factory(tmp_path) yielding a store and cleaning up after it.
+# Every backend added here runs the whole store contract suite (tests/test_store.py, tests/test_runner.py).
+STORE_BACKENDS = {
+    "memory": _memory_store,
+}
 
 
 @pytest.fixture(params=sorted(STORE_BACKENDS))
-def store(request):
+def store(request, tmp_path):
     """Every store backend; the contract tests run against each."""
-    return STORE_BACKENDS[request.param]()
+    gen = STORE_BACKENDS[request.param](tmp_path)
+    yield next(gen)
+    next(gen, None)
 
 
 @pytest.fixture(scope="session")

@@ -98,6 +98,11 @@ def test_invalid_json_and_unknown_rollout(proxied):
     client = openai.OpenAI(base_url=proxy.endpoint("ro-unknown", "at-unknown"), api_key="x", max_retries=0)
     with pytest.raises(openai.NotFoundError, match="ro-unknown"):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    rid = store.enqueue_rollout("t").rollout_id
+    r = httpx.post(f"{proxy.endpoint(rid, 'at-unknown')}/chat/completions", timeout=60,
+                   json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "attempt_id" and "at-unknown" in r.text
+    assert store.query_spans() == []
 
 
 def test_non_loopback_bind_requires_a_token(engine):

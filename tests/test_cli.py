@@ -1,0 +1,35 @@
+"""The main command's code path, end to end with tiny parameters (a subprocess, as a user runs it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_demo_writes_metrics_curve_and_summary(tmp_path):
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "lightning_nb", "demo", "--steps", "1", "--val-size", "4", "--tasks-per-step", "2",
+           "--group-size", "2", "--runners", "4", "--max-tokens", "24", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "held-out reward: before" in proc.stdout
+    df = pd.read_csv(out / "metrics.csv")
+    assert list(df.columns[:6]) == ["step", "reward_mean", "val_reward", "loss", "kl", "step_seconds"]
+    assert df["step"].tolist() == [1] and df["step_seconds"].iloc[0] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0.0 <= summary["val_reward_before"] <= 1.0 and df["val_reward"].iloc[0] == summary["val_reward_after"]
+    assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_rejects_bad_steps():
+    proc = subprocess.run([sys.executable, "-m", "lightning_nb", "demo", "--steps", "0"], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "--steps must be >= 1" in proc.stderr
