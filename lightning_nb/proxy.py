@@ -13,7 +13,6 @@ vLLM's ``return_token_ids``, the response also carries ``prompt_token_ids`` and
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import os
 import secrets
@@ -26,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from lightning_nb._net import is_loopback
 from lightning_nb.engine import Generation, TransformersEngine
 from lightning_nb.errors import ConfigError, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
@@ -110,14 +110,6 @@ def _register_provider() -> None:
             custom_llm_setup()
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
 
 class LLMProxy:
     """Serve ``engine`` behind an OpenAI-compatible endpoint and trace every call into ``store``.
@@ -135,7 +127,7 @@ class LLMProxy:
 
     def __init__(self, engine: TransformersEngine, store: LightningStore, *, host: str = "127.0.0.1",
                  port: int = 0, api_key: Optional[str] = None, tracer: Optional[Tracer] = None) -> None:
-        if not _is_loopback(host) and not api_key:
+        if not is_loopback(host) and not api_key:
             raise ConfigError(
                 f"host={host!r} is reachable from other machines, so api_key is required; "
                 f"pass api_key=secrets.token_urlsafe() (or bind to 127.0.0.1)"

@@ -129,7 +129,12 @@ class Runner:
                                  rollout.metadata.get("sampling_parameters"))
         except LightningNbError as exc:
             return self._finish(rid, aid, "failed", f"{type(exc).__name__}: {exc}")
-        self.store.update_attempt(rid, aid, status="running", worker_id=self.worker_id, heartbeat=True)
+        try:
+            self.store.update_attempt(rid, aid, status="running", worker_id=self.worker_id, heartbeat=True)
+        except LightningNbError as exc:  # e.g. cancelled meanwhile, or a remote store unreachable
+            log.warning("%s: could not start attempt %s: %s", self.worker_id, aid, exc)
+            self.stats.state, self.stats.current_rollout = "idle", None
+            return "failed"
         outcome: dict[str, Any] = {}
         ctx = contextvars.copy_context()
         worker = threading.Thread(target=ctx.run, args=(self._call_agent, rollout.input, llm, rid, aid, outcome),

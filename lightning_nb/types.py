@@ -13,11 +13,14 @@ Rollout (a task)::
 Attempt (one execution of a rollout)::
 
     preparing ──▶ running ──▶ succeeded | failed | timeout
+        └──────────┴──▶ unresponsive   (set by a durable store on reopen, never by a runner)
 
-``succeeded``, ``failed``, ``timeout`` are terminal for an attempt; ``succeeded``,
-``failed`` and ``cancelled`` are terminal for a rollout. A rollout whose attempt
-ends in ``failed`` or ``timeout`` goes back to ``requeuing`` while it has
-attempts left (``RolloutConfig.max_attempts``), else to ``failed``.
+``succeeded``, ``failed``, ``timeout``, ``unresponsive`` are terminal for an attempt;
+``succeeded``, ``failed`` and ``cancelled`` are terminal for a rollout. A rollout whose
+attempt ends in ``failed``, ``timeout`` or ``unresponsive`` goes back to ``requeuing``
+while it has attempts left (``RolloutConfig.max_attempts``), else to ``failed``.
+An attempt is ``unresponsive`` when the store was reopened (e.g. after a crash) while
+the attempt was still ``preparing`` or ``running``.
 
 Times are float seconds since the epoch (``time.time()``).
 """
@@ -50,11 +53,11 @@ __all__ = [
 ]
 
 RolloutStatus = Literal["queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled"]
-AttemptStatus = Literal["preparing", "running", "succeeded", "failed", "timeout"]
+AttemptStatus = Literal["preparing", "running", "succeeded", "failed", "timeout", "unresponsive"]
 RolloutMode = Literal["train", "val", "test"]
 
 ROLLOUT_TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
-ATTEMPT_TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "timeout"})
+ATTEMPT_TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "timeout", "unresponsive"})
 
 
 def new_id(prefix: str) -> str:

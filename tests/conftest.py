@@ -8,16 +8,34 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from lightning_nb.store import InMemoryStore  # noqa: E402
+from lightning_nb.store import InMemoryStore, SqliteStore  # noqa: E402
 
 def _memory_store(tmp_path):
     yield InMemoryStore()
+
+
+def _sqlite_store(tmp_path):
+    store = SqliteStore(tmp_path / "store.db")
+    yield store
+    store.close()
+
+
+def _http_store(tmp_path):
+    from lightning_nb.store import StoreClient, StoreServer
+
+    server = StoreServer(InMemoryStore(), host="127.0.0.1", port=0).start()
+    client = StoreClient(server.url)
+    yield client
+    client.close()
+    server.stop()
 
 
 # name -> generator factory(tmp_path) yielding a store and cleaning up after it.
 # Every backend added here runs the whole store contract suite (tests/test_store.py, tests/test_runner.py).
 STORE_BACKENDS = {
     "memory": _memory_store,
+    "http": _http_store,
+    "sqlite": _sqlite_store,
 }
 
 

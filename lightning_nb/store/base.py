@@ -101,8 +101,8 @@ class LightningStore(ABC):
         """Change an attempt's status (and its rollout's, per the status machine).
 
         Implementations must raise InvalidStatusTransition when leaving a terminal
-        status and NotFoundError for unknown ids. Ending an attempt in ``failed`` or
-        ``timeout`` requeues the rollout while ``num_attempts < max_attempts``.
+        status and NotFoundError for unknown ids. Ending an attempt in ``failed``,
+        ``timeout`` or ``unresponsive`` requeues the rollout while ``num_attempts < max_attempts``.
         """
 
     @abstractmethod

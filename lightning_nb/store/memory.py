@@ -28,8 +28,8 @@ from lightning_nb.types import (
 __all__ = ["InMemoryStore"]
 
 _ATTEMPT_NEXT: dict[str, set[str]] = {
-    "preparing": {"running", "succeeded", "failed", "timeout"},
-    "running": {"succeeded", "failed", "timeout"},
+    "preparing": {"running", "succeeded", "failed", "timeout", "unresponsive"},
+    "running": {"succeeded", "failed", "timeout", "unresponsive"},
 }
 
 
@@ -186,7 +186,7 @@ class InMemoryStore(LightningStore):
             rollout.status = "running"
         elif status == "succeeded":
             rollout.status, rollout.end_time = "succeeded", now
-        elif status in ("failed", "timeout"):
+        elif status in ("failed", "timeout", "unresponsive"):
             if rollout.num_attempts < rollout.config.max_attempts:
                 rollout.status = "requeuing"
                 self._queue.append(rollout.rollout_id)

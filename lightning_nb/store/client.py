@@ -1,0 +1,247 @@
+"""A :class:`~lightning_nb.store.base.LightningStore` that talks to a :class:`StoreServer` over HTTP.
+
+Every contract method is one JSON request (``httpx``); error responses come back
+as the same exception classes the server's store raised, with its message, so
+code written against :class:`~lightning_nb.store.memory.InMemoryStore` behaves the
+same through the client. One client is thread-safe and may be shared by runners.
+
+Security defaults: ``token`` is sent as ``Authorization: Bearer <token>`` only
+when given; use ``https://`` URLs (TLS certificates are verified by httpx) when the
+server is not on this machine. Long waits (``dequeue_rollout(timeout=...)``,
+``wait_for_rollouts(timeout=None)``) loop over bounded server-side waits, so no
+single request lasts longer than about 25 s.
+
+Values travel as JSON: tuples come back as lists, and a rollout ``input`` JSON
+cannot represent raises :class:`~lightning_nb.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Optional, Sequence
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
+
+from lightning_nb import errors
+from lightning_nb.errors import ConfigError, LightningNbError
+from lightning_nb.store.base import LightningStore
+from lightning_nb.types import (
+    Attempt,
+    AttemptedRollout,
+    AttemptStatus,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    RolloutMode,
+    Span,
+)
+
+__all__ = ["StoreClient", "StoreConnectionError"]
+
+_WAIT_CHUNK_S = 25.0  # below the server's default max_wait_s (30 s), so the server ends each wait
+_BY_STATUS: dict[int, type[LightningNbError]] = {
+    404: errors.NotFoundError,
+    409: errors.InvalidStatusTransition,
+}
+
+
+class StoreConnectionError(LightningNbError, ConnectionError):
+    """The store server could not be reached or answered something that is not the store API."""
+
+
+class StoreClient(LightningStore):
+    """Store contract over HTTP.
+
+    Args:
+        url: the server's base URL, e.g. ``server.url`` (``http://127.0.0.1:PORT``).
+        token: bearer token, if the server requires one.
+        timeout: seconds to wait for any one response (on top of the bounded
+            server-side wait of ``dequeue``/``wait`` requests).
+    """
+
+    def __init__(self, url: str, token: Optional[str] = None, timeout: float = 30.0) -> None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError(f"url must start with http:// or https://, got {url!r}")
+        if timeout <= 0:
+            raise ConfigError(f"timeout must be positive seconds, got {timeout!r}")
+        self.url, self.timeout = url.rstrip("/"), float(timeout)
+        headers = {"Accept": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers=headers,
+            timeout=self.timeout,
+            transport=httpx.HTTPTransport(retries=2),  # connect failures only: nothing was sent yet
+            limits=httpx.Limits(max_connections=128, max_keepalive_connections=32, keepalive_expiry=30.0),
+        )
+
+    # ----- plumbing -------------------------------------------------------------------
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "StoreClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"StoreClient({self.url!r})"
+
+    def _request(self, method: str, path: str, *, body: Any = None, params: Optional[dict] = None,
+                 wait_s: float = 0.0) -> Any:
+        content = None
+        headers = {}
+        if body is not None:
+            content = json.dumps(body, allow_nan=True, separators=(",", ":")).encode()
+            headers["Content-Type"] = "application/json"
+        try:
+            response = self._http.request(method, path, content=content, params=params, headers=headers,
+                                          timeout=self.timeout + wait_s)
+        except httpx.TransportError as exc:
+            raise StoreConnectionError(
+                f"store server at {self.url} did not answer {method} {path}: {type(exc).__name__}: {exc}; "
+                f"is the StoreServer running?"
+            ) from exc
+        try:
+            payload = response.json()
+        except ValueError:
+            payload = None
+        if response.is_success:
+            if payload is None and response.content.strip() != b"null":
+                raise StoreConnectionError(f"{self.url}{path} answered {response.status_code} without JSON; "
+                                           f"is this a lightning-nb StoreServer?")
+            return payload
+        raise _error_from(response.status_code, payload, f"{method} {path}")
+
+    @staticmethod
+    def _path(*parts: str) -> str:
+        return "/" + "/".join(quote(str(p), safe="") for p in parts)
+
+    # ----- rollouts -------------------------------------------------------------------
+    def enqueue_rollout(
+        self,
+        input: Any,
+        *,
+        mode: RolloutMode = "train",
+        resources_id: Optional[str] = None,
+        config: Optional[RolloutConfig] = None,
+        metadata: Optional[dict[str, Any]] = None,
+    ) -> Rollout:
+        body = {
+            "input": _jsonable(input, "input"),
+            "mode": mode,
+            "resources_id": resources_id,
+            "config": _jsonable(config, "config"),
+            "metadata": _jsonable(metadata, "metadata"),
+        }
+        return Rollout.model_validate(self._request("POST", "/rollouts", body=body))
+
+    def dequeue_rollout(self, worker_id: Optional[str] = None, timeout: float = 0.0) -> Optional[AttemptedRollout]:
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            chunk = min(max(deadline - time.monotonic(), 0.0), _WAIT_CHUNK_S)
+            data = self._request("POST", "/rollouts/dequeue", body={"worker_id": worker_id, "timeout": chunk},
+                                 wait_s=chunk)
+            if data is not None:
+                return AttemptedRollout.model_validate(data)
+            if time.monotonic() >= deadline:
+                return None
+
+    def get_rollout_by_id(self, rollout_id: str) -> Rollout:
+        return Rollout.model_validate(self._request("GET", self._path("rollouts", rollout_id)))
+
+    def query_rollouts(
+        self, *, status: Optional[Sequence[str]] = None, rollout_ids: Optional[Sequence[str]] = None
+    ) -> list[Rollout]:
+        body = {"status": None if status is None else list(status),
+                "rollout_ids": None if rollout_ids is None else list(rollout_ids)}
+        return [Rollout.model_validate(x) for x in self._request("POST", "/rollouts/query", body=body)]
+
+    def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> list[Rollout]:
+        ids = list(rollout_ids)
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        while True:
+            left = _WAIT_CHUNK_S if deadline is None else max(deadline - time.monotonic(), 0.0)
+            chunk = min(left, _WAIT_CHUNK_S)
+            data = self._request("POST", "/rollouts/wait", body={"rollout_ids": ids, "timeout": chunk}, wait_s=chunk)
+            done = [Rollout.model_validate(x) for x in data]
+            if len(done) == len(ids) or (deadline is not None and time.monotonic() >= deadline):
+                return done
+
+    def cancel_rollout(self, rollout_id: str) -> Rollout:
+        return Rollout.model_validate(self._request("POST", self._path("rollouts", rollout_id, "cancel")))
+
+    # ----- attempts -------------------------------------------------------------------
+    def update_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        *,
+        status: Optional[AttemptStatus] = None,
+        worker_id: Optional[str] = None,
+        error: Optional[str] = None,
+        heartbeat: bool = False,
+    ) -> Attempt:
+        body = {"status": status, "worker_id": worker_id, "error": error, "heartbeat": heartbeat}
+        path = self._path("rollouts", rollout_id, "attempts", attempt_id)
+        return Attempt.model_validate(self._request("PATCH", path, body=body))
+
+    def query_attempts(self, rollout_id: Optional[str] = None) -> list[Attempt]:
+        params = None if rollout_id is None else {"rollout_id": rollout_id}
+        return [Attempt.model_validate(x) for x in self._request("GET", "/attempts", params=params)]
+
+    # ----- spans ----------------------------------------------------------------------
+    def add_span(self, span: Span) -> Span:
+        if not isinstance(span, Span):
+            raise ConfigError(f"span must be a lightning_nb.types.Span, got {type(span).__name__}")
+        return Span.model_validate(self._request("POST", "/spans", body=_jsonable(span, "span")))
+
+    def query_spans(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> list[Span]:
+        params = {k: v for k, v in (("rollout_id", rollout_id), ("attempt_id", attempt_id)) if v is not None}
+        return [Span.model_validate(x) for x in self._request("GET", "/spans", params=params)]
+
+    # ----- resources ------------------------------------------------------------------
+    def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
+        body = {"resources": _jsonable(resources, "resources"), "resources_id": resources_id}
+        return ResourcesUpdate.model_validate(self._request("POST", "/resources", body=body))
+
+    def get_latest_resources(self) -> Optional[ResourcesUpdate]:
+        data = self._request("GET", "/resources/latest")
+        return None if data is None else ResourcesUpdate.model_validate(data)
+
+    def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate:
+        # a query parameter carries any id, including "latest" and ids with "/"
+        return ResourcesUpdate.model_validate(self._request("GET", "/resources", params={"resources_id": resources_id}))
+
+
+def _jsonable(value: Any, field: str) -> Any:
+    """``value`` as plain JSON types (models dumped in Python mode so NaN floats survive)."""
+    if isinstance(value, BaseModel):
+        value = value.model_dump()
+    try:
+        return to_jsonable_python(value, serialize_unknown=False)
+    except Exception as exc:
+        raise ConfigError(f"{field} cannot be sent as JSON ({type(exc).__name__}: {exc}); "
+                          f"pass JSON-compatible values (dict, list, str, number, bool, None)") from None
+
+
+def _error_from(status: int, payload: Any, what: str) -> LightningNbError:
+    """The exception the server's store raised, rebuilt from the JSON error body."""
+    err = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(err, dict):
+        return StoreConnectionError(f"{what} answered HTTP {status} without a store error body: {payload!r}")
+    name, message = str(err.get("type")), str(err.get("message"))
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, LightningNbError)):
+        if status >= 500:
+            cls = LightningNbError
+            message = f"store server error on {what}: {message}"
+        else:  # request validation and other client errors
+            cls = _BY_STATUS.get(status, ConfigError)
+    return cls(message)

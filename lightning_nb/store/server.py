@@ -1,0 +1,385 @@
+"""Serve any :class:`~lightning_nb.store.base.LightningStore` over HTTP (FastAPI + uvicorn).
+
+Use it to let runners in other processes or machines share one store; they talk to
+it through :class:`~lightning_nb.store.client.StoreClient`.
+
+Security defaults:
+
+* binds ``127.0.0.1`` (loopback only) unless ``host`` says otherwise;
+* a non-loopback ``host`` requires ``token`` (ConfigError otherwise), and with a
+  token every request, ``/health`` included, needs ``Authorization: Bearer <token>``
+  (401 otherwise; compared in constant time);
+* request bodies are capped at ``max_body_bytes`` (4 MiB by default; 413 beyond it,
+  411 for chunked bodies without a ``Content-Length``);
+* blocking calls (``dequeue``, ``wait``) wait at most ``max_wait_s`` (30 s) per request
+  and run in worker threads, so they never block the event loop;
+* errors never leak a traceback: the body is ``{"error": {"type", "message", "field"}}``
+  with NotFoundError -> 404, InvalidStatusTransition -> 409, ConfigError and invalid
+  requests -> 400 (``field`` is the pydantic ``loc`` path), anything else -> 500.
+
+JSON on the wire allows Python's ``NaN``/``Infinity`` extension so float span
+attributes round-trip exactly between Python peers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import anyio
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import to_jsonable_python
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lightning_nb._net import is_loopback
+from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
+from lightning_nb.store.base import LightningStore
+from lightning_nb.types import AttemptedRollout, AttemptStatus, RolloutConfig, RolloutMode, Span
+
+__all__ = ["StoreServer", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_WAIT_S"]
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_WAIT_S = 30.0
+_SLICE_S = 0.5  # blocking waits are cut into slices to notice disconnects and shutdown
+_ID_FIELD = re.compile(r"\b(rollout_id|attempt_id|resources_id|resources|worker_id|status|input|timeout)\b")
+
+
+# ----- request bodies (module level so FastAPI can resolve the postponed annotations) -------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EnqueueRequest(_Body):
+    input: Any
+    mode: RolloutMode = "train"
+    resources_id: Optional[str] = None
+    config: Optional[RolloutConfig] = None
+    metadata: Optional[dict[str, Any]] = None
+
+
+class DequeueRequest(_Body):
+    worker_id: Optional[str] = None
+    timeout: float = Field(0.0, allow_inf_nan=False, description="seconds; capped at the server's max_wait_s")
+
+
+class QueryRolloutsRequest(_Body):
+    status: Optional[list[str]] = None
+    rollout_ids: Optional[list[str]] = None
+
+
+class WaitRequest(_Body):
+    rollout_ids: list[str]
+    timeout: Optional[float] = Field(None, allow_inf_nan=False, description="None or above max_wait_s: max_wait_s")
+
+
+class UpdateAttemptRequest(_Body):
+    status: Optional[AttemptStatus] = None
+    worker_id: Optional[str] = None
+    error: Optional[str] = None
+    heartbeat: bool = False
+
+
+class AddResourcesRequest(_Body):
+    resources: Any = Field(description="name -> LLMResource | PromptTemplate (as JSON); the store validates it")
+    resources_id: Optional[str] = None
+
+
+# ----- responses ------------------------------------------------------------------------
+def _fallback(obj: Any) -> Any:
+    try:
+        return to_jsonable_python(obj)
+    except Exception:  # an in-process caller stored something JSON cannot carry
+        return repr(obj)
+
+
+class _JSON(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        # ensure_ascii keeps lone surrogates representable; allow_nan keeps float attributes exact
+        return json.dumps(content, allow_nan=True, default=_fallback, separators=(",", ":")).encode("ascii")
+
+
+def _plain(result: Any) -> Any:
+    if isinstance(result, BaseModel):
+        return result.model_dump()
+    if isinstance(result, list):
+        return [_plain(x) for x in result]
+    return result
+
+
+def _error(status: int, type_: str, message: str, field: Optional[str] = None) -> _JSON:
+    return _JSON({"error": {"type": type_, "message": message, "field": field}}, status_code=status)
+
+
+def _field_of(message: str) -> Optional[str]:
+    match = _ID_FIELD.search(message)
+    return match.group(1) if match else None
+
+
+def _validation_error(errors: list[dict], strip_source: bool) -> _JSON:
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return _error(400, "ValidationError", f"request body is not valid JSON: {first.get('msg')}", "body")
+    parts = [str(p) for p in first.get("loc", ())]
+    if strip_source and len(parts) > 1 and parts[0] in ("body", "query", "path"):
+        parts = parts[1:]  # FastAPI prefixes where the value came from
+    field = ".".join(parts) or "body"
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return _error(400, "ValidationError", f"invalid field '{field}': {first.get('msg')}{more}", field)
+
+
+def _exception_response(exc: Exception) -> _JSON:
+    if isinstance(exc, NotFoundError):
+        return _error(404, "NotFoundError", str(exc), _field_of(str(exc)))
+    if isinstance(exc, InvalidStatusTransition):
+        return _error(409, "InvalidStatusTransition", str(exc), "status")
+    if isinstance(exc, ValidationError):  # raised by the store while building a model
+        return _validation_error(exc.errors(include_url=False), strip_source=False)
+    if isinstance(exc, LightningNbError):
+        return _error(400, type(exc).__name__, str(exc), _field_of(str(exc)))
+    log.exception("store server: unexpected error")
+    return _error(500, "InternalError", f"{type(exc).__name__}: {exc}")
+
+
+
+class _Guard:
+    """ASGI middleware: bearer token, then body size, before the app sees the request."""
+
+    def __init__(self, app: Any, token: Optional[str], max_body_bytes: int) -> None:
+        self.app, self.token, self.max_body_bytes = app, token, max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        length = headers.get("content-length", "0")
+        response = None
+        if self.token is not None and not secrets.compare_digest(
+            headers.get("authorization", "").encode(), f"Bearer {self.token}".encode()
+        ):
+            response = _error(401, "ConfigError", "missing or wrong bearer token; send Authorization: Bearer "
+                                                  "<token> (StoreClient(url, token=...))", "token")
+        elif "content-length" not in headers and "chunked" in headers.get("transfer-encoding", ""):
+            response = _error(411, "ConfigError", "send the body with a Content-Length header", "body")
+        elif length.isdigit() and int(length) > self.max_body_bytes:
+            response = _error(413, "ConfigError", f"request body is {length} bytes; this store server accepts "
+                                                  f"at most {self.max_body_bytes} (max_body_bytes)", "body")
+        if response is not None:
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+class StoreServer:
+    """Serve ``store`` over HTTP in a background thread.
+
+    Args:
+        store: any LightningStore; the server adds no state of its own.
+        host: bind address; 127.0.0.1 by default.
+        port: 0 picks a free port (read ``.port`` / ``.url`` after :meth:`start`).
+        token: bearer token required on every request. Required (ConfigError
+            otherwise) when ``host`` is not a loopback address.
+        max_body_bytes: largest request body accepted (413 above it).
+        max_wait_s: longest a single dequeue/wait request blocks.
+
+    Use as a context manager or call :meth:`start` / :meth:`stop`.
+    """
+
+    def __init__(self, store: LightningStore, host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None,
+                 *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> None:
+        if not is_loopback(host) and not token:
+            raise ConfigError(
+                f"host={host!r} is reachable from other machines, so token is required; "
+                f"pass token=secrets.token_urlsafe() (or bind to 127.0.0.1)"
+            )
+        if max_body_bytes <= 0 or max_wait_s <= 0:
+            raise ConfigError("max_body_bytes and max_wait_s must be positive")
+        self.store, self.host, self.port, self.token = store, host, port, token
+        self.max_body_bytes, self.max_wait_s = max_body_bytes, max_wait_s
+        self._server: Any = None
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
+        self._wait_limiter: Optional[anyio.CapacityLimiter] = None
+
+    # ----- lifecycle ------------------------------------------------------------------
+    def start(self) -> "StoreServer":
+        """Start serving in a background thread; returns once the port is bound."""
+        import uvicorn
+
+        if self._server is not None:
+            return self
+        self._stopping.clear()
+        self._wait_limiter = None  # bound to the previous event loop, if any
+        config = uvicorn.Config(self.app(), host=self.host, port=self.port, log_level="warning", lifespan="off",
+                                timeout_keep_alive=65, timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="lightning_nb-store-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self._server = None
+                raise LightningNbError(f"store server failed to start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        """Stop serving; pending dequeue/wait requests return within about half a second."""
+        self._stopping.set()
+        if self._server is not None:
+            self._server.should_exit = True
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+            self._server = None
+
+    def __enter__(self) -> "StoreServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        """Base URL clients use (an unspecified bind address is reached through loopback)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    # ----- calling the store ----------------------------------------------------------
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> _JSON:
+        """Run a store call in a worker thread and turn its result or error into JSON."""
+        try:
+            result = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+        except Exception as exc:
+            return _exception_response(exc)
+        return _JSON(_plain(result))
+
+    async def _wait(self, request: Request, budget: float, attempt: Callable[[float], Any],
+                    done: Callable[[Any], bool], abandon: Optional[Callable[[Any], Any]] = None) -> _JSON:
+        """Call ``attempt(slice_s)`` until ``done(result)``, ``budget`` seconds pass, the client leaves or we stop.
+
+        Waiting threads use their own limiter so they never starve quick calls. If the
+        client left while a result was being produced, ``abandon(result)`` undoes what it can.
+        """
+        if self._wait_limiter is None:
+            self._wait_limiter = anyio.CapacityLimiter(256)
+        deadline = time.monotonic() + min(max(budget, 0.0), self.max_wait_s)
+        try:
+            while True:
+                remaining = max(0.0, deadline - time.monotonic())
+                result = await anyio.to_thread.run_sync(attempt, min(remaining, _SLICE_S), limiter=self._wait_limiter)
+                if done(result) and abandon is not None and await request.is_disconnected():
+                    await anyio.to_thread.run_sync(abandon, result)
+                    return _JSON(None)
+                if done(result) or remaining <= _SLICE_S or self._stopping.is_set():
+                    return _JSON(_plain(result))
+                if await request.is_disconnected():
+                    return _JSON(_plain(result))
+        except Exception as exc:
+            return _exception_response(exc)
+
+    # ----- HTTP app -------------------------------------------------------------------
+    def app(self) -> Any:
+        """The ASGI application (token and body-size guard included)."""
+        api = FastAPI(title="lightning-nb store", redirect_slashes=False, openapi_url=None, docs_url=None,
+                      redoc_url=None)
+        store = self.store
+
+        @api.exception_handler(RequestValidationError)
+        async def invalid(request: Request, exc: RequestValidationError) -> _JSON:
+            return _validation_error(list(exc.errors()), strip_source=True)
+
+        @api.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, exc: StarletteHTTPException) -> _JSON:
+            if exc.status_code == 404:
+                return _error(404, "NotFoundError", f"{request.method} {request.url.path}: no such object or "
+                                                    f"endpoint; check the ids in the path", "path")
+            return _error(exc.status_code, "ConfigError", f"{request.method} {request.url.path}: {exc.detail}")
+
+        @api.get("/health")
+        async def health() -> _JSON:
+            return _JSON({"status": "ok", "store": type(store).__name__, "max_wait_s": self.max_wait_s,
+                          "max_body_bytes": self.max_body_bytes})
+
+        # rollouts
+        @api.post("/rollouts")
+        async def enqueue(req: EnqueueRequest) -> _JSON:
+            return await self._call(store.enqueue_rollout, req.input, mode=req.mode, resources_id=req.resources_id,
+                                    config=req.config, metadata=req.metadata)
+
+        @api.post("/rollouts/dequeue")
+        async def dequeue(req: DequeueRequest, request: Request) -> _JSON:
+            def abandon(item: AttemptedRollout) -> None:  # nobody will run it: fail the attempt so it requeues
+                store.update_attempt(item.rollout.rollout_id, item.attempt.attempt_id, status="failed",
+                                     error="the store client disconnected before receiving this attempt")
+
+            return await self._wait(request, req.timeout, lambda s: store.dequeue_rollout(req.worker_id, timeout=s),
+                                    lambda item: item is not None, abandon)
+
+        @api.post("/rollouts/query")
+        async def query_rollouts_post(req: QueryRolloutsRequest) -> _JSON:
+            return await self._call(store.query_rollouts, status=req.status, rollout_ids=req.rollout_ids)
+
+        @api.get("/rollouts")
+        async def query_rollouts(status: Optional[list[str]] = Query(None),
+                                 ids: Optional[list[str]] = Query(None)) -> _JSON:
+            return await self._call(store.query_rollouts, status=status, rollout_ids=ids)
+
+        @api.post("/rollouts/wait")
+        async def wait(req: WaitRequest, request: Request) -> _JSON:
+            budget = self.max_wait_s if req.timeout is None else req.timeout
+            return await self._wait(request, budget, lambda s: store.wait_for_rollouts(req.rollout_ids, timeout=s),
+                                    lambda done: len(done) == len(req.rollout_ids))
+
+        @api.get("/rollouts/{rollout_id}")
+        async def get_rollout(rollout_id: str) -> _JSON:
+            return await self._call(store.get_rollout_by_id, rollout_id)
+
+        @api.post("/rollouts/{rollout_id}/cancel")
+        async def cancel(rollout_id: str) -> _JSON:
+            return await self._call(store.cancel_rollout, rollout_id)
+
+        # attempts
+        @api.patch("/rollouts/{rollout_id}/attempts/{attempt_id}")
+        async def update_attempt(rollout_id: str, attempt_id: str, req: UpdateAttemptRequest) -> _JSON:
+            return await self._call(store.update_attempt, rollout_id, attempt_id, status=req.status,
+                                    worker_id=req.worker_id, error=req.error, heartbeat=req.heartbeat)
+
+        @api.get("/attempts")
+        async def query_attempts(rollout_id: Optional[str] = None) -> _JSON:
+            return await self._call(store.query_attempts, rollout_id)
+
+        # spans
+        @api.post("/spans")
+        async def add_span(span: Span) -> _JSON:
+            return await self._call(store.add_span, span)
+
+        @api.get("/spans")
+        async def query_spans(rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> _JSON:
+            return await self._call(store.query_spans, rollout_id, attempt_id)
+
+        # resources
+        @api.post("/resources")
+        async def add_resources(req: AddResourcesRequest) -> _JSON:
+            return await self._call(store.add_resources, req.resources, req.resources_id)
+
+        @api.get("/resources/latest")
+        async def latest_resources() -> _JSON:
+            return await self._call(store.get_latest_resources)
+
+        @api.get("/resources")
+        async def resources_by_query(resources_id: str) -> _JSON:
+            return await self._call(store.get_resources_by_id, resources_id)
+
+        @api.get("/resources/{resources_id:path}")
+        async def resources_by_id(resources_id: str) -> _JSON:
+            return await self._call(store.get_resources_by_id, resources_id)
+
+        return _Guard(api, self.token, self.max_body_bytes)

@@ -1,0 +1,394 @@
+"""Durable store in one SQLite file: what a call acknowledged survives a crash."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+from pydantic_core import PydanticSerializationError
+
+from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
+from lightning_nb.store.base import LightningStore
+from lightning_nb.store.memory import _ATTEMPT_NEXT, _coerce
+from lightning_nb.types import (
+    ATTEMPT_TERMINAL, ROLLOUT_TERMINAL, Attempt, AttemptedRollout, AttemptStatus, ResourcesUpdate, Rollout,
+    RolloutConfig, RolloutMode, Span, new_id,
+)
+
+__all__ = ["SqliteStore", "MIGRATIONS"]
+
+# Applied in order, each once and in its own transaction, recorded by name in ``_migrations``; never edit
+# an applied one, append a new one. ``data`` holds ``model_dump_json()``; other columns index and order.
+MIGRATIONS: list[tuple[str, str]] = [
+    ("001_initial", """
+        CREATE TABLE rollouts (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- enqueue order
+            rollout_id TEXT NOT NULL UNIQUE, status TEXT NOT NULL,
+            queue_pos INTEGER,                      -- NULL unless waiting in the queue
+            data TEXT NOT NULL);
+        CREATE INDEX rollouts_queue ON rollouts(queue_pos) WHERE queue_pos IS NOT NULL;
+        CREATE TABLE attempts (
+            attempt_id TEXT PRIMARY KEY, rollout_id TEXT NOT NULL REFERENCES rollouts(rollout_id),
+            sequence_id INTEGER NOT NULL, status TEXT NOT NULL, data TEXT NOT NULL,
+            UNIQUE (rollout_id, sequence_id));
+        CREATE INDEX attempts_status ON attempts(status);
+        CREATE TABLE spans (
+            attempt_id TEXT NOT NULL REFERENCES attempts(attempt_id), sequence_id INTEGER NOT NULL,
+            rollout_id TEXT NOT NULL, name TEXT NOT NULL, data TEXT NOT NULL,
+            PRIMARY KEY (attempt_id, sequence_id)) WITHOUT ROWID;
+        CREATE TABLE resources (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- the highest is the latest
+            resources_id TEXT NOT NULL UNIQUE, data TEXT NOT NULL);
+    """),
+]
+
+
+class SqliteStore(LightningStore):
+    """All tables in one SQLite file; same behaviour as :class:`InMemoryStore`.
+
+    Durability: the file is in WAL mode with ``synchronous=FULL`` and every public
+    write is one transaction, committed before the call returns. A write that
+    returned survives a crash of the process (and of the machine, as far as the
+    disk honours fsync); a write that raised left the file unchanged.
+
+    Recovery: opening an existing file marks every attempt still ``preparing`` or
+    ``running`` as ``unresponsive`` (its process died), which requeues its rollout
+    while ``num_attempts < config.max_attempts`` and fails it otherwise, exactly as
+    a ``timeout`` would. So open a file from one process at a time.
+
+    Thread-safe: one connection guarded by a ``threading.Condition``;
+    ``dequeue_rollout`` and ``wait_for_rollouts`` wait on it without holding the lock.
+    Rollout inputs, metadata and span attributes must be JSON-serializable (NaN and
+    infinities come back as None).
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._cond = threading.Condition()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: no implicit transactions; _tx() issues BEGIN IMMEDIATE / COMMIT itself
+        self._db: Optional[sqlite3.Connection] = sqlite3.connect(
+            str(path), check_same_thread=False, isolation_level=None, timeout=30.0)
+        try:
+            with self._cond:
+                for pragma in ("journal_mode=WAL", "synchronous=FULL", "foreign_keys=ON"):
+                    self._rows(f"PRAGMA {pragma}")
+                self._migrate()
+                self._recover()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close the file (idempotent); later calls raise LightningNbError."""
+        with self._cond:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+            self._cond.notify_all()
+
+    def __enter__(self) -> SqliteStore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SqliteStore({str(self.path)!r})"
+
+    # ----- rollouts -------------------------------------------------------------------
+    def enqueue_rollout(self, input: Any, *, mode: RolloutMode = "train", resources_id: Optional[str] = None,
+                        config: Optional[RolloutConfig] = None,
+                        metadata: Optional[dict[str, Any]] = None) -> Rollout:
+        rollout = Rollout(rollout_id=new_id("ro"), input=input, mode=mode, resources_id=resources_id,
+                          config=config or RolloutConfig(), metadata=dict(metadata or {}))
+        data = _json(rollout, "the rollout input and metadata")
+        with self._cond, self._tx():
+            if resources_id is not None and not self._rows("SELECT 1 FROM resources WHERE resources_id = ?",
+                                                           resources_id):
+                raise NotFoundError(f"resources_id {resources_id!r} is not in the store; add it with add_resources()")
+            self._rows(f"INSERT INTO rollouts (rollout_id, status, queue_pos, data) VALUES (?, ?, {_BACK}, ?)",
+                       rollout.rollout_id, rollout.status, data)
+            self._cond.notify_all()
+            return rollout.model_copy()
+
+    def dequeue_rollout(self, worker_id: Optional[str] = None, timeout: float = 0.0) -> Optional[AttemptedRollout]:
+        deadline = time.monotonic() + max(timeout, 0.0)
+        with self._cond:
+            while True:
+                if self._rows(_HEAD_SQL):  # look first: an empty poll writes nothing
+                    with self._tx():
+                        return self._start_attempt(self._rows(_HEAD_SQL)[0][0], worker_id)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    def _start_attempt(self, rollout_id: str, worker_id: Optional[str]) -> AttemptedRollout:
+        """Move the queue head to ``preparing`` with a fresh attempt (lock and transaction held)."""
+        rollout = self._rollout(rollout_id)
+        rollout.num_attempts += 1
+        rollout.status = "preparing"
+        rollout.start_time = rollout.start_time or time.time()
+        attempt = Attempt(rollout_id=rollout_id, attempt_id=new_id("at"), sequence_id=rollout.num_attempts,
+                          worker_id=worker_id)
+        self._rows("INSERT INTO attempts (attempt_id, rollout_id, sequence_id, status, data) VALUES (?, ?, ?, ?, ?)",
+                   attempt.attempt_id, rollout_id, attempt.sequence_id, attempt.status, attempt.model_dump_json())
+        self._save_rollout(rollout, queued=False)
+        self._cond.notify_all()
+        return AttemptedRollout(rollout=rollout, attempt=attempt)
+
+    def get_rollout_by_id(self, rollout_id: str) -> Rollout:
+        with self._cond:
+            return self._rollout(rollout_id)
+
+    def query_rollouts(
+        self, *, status: Optional[Sequence[str]] = None, rollout_ids: Optional[Sequence[str]] = None
+    ) -> list[Rollout]:
+        with self._cond:
+            if rollout_ids is not None:
+                items = [self._rollout(rid) for rid in rollout_ids]
+            else:
+                items = [Rollout.model_validate_json(data) for (data,) in self._rows(
+                    "SELECT data FROM rollouts ORDER BY seq")]
+            return [r for r in items if status is None or r.status in status]
+
+    def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> list[Rollout]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            for rid in rollout_ids:
+                self._rollout(rid)
+            while True:
+                done = [rid for rid in rollout_ids if self._rows(
+                    "SELECT status FROM rollouts WHERE rollout_id = ?", rid)[0][0] in ROLLOUT_TERMINAL]
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if len(done) == len(rollout_ids) or (remaining is not None and remaining <= 0):
+                    return [self._rollout(rid) for rid in done]
+                # wake up periodically so a KeyboardInterrupt in a notebook is honoured promptly
+                self._cond.wait(0.5 if remaining is None else min(remaining, 0.5))
+
+    def cancel_rollout(self, rollout_id: str) -> Rollout:
+        with self._cond, self._tx():
+            rollout = self._rollout(rollout_id)
+            if rollout.status in ROLLOUT_TERMINAL:
+                raise InvalidStatusTransition(f"rollout {rollout_id} is already {rollout.status}; "
+                                              "only non-terminal rollouts can be cancelled")
+            rollout.status = "cancelled"
+            rollout.end_time = time.time()
+            self._save_rollout(rollout, queued=False)
+            self._cond.notify_all()
+            return rollout
+
+    # ----- attempts -------------------------------------------------------------------
+    def update_attempt(self, rollout_id: str, attempt_id: str, *, status: Optional[AttemptStatus] = None,
+                       worker_id: Optional[str] = None, error: Optional[str] = None,
+                       heartbeat: bool = False) -> Attempt:
+        with self._cond, self._tx():
+            attempt = self._attempt(rollout_id, attempt_id)
+            allowed = _ATTEMPT_NEXT.get(attempt.status, set())
+            if status is not None and status != attempt.status and status not in allowed:
+                raise InvalidStatusTransition(
+                    f"attempt {attempt_id} cannot move from {attempt.status!r} to {status!r}; "
+                    f"allowed: {sorted(allowed) or 'none (terminal)'}"
+                )
+            if worker_id is not None:
+                attempt.worker_id = worker_id
+            if error is not None:
+                attempt.error = error
+            now = time.time()
+            if heartbeat:
+                attempt.last_heartbeat_time = now
+            if status is not None and status != attempt.status:
+                self._set_status(attempt, status, now)
+            else:  # no status change: save the other fields
+                self._save_attempt(attempt)
+            self._cond.notify_all()
+            return attempt
+
+    def _set_status(self, attempt: Attempt, status: str, now: float) -> None:
+        """Save the attempt in ``status`` and let its rollout follow (lock and transaction held)."""
+        attempt.status = status  # type: ignore[assignment]
+        if status in ATTEMPT_TERMINAL:
+            attempt.end_time = now
+        self._save_attempt(attempt)
+        rollout = self._rollout(attempt.rollout_id)
+        if rollout.status in ROLLOUT_TERMINAL or attempt.attempt_id != self._latest_attempt_id(rollout.rollout_id):
+            return
+        queued = False
+        if status == "running":
+            rollout.status = "running"
+        elif status == "succeeded":
+            rollout.status, rollout.end_time = "succeeded", now
+        elif status in ("failed", "timeout", "unresponsive"):
+            if rollout.num_attempts < rollout.config.max_attempts:
+                rollout.status, queued = "requeuing", True
+            else:
+                rollout.status, rollout.end_time = "failed", now
+        self._save_rollout(rollout, queued=queued)
+
+    def query_attempts(self, rollout_id: Optional[str] = None) -> list[Attempt]:
+        with self._cond:
+            if rollout_id is not None:
+                self._rollout(rollout_id)
+                rows = self._rows("SELECT data FROM attempts WHERE rollout_id = ? ORDER BY sequence_id", rollout_id)
+            else:
+                rows = self._rows("SELECT a.data FROM attempts a JOIN rollouts r ON r.rollout_id = a.rollout_id "
+                                  "ORDER BY r.seq, a.sequence_id")
+            return [Attempt.model_validate_json(data) for (data,) in rows]
+
+    # ----- spans ----------------------------------------------------------------------
+    def add_span(self, span: Span) -> Span:
+        with self._cond, self._tx():
+            self._attempt(span.rollout_id, span.attempt_id)
+            ((last,),) = self._rows("SELECT COALESCE(MAX(sequence_id), 0) FROM spans WHERE attempt_id = ?",
+                                    span.attempt_id)
+            stored = span.model_copy(update={"sequence_id": last + 1})
+            self._rows("INSERT INTO spans (attempt_id, sequence_id, rollout_id, name, data) VALUES (?, ?, ?, ?, ?)",
+                       stored.attempt_id, stored.sequence_id, stored.rollout_id, stored.name,
+                       _json(stored, "span attributes"))
+            self._cond.notify_all()
+            return stored
+
+    def query_spans(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> list[Span]:
+        order = " ORDER BY r.seq, a.sequence_id, s.sequence_id"
+        sql = ("SELECT s.data FROM spans s JOIN attempts a ON a.attempt_id = s.attempt_id "
+               "JOIN rollouts r ON r.rollout_id = a.rollout_id")
+        with self._cond:
+            if rollout_id is None:
+                if attempt_id is not None:
+                    raise ConfigError("query_spans: attempt_id needs rollout_id; pass both or neither")
+                rows = self._rows(sql + order)
+            elif attempt_id is None:
+                self._rollout(rollout_id)
+                rows = self._rows(sql + " WHERE r.rollout_id = ?" + order, rollout_id)
+            else:
+                if attempt_id == "latest":
+                    attempt_id = self._latest_attempt_id(self._rollout(rollout_id).rollout_id)
+                else:
+                    self._attempt(rollout_id, attempt_id)
+                rows = self._rows(sql + " WHERE a.attempt_id = ?" + order, attempt_id) if attempt_id else []
+            return [Span.model_validate_json(data) for (data,) in rows]
+
+    # ----- resources ------------------------------------------------------------------
+    def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
+        update = ResourcesUpdate(resources_id=resources_id or new_id("res"), resources=_coerce(resources))
+        with self._cond, self._tx():
+            # delete + insert gives it the highest seq: re-adding an id makes it the latest again
+            self._rows("DELETE FROM resources WHERE resources_id = ?", update.resources_id)
+            self._rows("INSERT INTO resources (resources_id, data) VALUES (?, ?)",
+                       update.resources_id, update.model_dump_json())
+            return update.model_copy()
+
+    def get_latest_resources(self) -> Optional[ResourcesUpdate]:
+        with self._cond:
+            rows = self._rows("SELECT data FROM resources ORDER BY seq DESC LIMIT 1")
+            return ResourcesUpdate.model_validate_json(rows[0][0]) if rows else None
+
+    def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate:
+        with self._cond:
+            rows = self._rows("SELECT data FROM resources WHERE resources_id = ?", resources_id)
+            if not rows:
+                raise NotFoundError(f"resources_id {resources_id!r} is not in the store")
+            return ResourcesUpdate.model_validate_json(rows[0][0])
+
+    # ----- opening and helpers (lock held) ---------------------------------------------
+    def _migrate(self) -> None:
+        """Apply the MIGRATIONS not yet recorded in ``_migrations``, in order."""
+        self._rows("CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at REAL)")
+        for name, sql in MIGRATIONS:
+            with self._tx():
+                if not self._rows("SELECT 1 FROM _migrations WHERE name = ?", name):
+                    for statement in _statements(sql):
+                        self._rows(statement)
+                    self._rows("INSERT INTO _migrations (name, applied_at) VALUES (?, ?)", name, time.time())
+
+    def _recover(self) -> None:
+        """Mark attempts left in flight by a dead process ``unresponsive`` (one transaction)."""
+        with self._tx():
+            rows = self._rows("SELECT a.data FROM attempts a JOIN rollouts r ON r.rollout_id = a.rollout_id "
+                              "WHERE a.status IN ('preparing', 'running') ORDER BY r.seq, a.sequence_id")
+            now = time.time()
+            for (data,) in rows:
+                attempt = Attempt.model_validate_json(data)
+                attempt.error = (f"the store {str(self.path)!r} was reopened while this attempt was "
+                                 f"{attempt.status!r}: the process running it died or was killed")
+                self._set_status(attempt, "unresponsive", now)
+
+    def _rows(self, sql: str, *params: Any) -> list[Any]:
+        """Run one statement; its result rows."""
+        return self._conn().execute(sql, params).fetchall()
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise LightningNbError(f"{self!r} is closed; open the file again with SqliteStore(path)")
+        return self._db
+
+    @contextmanager
+    def _tx(self) -> Iterator[None]:
+        """One write transaction: committed (durably) on success, rolled back on any error."""
+        db = self._conn()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+
+    def _rollout(self, rollout_id: str) -> Rollout:
+        rows = self._rows("SELECT data FROM rollouts WHERE rollout_id = ?", rollout_id)
+        if not rows:
+            raise NotFoundError(f"rollout_id {rollout_id!r} is not in the store; list ids with store.rollouts_df()")
+        return Rollout.model_validate_json(rows[0][0])
+
+    def _save_rollout(self, rollout: Rollout, *, queued: bool) -> None:
+        """Write the rollout back; ``queued`` puts it at the back of the queue, else takes it out."""
+        self._rows(f"UPDATE rollouts SET status = ?, data = ?, queue_pos = CASE WHEN ? THEN {_BACK} END "
+                   "WHERE rollout_id = ?",
+                   rollout.status, rollout.model_dump_json(), queued, rollout.rollout_id)
+
+    def _attempt(self, rollout_id: str, attempt_id: str) -> Attempt:
+        self._rollout(rollout_id)
+        rows = self._rows("SELECT data FROM attempts WHERE attempt_id = ? AND rollout_id = ?", attempt_id, rollout_id)
+        if not rows:
+            raise NotFoundError(f"attempt_id {attempt_id!r} is not an attempt of rollout {rollout_id!r}")
+        return Attempt.model_validate_json(rows[0][0])
+
+    def _save_attempt(self, attempt: Attempt) -> None:
+        self._rows("UPDATE attempts SET status = ?, data = ? WHERE attempt_id = ?",
+                   attempt.status, attempt.model_dump_json(), attempt.attempt_id)
+
+    def _latest_attempt_id(self, rollout_id: str) -> Optional[str]:
+        rows = self._rows("SELECT attempt_id FROM attempts WHERE rollout_id = ? ORDER BY sequence_id DESC LIMIT 1",
+                          rollout_id)
+        return rows[0][0] if rows else None
+
+
+_BACK = "(SELECT COALESCE(MAX(queue_pos), 0) + 1 FROM rollouts)"  # a queue position behind every queued one
+_HEAD_SQL = ("SELECT rollout_id FROM rollouts WHERE queue_pos IS NOT NULL "
+             "AND status IN ('queuing', 'requeuing') ORDER BY queue_pos LIMIT 1")
+
+
+def _statements(script: str) -> Iterator[str]:
+    """Complete SQL statements of a migration script (``executescript`` would commit mid-migration)."""
+    current = ""
+    for line in script.splitlines(keepends=True):
+        current += line
+        if sqlite3.complete_statement(current):
+            yield current
+            current = ""
+    if current.strip():
+        yield current
+
+
+def _json(model: Any, what: str) -> str:
+    try:
+        return model.model_dump_json()
+    except PydanticSerializationError as exc:
+        raise ConfigError(f"SqliteStore stores JSON: {what} must be JSON-serializable ({exc})") from None

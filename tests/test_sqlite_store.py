@@ -1,0 +1,302 @@
+"""SqliteStore-specific behaviour: persistence, migrations, crash recovery (the contract suite runs via conftest)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import lightning_nb.store.sqlite as sqlite_mod
+from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
+from lightning_nb.store import SqliteStore
+from lightning_nb.types import LLMResource, RolloutConfig, Span
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _span(rollout_id, attempt_id, name="x", **attrs):
+    return Span(rollout_id=rollout_id, attempt_id=attempt_id, trace_id="t" * 32, span_id="s" * 16,
+                name=name, start_time=1.0, end_time=2.0, attributes=attrs)
+
+
+def _dump(path) -> list[str]:
+    """Every row of the database, read through a separate connection."""
+    db = sqlite3.connect(str(path))
+    try:
+        return list(db.iterdump())
+    finally:
+        db.close()
+
+
+def test_reopen_restores_everything_and_queue_order(tmp_path):
+    path = tmp_path / "store.db"
+    with SqliteStore(path) as s:
+        res = s.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
+        ids = [s.enqueue_rollout({"i": i, "xs": [i, i + 1]}, mode="val", resources_id=res.resources_id,
+                                 config=RolloutConfig(max_attempts=2, timeout_seconds=5.0),
+                                 metadata={"group": i}).rollout_id for i in range(4)]
+        item = s.dequeue_rollout("w0")
+        rid, aid = item.rollout.rollout_id, item.attempt.attempt_id
+        s.update_attempt(rid, aid, status="running", heartbeat=True)
+        s.add_span(_span(rid, aid, "llm", prompt_ids=[1, 2, 3], logprobs=[-0.5, -0.25], text="hi", ok=True))
+        s.add_span(_span(rid, aid, "reward", reward=0.5))
+        s.update_attempt(rid, aid, status="failed", error="boom")  # requeued: goes to the back
+        s.cancel_rollout(ids[2])
+        before = (s.query_rollouts(), s.query_attempts(), s.query_spans(), s.get_latest_resources())
+    with SqliteStore(path) as s:
+        assert (s.query_rollouts(), s.query_attempts(), s.query_spans(), s.get_latest_resources()) == before
+        assert s.get_rollout_by_id(ids[0]).input == {"i": 0, "xs": [0, 1]}
+        llm = s.query_spans(rid, aid)[0]
+        assert llm.attributes["prompt_ids"] == [1, 2, 3] and all(type(x) is int for x in llm.attributes["prompt_ids"])
+        assert llm.attributes["logprobs"] == [-0.5, -0.25] and llm.attributes["ok"] is True
+        assert s.final_reward(rid) == 0.5  # until the retry is dequeued
+        assert [s.dequeue_rollout().rollout.rollout_id for _ in range(3)] == [ids[1], ids[3], ids[0]]
+        assert s.dequeue_rollout() is None
+        assert s.query_attempts(ids[0])[-1].sequence_id == 2
+
+
+def test_reopen_marks_in_flight_attempts_unresponsive(tmp_path):
+    path = tmp_path / "store.db"
+    with SqliteStore(path) as s:
+        once = s.enqueue_rollout("once").rollout_id
+        twice = s.enqueue_rollout("twice", config=RolloutConfig(max_attempts=2)).rollout_id
+        done = s.enqueue_rollout("done").rollout_id
+        waiting = s.enqueue_rollout("waiting").rollout_id
+        a1 = s.dequeue_rollout().attempt
+        s.update_attempt(once, a1.attempt_id, status="running")
+        s.dequeue_rollout()  # twice: left in "preparing"
+        a3 = s.dequeue_rollout().attempt
+        s.update_attempt(done, a3.attempt_id, status="succeeded")
+    with SqliteStore(path) as s:
+        assert [r.status for r in s.query_rollouts()] == ["failed", "requeuing", "succeeded", "queuing"]
+        for rid in (once, twice):
+            (attempt,) = s.query_attempts(rid)
+            assert attempt.status == "unresponsive" and attempt.end_time is not None
+            assert "reopened" in attempt.error
+        assert [s.dequeue_rollout().rollout.rollout_id for _ in range(2)] == [waiting, twice]
+        with pytest.raises(InvalidStatusTransition, match="unresponsive"):
+            s.update_attempt(once, a1.attempt_id, status="succeeded")
+    with SqliteStore(path) as s:  # the retry of `twice` is now in flight; `waiting` too
+        assert s.get_rollout_by_id(twice).status == "failed"
+        assert s.get_rollout_by_id(waiting).status == "failed"
+        assert s.get_rollout_by_id(done).status == "succeeded"
+
+
+def test_migrations_are_recorded_and_applied_once(tmp_path, monkeypatch):
+    path = tmp_path / "store.db"
+
+    def applied():
+        db = sqlite3.connect(str(path))
+        try:
+            return db.execute("SELECT name, applied_at FROM _migrations ORDER BY rowid").fetchall()
+        finally:
+            db.close()
+
+    SqliteStore(path).close()
+    first = applied()
+    assert [name for name, _ in first] == [name for name, _ in sqlite_mod.MIGRATIONS] == ["001_initial"]
+    SqliteStore(path).close()
+    assert applied() == first
+
+    extra = ("002_extra", "CREATE TABLE extra (x INTEGER);\nCREATE INDEX extra_x ON extra(x);")
+    monkeypatch.setattr(sqlite_mod, "MIGRATIONS", [*sqlite_mod.MIGRATIONS, extra])
+    with SqliteStore(path) as s:
+        s.enqueue_rollout("t")
+    assert applied()[0] == first[0] and [n for n, _ in applied()] == ["001_initial", "002_extra"]
+
+    broken = ("003_broken", "CREATE TABLE half (x INTEGER);\nINSERT INTO no_such_table VALUES (1);")
+    monkeypatch.setattr(sqlite_mod, "MIGRATIONS", [*sqlite_mod.MIGRATIONS, broken])
+    with pytest.raises(sqlite3.OperationalError, match="no_such_table"):
+        SqliteStore(path)
+    assert [n for n, _ in applied()] == ["001_initial", "002_extra"]
+    assert "half" not in " ".join(_dump(path))  # the failed migration rolled back whole
+
+
+def test_bad_calls_raise_and_leave_the_database_unchanged(tmp_path):
+    path = tmp_path / "store.db"
+    with SqliteStore(path) as s:
+        r = s.enqueue_rollout("t")
+        a = s.dequeue_rollout().attempt
+        s.add_span(_span(r.rollout_id, a.attempt_id))
+        s.update_attempt(r.rollout_id, a.attempt_id, status="succeeded")
+        before = _dump(path)
+        with pytest.raises(NotFoundError, match="at-missing"):
+            s.add_span(_span(r.rollout_id, "at-missing"))
+        with pytest.raises(NotFoundError, match="ro-missing"):
+            s.add_span(_span("ro-missing", a.attempt_id))
+        with pytest.raises(InvalidStatusTransition):
+            s.update_attempt(r.rollout_id, a.attempt_id, status="running", error="must not be kept")
+        with pytest.raises(InvalidStatusTransition):
+            s.cancel_rollout(r.rollout_id)
+        with pytest.raises(NotFoundError):
+            s.enqueue_rollout("t", resources_id="res-nope")
+        with pytest.raises(ConfigError, match="JSON"):
+            s.enqueue_rollout(object())
+        with pytest.raises(ConfigError):
+            s.add_resources({"main_llm": 42})
+        assert _dump(path) == before
+        assert s.query_attempts(r.rollout_id)[0].error is None
+
+
+def test_close_is_idempotent_and_later_calls_raise(tmp_path):
+    s = SqliteStore(tmp_path / "sub" / "store.db")  # parent folders are created
+    s.enqueue_rollout("t")
+    s.close()
+    s.close()
+    with pytest.raises(LightningNbError, match="closed"):
+        s.query_rollouts()
+    assert "store.db" in repr(s)
+
+
+# ----- crash recovery in a real process killed with SIGKILL -----------------------------------
+
+# A long-lived helper imports lightning_nb once (about a second) and forks one worker per trial, so
+# 20 trials stay fast. Each worker is a separate process that opens the store itself, prints one
+# line per acknowledged write and keeps writing until it is killed.
+_ZYGOTE = r'''
+import os, sys, time
+from lightning_nb.store.sqlite import SqliteStore
+from lightning_nb.types import RolloutConfig, Span
+
+MAX_ATTEMPTS = [1, 2, 2, 1]
+
+def emit(*parts):
+    os.write(1, (" ".join(map(str, parts)) + "\n").encode())  # one write(): a whole line or nothing
+
+def work(path):
+    emit("PID", os.getpid())
+    store = SqliteStore(path)
+    emit("RES", store.add_resources({"main_llm": {"endpoint": "http://127.0.0.1:9/v1", "model": "m"}}).resources_id)
+    for i, n in enumerate(MAX_ATTEMPTS):
+        emit("ENQ", store.enqueue_rollout({"i": i}, config=RolloutConfig(max_attempts=n)).rollout_id)
+    inflight = []
+    for i in range(3):
+        item = store.dequeue_rollout("w")
+        rid, aid = item.rollout.rollout_id, item.attempt.attempt_id
+        emit("DEQ", rid, aid)
+        if i < 2:  # the third one stays "preparing"
+            store.update_attempt(rid, aid, status="running")
+            emit("RUN", rid, aid)
+        inflight.append((rid, aid))
+    emit("READY")
+    k, deadline = 0, time.monotonic() + 20
+    while time.monotonic() < deadline:
+        for rid, aid in inflight:
+            span = Span(rollout_id=rid, attempt_id=aid, trace_id="t" * 32, span_id="%016x" % k, name="s%d" % k,
+                        start_time=1.0, end_time=2.0, attributes={"k": k, "token_ids": [k, k + 1, k + 2]})
+            emit("SPAN", rid, aid, store.add_span(span).sequence_id, k)
+        emit("ENQ", store.enqueue_rollout({"i": 100 + k}).rollout_id)
+        k += 1
+
+while True:
+    path = sys.stdin.readline().strip()
+    if not path:
+        break
+    pid = os.fork()
+    if pid == 0:
+        try:
+            work(path)
+        except BaseException as exc:
+            emit("ERR", repr(exc))
+        finally:
+            os._exit(3)
+    emit("DONE", os.waitpid(pid, 0)[1])
+'''
+
+
+class _Lines:
+    """Lines of a process's stdout, read by a thread so every wait has a timeout."""
+
+    def __init__(self, stream) -> None:
+        self._q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self._q.put(line.rstrip("\n"))
+        self._q.put(None)
+
+    def next(self, timeout: float = 10.0) -> str:
+        try:
+            line = self._q.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no output from the helper process within {timeout}s") from None
+        assert line is not None, "the helper process exited"
+        assert not line.startswith("ERR"), line
+        return line
+
+
+def test_sigkill_keeps_every_acknowledged_write_and_recovers_in_flight_attempts(tmp_path):
+    script = tmp_path / "zygote.py"
+    script.write_text(_ZYGOTE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    stderr = open(tmp_path / "zygote.err", "w")
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=stderr, text=True, env=env, cwd=tmp_path, start_new_session=True)
+    lines = _Lines(proc.stdout)
+    rng = random.Random(1234)
+    t0 = time.monotonic()
+    try:
+        for trial in range(20):
+            path = tmp_path / f"trial{trial}.db"
+            proc.stdin.write(f"{path}\n")
+            proc.stdin.flush()
+            seen = [lines.next(timeout=30 if trial == 0 else 10)]
+            pid = int(seen[0].split()[1])
+            while seen[-1] != "READY":
+                seen.append(lines.next())
+            for _ in range(rng.randint(0, 40)):
+                seen.append(lines.next())
+            os.kill(pid, signal.SIGKILL)
+            while not seen[-1].startswith("DONE"):
+                seen.append(lines.next())  # what it acknowledged before it died
+            status = int(seen.pop().split()[1])
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"trial {trial}: {status}"
+            _check_recovered(path, seen)
+        assert time.monotonic() - t0 < 60
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the helper and a worker a failed trial left running
+        proc.wait(10)
+        stderr.close()
+
+
+def _check_recovered(path: Path, seen: list[str]) -> None:
+    acked = [line.split() for line in seen]
+    enq = [parts[1] for parts in acked if parts[0] == "ENQ"]
+    deq = [(parts[1], parts[2]) for parts in acked if parts[0] == "DEQ"]
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for parts in acked:
+        if parts[0] == "SPAN":
+            spans.setdefault(parts[2], []).append((int(parts[3]), int(parts[4])))
+    with SqliteStore(path) as s:
+        (res,) = [parts[1] for parts in acked if parts[0] == "RES"]
+        assert s.get_latest_resources().resources_id == res
+        stored = [r.rollout_id for r in s.query_rollouts()]
+        # every acknowledged enqueue is there, in order; at most one unacknowledged one follows
+        assert stored[: len(enq)] == enq and len(stored) - len(enq) in (0, 1)
+        expected = ["failed", "requeuing", "requeuing", "queuing"]
+        assert [s.get_rollout_by_id(rid).status for rid in enq[:4]] == expected
+        assert {r.status for r in s.query_rollouts()[4:]} <= {"queuing"}
+        for rid, aid in deq:
+            (attempt,) = s.query_attempts(rid)
+            assert attempt.attempt_id == aid and attempt.status == "unresponsive" and "reopened" in attempt.error
+            got = s.query_spans(rid, aid)
+            mine = spans.get(aid, [])
+            assert [x.sequence_id for x in got] == list(range(1, len(got) + 1))
+            assert len(got) - len(mine) in (0, 1)
+            for span, (seq, k) in zip(got, mine):
+                assert span.sequence_id == seq and span.attributes == {"k": k, "token_ids": [k, k + 1, k + 2]}
+        # queue order survives: never-dequeued rollouts first, then the requeued ones
+        order = []
+        while (item := s.dequeue_rollout()) is not None:
+            order.append(item.rollout.rollout_id)
+        assert order == [enq[3], *stored[4:], enq[1], enq[2]]
