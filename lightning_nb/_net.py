@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import ipaddress
+import threading
+import time
+from typing import Any
 
-__all__ = ["is_loopback"]
+from lightning_nb.errors import LightningNbError
+
+__all__ = ["is_loopback", "ThreadedServer"]
 
 
 def is_loopback(host: str) -> bool:
@@ -15,3 +20,41 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class ThreadedServer:
+    """uvicorn serving an ASGI ``app`` in a daemon thread (so a notebook cell returns at once).
+
+    Args:
+        app: the ASGI application.
+        host / port: bind address; port 0 picks a free port (read it from :meth:`start`).
+        name: thread name and what error messages call the server.
+        **options: extra ``uvicorn.Config`` options.
+    """
+
+    def __init__(self, app: Any, host: str, port: int, name: str, **options: Any) -> None:
+        import uvicorn
+
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", **options)
+        self.server = uvicorn.Server(config)
+        self.name, self.host, self.port = name, host, port
+        self.thread = threading.Thread(target=self.server.run, name=f"lightning_nb-{name}", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> int:
+        """Start and wait until the socket is bound; returns the port.
+
+        Raises:
+            LightningNbError: the server did not start (e.g. the port is taken).
+        """
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise LightningNbError(f"{self.name} failed to start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self.port
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)

@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import threading
-import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
@@ -25,9 +24,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lightning_nb._net import is_loopback
+from lightning_nb._net import ThreadedServer, is_loopback
 from lightning_nb.engine import Generation, TransformersEngine
-from lightning_nb.errors import ConfigError, LightningNbError, NotFoundError
+from lightning_nb.errors import ConfigError, NotFoundError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.tracer import Tracer
 from lightning_nb.types import LLMResource
@@ -138,34 +137,21 @@ class LLMProxy:
         self.tracer = tracer or Tracer(store)
         self._key = f"{_PROVIDER}://{secrets.token_hex(8)}"
         self._server: Any = None
-        self._thread: Optional[threading.Thread] = None
 
     # ----- lifecycle ------------------------------------------------------------------
     def start(self) -> "LLMProxy":
         """Start serving in a background thread; returns once the port is bound."""
-        import uvicorn
-
         if self._server is not None:
             return self
         _register_provider()
         _ENGINES[self._key] = self.engine
-        config = uvicorn.Config(self._app(), host=self.host, port=self.port, log_level="warning", lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="lightning_nb-proxy", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise LightningNbError(f"LLM proxy failed to start on {self.host}:{self.port}")
-            time.sleep(0.02)
-        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        self._server = ThreadedServer(self._app(), self.host, self.port, "LLM proxy")
+        self.port = self._server.start()
         return self
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.should_exit = True
-            if self._thread is not None:
-                self._thread.join(timeout=10)
+            self._server.stop()
             self._server = None
         _ENGINES.pop(self._key, None)
 

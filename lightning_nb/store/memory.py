@@ -9,14 +9,12 @@ from typing import Any, Optional, Sequence
 
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundError
 from lightning_nb.store.base import LightningStore
+from lightning_nb.store.rules import apply_attempt_update, coerce_resources, follow_attempt
 from lightning_nb.types import (
-    ATTEMPT_TERMINAL,
     ROLLOUT_TERMINAL,
     Attempt,
     AttemptedRollout,
     AttemptStatus,
-    LLMResource,
-    PromptTemplate,
     ResourcesUpdate,
     Rollout,
     RolloutConfig,
@@ -26,12 +24,6 @@ from lightning_nb.types import (
 )
 
 __all__ = ["InMemoryStore"]
-
-_ATTEMPT_NEXT: dict[str, set[str]] = {
-    "preparing": {"running", "succeeded", "failed", "timeout", "unresponsive"},
-    "running": {"succeeded", "failed", "timeout", "unresponsive"},
-}
-
 
 class InMemoryStore(LightningStore):
     """All tables in process memory behind one lock (a ``threading.Condition``).
@@ -157,41 +149,14 @@ class InMemoryStore(LightningStore):
         with self._cond:
             rollout = self._rollout(rollout_id)
             attempt = self._attempt(rollout_id, attempt_id)
-            if status is not None and status != attempt.status:
-                if status not in _ATTEMPT_NEXT.get(attempt.status, set()):
-                    raise InvalidStatusTransition(
-                        f"attempt {attempt_id} cannot move from {attempt.status!r} to {status!r}; "
-                        f"allowed: {sorted(_ATTEMPT_NEXT.get(attempt.status, set())) or 'none (terminal)'}"
-                    )
-            if worker_id is not None:
-                attempt.worker_id = worker_id
-            if error is not None:
-                attempt.error = error
             now = time.time()
-            if heartbeat:
-                attempt.last_heartbeat_time = now
-            if status is not None and status != attempt.status:
-                attempt.status = status
-                is_latest = self._attempts[rollout_id][-1].attempt_id == attempt_id
-                if is_latest and rollout.status not in ROLLOUT_TERMINAL:
-                    self._follow_attempt(rollout, status, now)
-                if status in ATTEMPT_TERMINAL:
-                    attempt.end_time = now
+            changed = apply_attempt_update(attempt, status=status, worker_id=worker_id, error=error,
+                                           heartbeat=heartbeat, now=now)
+            is_latest = self._attempts[rollout_id][-1].attempt_id == attempt_id
+            if changed and is_latest and follow_attempt(rollout, attempt.status, now):
+                self._queue.append(rollout_id)
             self._cond.notify_all()
             return attempt.model_copy()
-
-    def _follow_attempt(self, rollout: Rollout, status: str, now: float) -> None:
-        """Rollout transition driven by its latest attempt (lock held)."""
-        if status == "running":
-            rollout.status = "running"
-        elif status == "succeeded":
-            rollout.status, rollout.end_time = "succeeded", now
-        elif status in ("failed", "timeout", "unresponsive"):
-            if rollout.num_attempts < rollout.config.max_attempts:
-                rollout.status = "requeuing"
-                self._queue.append(rollout.rollout_id)
-            else:
-                rollout.status, rollout.end_time = "failed", now
 
     def query_attempts(self, rollout_id: Optional[str] = None) -> list[Attempt]:
         with self._cond:
@@ -226,7 +191,7 @@ class InMemoryStore(LightningStore):
 
     # ----- resources ------------------------------------------------------------------
     def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
-        update = ResourcesUpdate(resources_id=resources_id or new_id("res"), resources=_coerce(resources))
+        update = ResourcesUpdate(resources_id=resources_id or new_id("res"), resources=coerce_resources(resources))
         with self._cond:
             self._resources[update.resources_id] = update
             self._resources.move_to_end(update.resources_id)
@@ -259,20 +224,3 @@ class InMemoryStore(LightningStore):
                 return attempt
         raise NotFoundError(f"attempt_id {attempt_id!r} is not an attempt of rollout {rollout_id!r}")
 
-
-def _coerce(resources: dict[str, Any]) -> dict[str, LLMResource | PromptTemplate]:
-    if not isinstance(resources, dict) or not resources:
-        raise ConfigError("resources must be a non-empty dict of name -> LLMResource | PromptTemplate")
-    out: dict[str, LLMResource | PromptTemplate] = {}
-    for name, value in resources.items():
-        if isinstance(value, (LLMResource, PromptTemplate)):
-            out[name] = value
-        elif isinstance(value, dict) and value.get("kind") == "prompt_template":
-            out[name] = PromptTemplate(**value)
-        elif isinstance(value, dict):
-            out[name] = LLMResource(**value)
-        else:
-            raise ConfigError(
-                f"resources[{name!r}] is a {type(value).__name__}; pass an LLMResource, a PromptTemplate or a dict of one"
-            )
-    return out

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import to_jsonable_python
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lightning_nb._net import is_loopback
+from lightning_nb._net import ThreadedServer, is_loopback
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.types import AttemptedRollout, AttemptStatus, RolloutConfig, RolloutMode, Span
@@ -204,40 +204,27 @@ class StoreServer:
         self.store, self.host, self.port, self.token = store, host, port, token
         self.max_body_bytes, self.max_wait_s = max_body_bytes, max_wait_s
         self._server: Any = None
-        self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
         self._wait_limiter: Optional[anyio.CapacityLimiter] = None
 
     # ----- lifecycle ------------------------------------------------------------------
     def start(self) -> "StoreServer":
         """Start serving in a background thread; returns once the port is bound."""
-        import uvicorn
-
         if self._server is not None:
             return self
         self._stopping.clear()
         self._wait_limiter = None  # bound to the previous event loop, if any
-        config = uvicorn.Config(self.app(), host=self.host, port=self.port, log_level="warning", lifespan="off",
+        server = ThreadedServer(self.app(), self.host, self.port, "store server",
                                 timeout_keep_alive=65, timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="lightning_nb-store-server", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self._server = None
-                raise LightningNbError(f"store server failed to start on {self.host}:{self.port}")
-            time.sleep(0.02)
-        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.port = server.start()
+        self._server = server
         return self
 
     def stop(self) -> None:
         """Stop serving; pending dequeue/wait requests return within about half a second."""
         self._stopping.set()
         if self._server is not None:
-            self._server.should_exit = True
-            if self._thread is not None:
-                self._thread.join(timeout=10)
+            self._server.stop()
             self._server = None
 
     def __enter__(self) -> "StoreServer":

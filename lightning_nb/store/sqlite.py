@@ -13,9 +13,9 @@ from pydantic_core import PydanticSerializationError
 
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
-from lightning_nb.store.memory import _ATTEMPT_NEXT, _coerce
+from lightning_nb.store.rules import apply_attempt_update, coerce_resources, follow_attempt
 from lightning_nb.types import (
-    ATTEMPT_TERMINAL, ROLLOUT_TERMINAL, Attempt, AttemptedRollout, AttemptStatus, ResourcesUpdate, Rollout,
+    ROLLOUT_TERMINAL, Attempt, AttemptedRollout, AttemptStatus, ResourcesUpdate, Rollout,
     RolloutConfig, RolloutMode, Span, new_id,
 )
 
@@ -190,46 +190,20 @@ class SqliteStore(LightningStore):
                        heartbeat: bool = False) -> Attempt:
         with self._cond, self._tx():
             attempt = self._attempt(rollout_id, attempt_id)
-            allowed = _ATTEMPT_NEXT.get(attempt.status, set())
-            if status is not None and status != attempt.status and status not in allowed:
-                raise InvalidStatusTransition(
-                    f"attempt {attempt_id} cannot move from {attempt.status!r} to {status!r}; "
-                    f"allowed: {sorted(allowed) or 'none (terminal)'}"
-                )
-            if worker_id is not None:
-                attempt.worker_id = worker_id
-            if error is not None:
-                attempt.error = error
             now = time.time()
-            if heartbeat:
-                attempt.last_heartbeat_time = now
-            if status is not None and status != attempt.status:
-                self._set_status(attempt, status, now)
-            else:  # no status change: save the other fields
-                self._save_attempt(attempt)
+            changed = apply_attempt_update(attempt, status=status, worker_id=worker_id, error=error,
+                                           heartbeat=heartbeat, now=now)
+            self._save_attempt(attempt)
+            if changed:
+                self._follow(attempt, now)
             self._cond.notify_all()
             return attempt
 
-    def _set_status(self, attempt: Attempt, status: str, now: float) -> None:
-        """Save the attempt in ``status`` and let its rollout follow (lock and transaction held)."""
-        attempt.status = status  # type: ignore[assignment]
-        if status in ATTEMPT_TERMINAL:
-            attempt.end_time = now
-        self._save_attempt(attempt)
+    def _follow(self, attempt: Attempt, now: float) -> None:
+        """Let the rollout follow its latest attempt's new status (lock and transaction held)."""
         rollout = self._rollout(attempt.rollout_id)
-        if rollout.status in ROLLOUT_TERMINAL or attempt.attempt_id != self._latest_attempt_id(rollout.rollout_id):
-            return
-        queued = False
-        if status == "running":
-            rollout.status = "running"
-        elif status == "succeeded":
-            rollout.status, rollout.end_time = "succeeded", now
-        elif status in ("failed", "timeout", "unresponsive"):
-            if rollout.num_attempts < rollout.config.max_attempts:
-                rollout.status, queued = "requeuing", True
-            else:
-                rollout.status, rollout.end_time = "failed", now
-        self._save_rollout(rollout, queued=queued)
+        if attempt.attempt_id == self._latest_attempt_id(rollout.rollout_id):
+            self._save_rollout(rollout, queued=follow_attempt(rollout, attempt.status, now))
 
     def query_attempts(self, rollout_id: Optional[str] = None) -> list[Attempt]:
         with self._cond:
@@ -276,7 +250,7 @@ class SqliteStore(LightningStore):
 
     # ----- resources ------------------------------------------------------------------
     def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
-        update = ResourcesUpdate(resources_id=resources_id or new_id("res"), resources=_coerce(resources))
+        update = ResourcesUpdate(resources_id=resources_id or new_id("res"), resources=coerce_resources(resources))
         with self._cond, self._tx():
             # delete + insert gives it the highest seq: re-adding an id makes it the latest again
             self._rows("DELETE FROM resources WHERE resources_id = ?", update.resources_id)
@@ -315,9 +289,12 @@ class SqliteStore(LightningStore):
             now = time.time()
             for (data,) in rows:
                 attempt = Attempt.model_validate_json(data)
-                attempt.error = (f"the store {str(self.path)!r} was reopened while this attempt was "
-                                 f"{attempt.status!r}: the process running it died or was killed")
-                self._set_status(attempt, "unresponsive", now)
+                error = (f"the store {str(self.path)!r} was reopened while this attempt was "
+                         f"{attempt.status!r}: the process running it died or was killed")
+                apply_attempt_update(attempt, status="unresponsive", worker_id=None, error=error,
+                                     heartbeat=False, now=now)
+                self._save_attempt(attempt)
+                self._follow(attempt, now)
 
     def _rows(self, sql: str, *params: Any) -> list[Any]:
         """Run one statement; its result rows."""
