@@ -1,5 +1,7 @@
 """Runners: background threads that take rollouts from the store and run the agent.
 
+:meth:`Runner.step` runs one rollout on demand instead (online mode).
+
 An agent is a plain function ``agent(task, llm) -> reward | None``: ``task`` is
 the rollout input, ``llm`` an :class:`~lightning_nb.types.LLMResource` whose
 ``endpoint`` is an OpenAI-compatible base URL attributed to the current attempt.
@@ -25,7 +27,7 @@ import pandas as pd
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.tracer import Tracer, emit_reward
-from lightning_nb.types import AttemptedRollout, LLMResource
+from lightning_nb.types import AttemptedRollout, LLMResource, Rollout
 
 __all__ = ["Agent", "Runner", "RunnerGroup", "start_runners", "attributed_llm"]
 
@@ -113,6 +115,37 @@ class Runner:
             if item is not None:
                 self.run_attempt(item)
         self.stats.state = "stopped"
+
+    def step(self, task: Any, resources: Optional[dict[str, Any]] = None) -> Rollout:
+        """Run one rollout of ``task`` now, in the caller's thread and context (online mode).
+
+        The runner's thread need not be started: ``Runner(agent, store, Tracer(store)).step(task)``.
+        The rollout is created with :meth:`LightningStore.start_rollout` (never queued, so
+        no other runner takes it), then run like a dequeued one (:meth:`run_attempt`):
+        spans and rewards land in the store while the agent runs; the agent runs in a
+        helper thread that copies the caller's ``contextvars`` and is bounded by
+        ``default_timeout_s``. The rollout has one attempt (``max_attempts=1``).
+
+        Args:
+            task: the rollout input handed to the agent.
+            resources: ``{name: LLMResource | PromptTemplate | dict}`` stored with
+                ``store.add_resources`` (so it also becomes the store's latest set) and
+                referenced by the rollout's ``resources_id``; None uses the latest set.
+
+        Returns:
+            The rollout as finally stored: ``succeeded``, or ``failed`` with the error
+            (traceback, timeout, missing resource) on ``store.query_attempts(rollout_id)``.
+
+        Raises:
+            ConfigError: ``resources`` is neither None nor a valid resources dict.
+        """
+        if resources is not None and not isinstance(resources, dict):
+            raise ConfigError(f"resources must be a dict of name -> LLMResource | PromptTemplate or None "
+                              f"(latest), got {type(resources).__name__}")
+        resources_id = self.store.add_resources(resources).resources_id if resources is not None else None
+        item = self.store.start_rollout(task, resources_id=resources_id, worker_id=self.worker_id)
+        self.run_attempt(item)
+        return self.store.get_rollout_by_id(item.rollout.rollout_id)
 
     def run_attempt(self, item: AttemptedRollout) -> str:
         """Run the agent on one attempt and record its outcome; returns the attempt's final status."""

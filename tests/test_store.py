@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pandas as pd
 import pytest
@@ -133,3 +134,71 @@ def test_empty_views_have_columns(store):
     assert isinstance(store.spans_df(), pd.DataFrame)
     assert {"rollout_id", "name", "prompt_tokens"} <= set(store.spans_df().columns)
     assert "reward" in store.rollouts_df().columns
+
+
+# ----- online mode: start_rollout, Runner.step, completed_since -------------------------
+def test_started_rollout_is_never_dequeued_and_runs_to_success(store):
+    queued = store.enqueue_rollout("queued")
+    item = store.start_rollout({"q": 2}, mode="val", metadata={"k": "v"}, worker_id="me")
+    rid, aid = item.rollout.rollout_id, item.attempt.attempt_id
+    assert item.rollout.status == "preparing" and item.attempt.status == "preparing"
+    assert item.rollout.num_attempts == 1 and item.attempt.sequence_id == 1 and item.attempt.worker_id == "me"
+    got = store.get_rollout_by_id(rid)
+    assert got.status == "preparing" and got.mode == "val" and got.metadata == {"k": "v"}
+    assert store.dequeue_rollout("w").rollout.rollout_id == queued.rollout_id
+    assert store.dequeue_rollout("w", timeout=0.1) is None
+    store.update_attempt(rid, aid, status="running")
+    store.add_span(_span(rid, aid, "reward", reward=0.5))
+    store.update_attempt(rid, aid, status="succeeded")
+    assert store.get_rollout_by_id(rid).status == "succeeded" and store.final_reward(rid) == 0.5
+    assert [a.attempt_id for a in store.query_attempts(rid)] == [aid]
+    with pytest.raises(NotFoundError, match="res-nope"):
+        store.start_rollout("t", resources_id="res-nope")
+    assert len(store.query_rollouts()) == 2
+
+
+def test_runner_step_records_spans_and_reward(store):
+    from lightning_nb.runner import Runner
+    from lightning_nb.tracer import Tracer, emit_reward
+
+    seen = []
+
+    def agent(task, llm):
+        seen.append(llm.endpoint)
+        emit_reward(float(task["x"]))
+
+    runner = Runner(agent, store, Tracer(store))
+    res = {"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")}
+    done = runner.step({"x": 0.75}, resources=res)
+    assert done.status == "succeeded" and not runner.alive
+    assert done.resources_id == store.get_latest_resources().resources_id
+    assert store.final_reward(done.rollout_id) == 0.75
+    assert [s.name for s in store.query_spans(done.rollout_id)] == ["reward", "agent"]
+    assert seen == [f"http://127.0.0.1:9/rollout/{done.rollout_id}/attempt/"
+                    f"{store.query_attempts(done.rollout_id)[0].attempt_id}/v1"]
+    again = runner.step({"x": 0.25})  # resources=None: the latest set
+    assert again.status == "succeeded" and again.resources_id is None
+    assert store.final_reward(again.rollout_id) == 0.25
+    assert store.dequeue_rollout() is None
+    with pytest.raises(ConfigError, match="resources"):
+        runner.step({"x": 1.0}, resources="main_llm")
+
+
+def test_completed_since_returns_only_rollouts_finished_after(store):
+    def finish(task):
+        item = store.start_rollout(task)
+        store.update_attempt(item.rollout.rollout_id, item.attempt.attempt_id, status="succeeded")
+        return store.get_rollout_by_id(item.rollout.rollout_id)
+
+    assert store.completed_since(0.0) == []
+    first = finish("a")
+    time.sleep(0.01)
+    second = finish("b")
+    running = store.start_rollout("c").rollout.rollout_id
+    queued = store.enqueue_rollout("d").rollout_id
+    assert [r.rollout_id for r in store.completed_since(0.0)] == [first.rollout_id, second.rollout_id]
+    assert [r.rollout_id for r in store.completed_since(first.end_time)] == [second.rollout_id]
+    assert store.completed_since(second.end_time) == []
+    store.cancel_rollout(queued)
+    assert [r.rollout_id for r in store.completed_since(second.end_time)] == [queued]
+    assert running not in {r.rollout_id for r in store.completed_since(0.0)}

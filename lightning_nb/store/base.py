@@ -19,6 +19,7 @@ from typing import Any, Iterable, Optional, Sequence
 import pandas as pd
 
 from lightning_nb.types import (
+    ROLLOUT_TERMINAL,
     Attempt,
     AttemptedRollout,
     AttemptStatus,
@@ -29,7 +30,7 @@ from lightning_nb.types import (
     Span,
 )
 
-__all__ = ["LightningStore"]
+__all__ = ["LightningStore", "span_summary"]
 
 
 class LightningStore(ABC):
@@ -62,6 +63,30 @@ class LightningStore(ABC):
         Waits up to ``timeout`` seconds for one to arrive; returns None if none did.
         Implementations must hand each queued rollout to exactly one caller, move it
         to ``preparing`` and create an attempt in ``preparing``.
+        """
+
+    @abstractmethod
+    def start_rollout(
+        self,
+        input: Any,
+        *,
+        mode: RolloutMode = "train",
+        resources_id: Optional[str] = None,
+        config: Optional[RolloutConfig] = None,
+        metadata: Optional[dict[str, Any]] = None,
+        worker_id: Optional[str] = None,
+    ) -> AttemptedRollout:
+        """Create a rollout and its first attempt for a caller that runs it now (online mode).
+
+        Implementations must create the rollout and its first attempt directly in
+        ``preparing`` (as one atomic write), without passing through the queue, so no
+        other runner can dequeue it; the attempt records ``worker_id``. The caller then
+        drives the attempt with :meth:`update_attempt` as a runner would. If that
+        attempt fails while attempts remain (``config.max_attempts`` > 1) the rollout
+        is requeued like any other and a runner may pick the retry up.
+
+        Implementations must raise :class:`~lightning_nb.errors.NotFoundError` if
+        ``resources_id`` is given and unknown (nothing is created then).
         """
 
     @abstractmethod
@@ -166,10 +191,7 @@ class LightningStore(ABC):
         rows = []
         for s in self.query_spans(rollout_id):
             row = {k: getattr(s, k) for k in _SPAN_BASE_COLUMNS if hasattr(s, k)}
-            row["duration_s"] = s.end_time - s.start_time
-            row["prompt_tokens"] = s.attributes.get("gen_ai.usage.input_tokens")
-            row["completion_tokens"] = s.attributes.get("gen_ai.usage.output_tokens")
-            row["reward"] = s.attributes.get("reward")
+            row.update(span_summary(s))
             row.update(s.attributes)
             rows.append(row)
         df = pd.DataFrame(rows)
@@ -211,6 +233,18 @@ class LightningStore(ABC):
         spans = [s for s in self.query_spans(rollout_id, "latest") if s.name == "reward"]
         return float(spans[-1].attributes["reward"]) if spans else None
 
+    def completed_since(self, after_end_time: float) -> list[Rollout]:
+        """Terminal rollouts (succeeded, failed, cancelled) whose ``end_time`` is after ``after_end_time``.
+
+        For the algorithm that polls new completed rollouts: pass 0.0 first, then the
+        largest ``end_time`` seen so far. ``after_end_time`` is float seconds since the
+        epoch; the comparison is strict. Returns the rollouts oldest ``end_time`` first.
+        Built on :meth:`query_rollouts`, so every backend has it.
+        """
+        done = self.query_rollouts(status=sorted(ROLLOUT_TERMINAL))
+        fresh = [r for r in done if r.end_time is not None and r.end_time > after_end_time]
+        return sorted(fresh, key=lambda r: r.end_time)
+
     def enqueue_rollouts(self, inputs: Iterable[Any], **kwargs: Any) -> list[Rollout]:
         """Enqueue many tasks with the same options; see :meth:`enqueue_rollout`."""
         return [self.enqueue_rollout(x, **kwargs) for x in inputs]
@@ -218,6 +252,20 @@ class LightningStore(ABC):
     def _repr_html_(self) -> str:
         counts = pd.Series([r.status for r in self.query_rollouts()]).value_counts().to_dict()
         return f"<b>{type(self).__name__}</b> rollouts by status: {counts}, spans: {len(self.query_spans())}"
+
+
+def span_summary(span: Span) -> dict[str, Any]:
+    """The flattened columns every span view shares: duration_s, prompt_tokens, completion_tokens, reward.
+
+    ``duration_s`` is float seconds; the others are the raw attribute values
+    (``gen_ai.usage.input_tokens``, ``gen_ai.usage.output_tokens``, ``reward``) or None.
+    """
+    return {
+        "duration_s": span.end_time - span.start_time,
+        "prompt_tokens": span.attributes.get("gen_ai.usage.input_tokens"),
+        "completion_tokens": span.attributes.get("gen_ai.usage.output_tokens"),
+        "reward": span.attributes.get("reward"),
+    }
 
 
 def _short(value: Any, limit: int = 120) -> str:

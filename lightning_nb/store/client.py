@@ -133,14 +133,21 @@ class StoreClient(LightningStore):
         config: Optional[RolloutConfig] = None,
         metadata: Optional[dict[str, Any]] = None,
     ) -> Rollout:
-        body = {
-            "input": _jsonable(input, "input"),
-            "mode": mode,
-            "resources_id": resources_id,
-            "config": _jsonable(config, "config"),
-            "metadata": _jsonable(metadata, "metadata"),
-        }
+        body = _rollout_body(input, mode, resources_id, config, metadata)
         return Rollout.model_validate(self._request("POST", "/rollouts", body=body))
+
+    def start_rollout(
+        self,
+        input: Any,
+        *,
+        mode: RolloutMode = "train",
+        resources_id: Optional[str] = None,
+        config: Optional[RolloutConfig] = None,
+        metadata: Optional[dict[str, Any]] = None,
+        worker_id: Optional[str] = None,
+    ) -> AttemptedRollout:
+        body = {**_rollout_body(input, mode, resources_id, config, metadata), "worker_id": worker_id}
+        return AttemptedRollout.model_validate(self._request("POST", "/rollouts/start", body=body))
 
     def dequeue_rollout(self, worker_id: Optional[str] = None, timeout: float = 0.0) -> Optional[AttemptedRollout]:
         deadline = time.monotonic() + max(timeout, 0.0)
@@ -218,6 +225,18 @@ class StoreClient(LightningStore):
     def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate:
         # a query parameter carries any id, including "latest" and ids with "/"
         return ResourcesUpdate.model_validate(self._request("GET", "/resources", params={"resources_id": resources_id}))
+
+
+def _rollout_body(input: Any, mode: str, resources_id: Optional[str], config: Optional[RolloutConfig],
+                  metadata: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """JSON body of ``POST /rollouts`` and ``POST /rollouts/start`` (ConfigError if not JSON-able)."""
+    return {
+        "input": _jsonable(input, "input"),
+        "mode": mode,
+        "resources_id": resources_id,
+        "config": _jsonable(config, "config"),
+        "metadata": _jsonable(metadata, "metadata"),
+    }
 
 
 def _jsonable(value: Any, field: str) -> Any:

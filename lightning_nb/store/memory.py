@@ -9,7 +9,9 @@ from typing import Any, Optional, Sequence
 
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundError
 from lightning_nb.store.base import LightningStore
-from lightning_nb.store.rules import apply_attempt_update, coerce_resources, follow_attempt
+from lightning_nb.store.rules import (
+    apply_attempt_update, coerce_resources, follow_attempt, new_rollout, start_attempt,
+)
 from lightning_nb.types import (
     ROLLOUT_TERMINAL,
     Attempt,
@@ -50,45 +52,37 @@ class InMemoryStore(LightningStore):
         config: Optional[RolloutConfig] = None,
         metadata: Optional[dict[str, Any]] = None,
     ) -> Rollout:
-        rollout = Rollout(
-            rollout_id=new_id("ro"),
-            input=input,
-            mode=mode,
-            resources_id=resources_id,
-            config=config or RolloutConfig(),
-            metadata=dict(metadata or {}),
-        )
+        rollout = new_rollout(input, mode=mode, resources_id=resources_id, config=config, metadata=metadata)
         with self._cond:
-            if resources_id is not None and resources_id not in self._resources:
-                raise NotFoundError(f"resources_id {resources_id!r} is not in the store; add it with add_resources()")
-            self._rollouts[rollout.rollout_id] = rollout
-            self._attempts[rollout.rollout_id] = []
+            self._add_rollout(rollout)
             self._queue.append(rollout.rollout_id)
             self._cond.notify_all()
             return rollout.model_copy()
+
+    def start_rollout(
+        self,
+        input: Any,
+        *,
+        mode: RolloutMode = "train",
+        resources_id: Optional[str] = None,
+        config: Optional[RolloutConfig] = None,
+        metadata: Optional[dict[str, Any]] = None,
+        worker_id: Optional[str] = None,
+    ) -> AttemptedRollout:
+        rollout = new_rollout(input, mode=mode, resources_id=resources_id, config=config, metadata=metadata)
+        with self._cond:
+            self._add_rollout(rollout)  # never put in self._queue
+            return self._start_attempt(rollout, worker_id)
 
     def dequeue_rollout(self, worker_id: Optional[str] = None, timeout: float = 0.0) -> Optional[AttemptedRollout]:
         deadline = time.monotonic() + max(timeout, 0.0)
         with self._cond:
             while True:
                 while self._queue:
-                    rid = self._queue.popleft()
-                    rollout = self._rollouts[rid]
+                    rollout = self._rollouts[self._queue.popleft()]
                     if rollout.status not in ("queuing", "requeuing"):
                         continue  # cancelled while queued
-                    rollout.num_attempts += 1
-                    rollout.status = "preparing"
-                    rollout.start_time = rollout.start_time or time.time()
-                    attempt = Attempt(
-                        rollout_id=rid,
-                        attempt_id=new_id("at"),
-                        sequence_id=rollout.num_attempts,
-                        worker_id=worker_id,
-                    )
-                    self._attempts[rid].append(attempt)
-                    self._spans[attempt.attempt_id] = []
-                    self._cond.notify_all()
-                    return AttemptedRollout(rollout=rollout.model_copy(), attempt=attempt.model_copy())
+                    return self._start_attempt(rollout, worker_id)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
@@ -210,6 +204,22 @@ class InMemoryStore(LightningStore):
             return self._resources[resources_id].model_copy()
 
     # ----- helpers (lock held) --------------------------------------------------------
+    def _add_rollout(self, rollout: Rollout) -> None:
+        """Register a new rollout (not queued); raise NotFoundError for an unknown resources_id."""
+        if rollout.resources_id is not None and rollout.resources_id not in self._resources:
+            raise NotFoundError(f"resources_id {rollout.resources_id!r} is not in the store; "
+                                f"add it with add_resources()")
+        self._rollouts[rollout.rollout_id] = rollout
+        self._attempts[rollout.rollout_id] = []
+
+    def _start_attempt(self, rollout: Rollout, worker_id: Optional[str]) -> AttemptedRollout:
+        """Move the rollout to ``preparing`` with a fresh attempt and hand out copies."""
+        attempt = start_attempt(rollout, worker_id, time.time())
+        self._attempts[rollout.rollout_id].append(attempt)
+        self._spans[attempt.attempt_id] = []
+        self._cond.notify_all()
+        return AttemptedRollout(rollout=rollout.model_copy(), attempt=attempt.model_copy())
+
     def _rollout(self, rollout_id: str) -> Rollout:
         try:
             return self._rollouts[rollout_id]

@@ -9,14 +9,37 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_nb.errors import ConfigError, InvalidStatusTransition
-from lightning_nb.types import ATTEMPT_TERMINAL, ROLLOUT_TERMINAL, Attempt, LLMResource, PromptTemplate, Rollout
+from lightning_nb.types import (
+    ATTEMPT_TERMINAL, ROLLOUT_TERMINAL, Attempt, LLMResource, PromptTemplate, Rollout, RolloutConfig, RolloutMode,
+    new_id,
+)
 
-__all__ = ["ATTEMPT_NEXT", "apply_attempt_update", "follow_attempt", "coerce_resources"]
+__all__ = ["ATTEMPT_NEXT", "new_rollout", "start_attempt", "apply_attempt_update", "follow_attempt",
+           "coerce_resources"]
 
 ATTEMPT_NEXT: dict[str, set[str]] = {
     "preparing": {"running", "succeeded", "failed", "timeout", "unresponsive"},
     "running": {"succeeded", "failed", "timeout", "unresponsive"},
 }
+
+
+def new_rollout(input: Any, *, mode: RolloutMode, resources_id: Optional[str], config: Optional[RolloutConfig],
+                metadata: Optional[dict[str, Any]]) -> Rollout:
+    """A fresh rollout in ``queuing`` (``enqueue_rollout`` / ``start_rollout`` arguments)."""
+    return Rollout(rollout_id=new_id("ro"), input=input, mode=mode, resources_id=resources_id,
+                   config=config or RolloutConfig(), metadata=dict(metadata or {}))
+
+
+def start_attempt(rollout: Rollout, worker_id: Optional[str], now: float) -> Attempt:
+    """Move ``rollout`` to ``preparing`` in place and return its next attempt (also ``preparing``).
+
+    Shared by ``dequeue_rollout`` and ``start_rollout``; the caller stores both.
+    """
+    rollout.num_attempts += 1
+    rollout.status = "preparing"
+    rollout.start_time = rollout.start_time or now
+    return Attempt(rollout_id=rollout.rollout_id, attempt_id=new_id("at"), sequence_id=rollout.num_attempts,
+                   worker_id=worker_id)
 
 
 def apply_attempt_update(attempt: Attempt, *, status: Optional[str], worker_id: Optional[str],

@@ -66,6 +66,10 @@ class EnqueueRequest(_Body):
     metadata: Optional[dict[str, Any]] = None
 
 
+class StartRequest(EnqueueRequest):
+    worker_id: Optional[str] = None
+
+
 class DequeueRequest(_Body):
     worker_id: Optional[str] = None
     timeout: float = Field(0.0, allow_inf_nan=False, description="seconds; capped at the server's max_wait_s")
@@ -300,6 +304,11 @@ class StoreServer:
         async def enqueue(req: EnqueueRequest) -> _JSON:
             return await self._call(store.enqueue_rollout, req.input, mode=req.mode, resources_id=req.resources_id,
                                     config=req.config, metadata=req.metadata)
+
+        @api.post("/rollouts/start")
+        async def start(req: StartRequest) -> _JSON:
+            return await self._call(store.start_rollout, req.input, mode=req.mode, resources_id=req.resources_id,
+                                    config=req.config, metadata=req.metadata, worker_id=req.worker_id)
 
         @api.post("/rollouts/dequeue")
         async def dequeue(req: DequeueRequest, request: Request) -> _JSON:

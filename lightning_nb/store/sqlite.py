@@ -13,7 +13,9 @@ from pydantic_core import PydanticSerializationError
 
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
-from lightning_nb.store.rules import apply_attempt_update, coerce_resources, follow_attempt
+from lightning_nb.store.rules import (
+    apply_attempt_update, coerce_resources, follow_attempt, new_rollout, start_attempt,
+)
 from lightning_nb.types import (
     ROLLOUT_TERMINAL, Attempt, AttemptedRollout, AttemptStatus, ResourcesUpdate, Rollout,
     RolloutConfig, RolloutMode, Span, new_id,
@@ -105,17 +107,30 @@ class SqliteStore(LightningStore):
     def enqueue_rollout(self, input: Any, *, mode: RolloutMode = "train", resources_id: Optional[str] = None,
                         config: Optional[RolloutConfig] = None,
                         metadata: Optional[dict[str, Any]] = None) -> Rollout:
-        rollout = Rollout(rollout_id=new_id("ro"), input=input, mode=mode, resources_id=resources_id,
-                          config=config or RolloutConfig(), metadata=dict(metadata or {}))
+        rollout = new_rollout(input, mode=mode, resources_id=resources_id, config=config, metadata=metadata)
         data = _json(rollout, "the rollout input and metadata")
         with self._cond, self._tx():
-            if resources_id is not None and not self._rows("SELECT 1 FROM resources WHERE resources_id = ?",
-                                                           resources_id):
-                raise NotFoundError(f"resources_id {resources_id!r} is not in the store; add it with add_resources()")
-            self._rows(f"INSERT INTO rollouts (rollout_id, status, queue_pos, data) VALUES (?, ?, {_BACK}, ?)",
-                       rollout.rollout_id, rollout.status, data)
+            self._insert_rollout(rollout, data, queued=True)
             self._cond.notify_all()
             return rollout.model_copy()
+
+    def start_rollout(self, input: Any, *, mode: RolloutMode = "train", resources_id: Optional[str] = None,
+                      config: Optional[RolloutConfig] = None, metadata: Optional[dict[str, Any]] = None,
+                      worker_id: Optional[str] = None) -> AttemptedRollout:
+        rollout = new_rollout(input, mode=mode, resources_id=resources_id, config=config, metadata=metadata)
+        data = _json(rollout, "the rollout input and metadata")
+        with self._cond, self._tx():  # one transaction: nobody ever sees it queued
+            self._insert_rollout(rollout, data, queued=False)
+            return self._start_attempt(rollout.rollout_id, worker_id)
+
+    def _insert_rollout(self, rollout: Rollout, data: str, *, queued: bool) -> None:
+        """Insert a new rollout, at the back of the queue or outside it (lock and transaction held)."""
+        if rollout.resources_id is not None and not self._rows("SELECT 1 FROM resources WHERE resources_id = ?",
+                                                               rollout.resources_id):
+            raise NotFoundError(f"resources_id {rollout.resources_id!r} is not in the store; "
+                                f"add it with add_resources()")
+        self._rows(f"INSERT INTO rollouts (rollout_id, status, queue_pos, data) "
+                   f"VALUES (?, ?, {_BACK if queued else 'NULL'}, ?)", rollout.rollout_id, rollout.status, data)
 
     def dequeue_rollout(self, worker_id: Optional[str] = None, timeout: float = 0.0) -> Optional[AttemptedRollout]:
         deadline = time.monotonic() + max(timeout, 0.0)
@@ -130,13 +145,9 @@ class SqliteStore(LightningStore):
                 self._cond.wait(remaining)
 
     def _start_attempt(self, rollout_id: str, worker_id: Optional[str]) -> AttemptedRollout:
-        """Move the queue head to ``preparing`` with a fresh attempt (lock and transaction held)."""
+        """Move the rollout to ``preparing`` with a fresh attempt, out of the queue (lock and transaction held)."""
         rollout = self._rollout(rollout_id)
-        rollout.num_attempts += 1
-        rollout.status = "preparing"
-        rollout.start_time = rollout.start_time or time.time()
-        attempt = Attempt(rollout_id=rollout_id, attempt_id=new_id("at"), sequence_id=rollout.num_attempts,
-                          worker_id=worker_id)
+        attempt = start_attempt(rollout, worker_id, time.time())
         self._rows("INSERT INTO attempts (attempt_id, rollout_id, sequence_id, status, data) VALUES (?, ?, ?, ?, ?)",
                    attempt.attempt_id, rollout_id, attempt.sequence_id, attempt.status, attempt.model_dump_json())
         self._save_rollout(rollout, queued=False)
