@@ -4,7 +4,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STEPS ?= 12
+STEPS ?= 20
 OUT ?= runs/demo
 
 .PHONY: setup demo test
