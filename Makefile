@@ -4,7 +4,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STEPS ?= 20
+STEPS ?= 12
 OUT ?= runs/demo
 
 .PHONY: setup demo test
