@@ -7,6 +7,36 @@ the rollout input, ``llm`` an :class:`~lightning_nb.types.LLMResource` whose
 ``endpoint`` is an OpenAI-compatible base URL attributed to the current attempt.
 Returning a number records it as the final reward; returning None means the
 agent called :func:`~lightning_nb.tracer.emit_reward` itself.
+
+Heartbeats and the watchdog
+---------------------------
+While an agent runs, its runner thread (not the agent thread) sends a heartbeat
+(``store.update_attempt(..., heartbeat=True)``) every ``heartbeat_interval_s``
+seconds, or every third of the rollout's ``unresponsive_seconds`` if smaller; an
+idle runner stamps its worker record with ``store.update_worker``. The store's
+watchdog ends attempts whose heartbeats stop (``unresponsive``) or that run past
+``timeout_seconds`` (``timeout``) and requeues their rollouts per
+``retry_condition``/``max_attempts``. If a heartbeat shows the attempt already ended
+(by the watchdog, or its rollout was cancelled), the runner abandons the agent thread
+and takes the next rollout. A hung agent never blocks other runners: each agent runs
+in its own daemon thread, and its runner gives up on it at the timeout.
+
+Abort semantics (as in the Agent Lightning design)
+--------------------------------------------------
+* The algorithm finishes: leave ``with start_runners(...) as group:`` normally (or
+  call ``group.stop()``): runners finish their current attempt and exit.
+* Failure or user interrupt (an exception, ``KeyboardInterrupt`` / Jupyter
+  "interrupt kernel" inside the ``with`` block, or ``group.abort()``): every runner
+  is told to abort; within about one second each ends its in-flight attempt
+  ``failed`` (error ``"aborted: ..."``), which requeues the rollout per its retry
+  policy, and exits. ``Runner.step`` interrupted in the caller's thread does the same
+  for its attempt and re-raises.
+* A runner that does not stop in time (``stop(timeout)`` then a short grace for
+  abort) is abandoned: it is a daemon thread, so it never keeps the process alive,
+  and the group ends its in-flight attempt ``failed`` itself; if even that store call
+  fails, the store's watchdog ends the attempt once heartbeats stop. Either way no
+  attempt stays ``running`` forever (set ``unresponsive_seconds`` for the watchdog
+  backstop). Queued rollouts stay queued for the next runners.
 """
 
 from __future__ import annotations
@@ -27,7 +57,7 @@ import pandas as pd
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.tracer import Tracer, emit_reward
-from lightning_nb.types import AttemptedRollout, LLMResource, Rollout
+from lightning_nb.types import ATTEMPT_TERMINAL, AttemptedRollout, LLMResource, Rollout
 
 __all__ = ["Agent", "Runner", "RunnerGroup", "start_runners", "attributed_llm"]
 
@@ -57,6 +87,7 @@ class RunnerStats:
     succeeded: int = 0
     failed: int = 0
     timed_out: int = 0
+    abandoned: int = 0  # attempts ended elsewhere (watchdog, cancel) while the agent still ran
     last_heartbeat: float = field(default_factory=time.time)
 
 
@@ -69,13 +100,20 @@ class Runner:
         tracer: shared OpenTelemetry tracer writing to ``store``.
         default_timeout_s: per-attempt limit when the rollout sets none.
         llm_resource: name of the LLMResource in the resources set.
+        heartbeat_interval_s: seconds between heartbeats to the store (see the module docstring).
     """
 
     def __init__(self, agent: Agent, store: LightningStore, tracer: Tracer, *,
                  default_timeout_s: Optional[float] = 300.0, llm_resource: str = "main_llm",
-                 poll_interval_s: float = 0.2) -> None:
+                 poll_interval_s: float = 0.2, heartbeat_interval_s: float = 5.0) -> None:
         if not callable(agent):
             raise ConfigError(f"agent must be callable (task, llm) -> reward, got {type(agent).__name__}")
+        if not heartbeat_interval_s > 0:
+            raise ConfigError(f"heartbeat_interval_s must be positive seconds, got {heartbeat_interval_s!r}")
+        self.heartbeat_interval_s = float(heartbeat_interval_s)
+        self._abort = threading.Event()
+        self._abort_reason = ""
+        self.current: Optional[tuple[str, str]] = None  # (rollout_id, attempt_id) while an agent runs
         self.agent, self.store, self.tracer = agent, store, tracer
         self.default_timeout_s = default_timeout_s
         self.llm_resource = llm_resource
@@ -94,6 +132,15 @@ class Runner:
         self._stop.set()
         self.stats.state = "stopping"
 
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        """Ask the thread to end its in-flight attempt ``failed`` (error ``"aborted: <reason>"``) and exit.
+
+        Returns at once; the runner notices within about one second.
+        """
+        self._abort_reason = reason
+        self._abort.set()
+        self.stop()
+
     def join(self, timeout: Optional[float] = None) -> None:
         self._thread.join(timeout)
         if not self._thread.is_alive():
@@ -103,9 +150,22 @@ class Runner:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def _worker_heartbeat(self, status: str) -> None:
+        """Stamp this runner's worker record; a failing store is logged, never raised."""
+        try:
+            self.store.update_worker(self.worker_id, status=status, heartbeat_stats={
+                "succeeded": self.stats.succeeded, "failed": self.stats.failed,
+                "timed_out": self.stats.timed_out, "abandoned": self.stats.abandoned})
+        except Exception as exc:
+            log.warning("%s: worker heartbeat failed: %s", self.worker_id, exc)
+
     def _loop(self) -> None:
+        next_beat = 0.0
         while not self._stop.is_set():
             self.stats.last_heartbeat = time.time()
+            if time.monotonic() >= next_beat:
+                self._worker_heartbeat("idle")
+                next_beat = time.monotonic() + self.heartbeat_interval_s
             try:
                 item = self.store.dequeue_rollout(self.worker_id, timeout=self.poll_interval_s)
             except Exception:  # keep the runner alive; the store logs its own errors
@@ -114,6 +174,8 @@ class Runner:
                 continue
             if item is not None:
                 self.run_attempt(item)
+                next_beat = 0.0
+        self._worker_heartbeat("stopped")
         self.stats.state = "stopped"
 
     def step(self, task: Any, resources: Optional[dict[str, Any]] = None) -> Rollout:
@@ -172,16 +234,40 @@ class Runner:
         ctx = contextvars.copy_context()
         worker = threading.Thread(target=ctx.run, args=(self._call_agent, rollout.input, llm, rid, aid, outcome),
                                   name=f"{self.worker_id}-agent", daemon=True)
+        self.current = (rid, aid)
         worker.start()
         timeout = rollout.config.timeout_seconds or self.default_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
-        while worker.is_alive():
-            worker.join(1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic())))
-            self.stats.last_heartbeat = time.time()
-            if deadline is not None and time.monotonic() >= deadline and worker.is_alive():
-                # Threads cannot be killed: the agent thread is abandoned (daemon) and whatever it
-                # records later stays attached to this timed-out attempt.
-                return self._finish(rid, aid, "timeout", f"agent ran past timeout_seconds={timeout}")
+        beat = self.heartbeat_interval_s
+        if rollout.config.unresponsive_seconds is not None:
+            beat = min(beat, rollout.config.unresponsive_seconds / 3)
+        next_beat = time.monotonic() + beat
+        try:
+            while worker.is_alive():
+                now = time.monotonic()
+                wake = min(1.0, next_beat - now, (deadline - now) if deadline is not None else 1.0)
+                worker.join(max(0.0, wake))
+                self.stats.last_heartbeat = time.time()
+                if not worker.is_alive():
+                    break
+                if self._abort.is_set():
+                    return self._finish(rid, aid, "failed", f"aborted: {self._abort_reason}")
+                if deadline is not None and time.monotonic() >= deadline:
+                    # Threads cannot be killed: the agent thread is abandoned (daemon) and whatever it
+                    # records later stays attached to this timed-out attempt.
+                    return self._finish(rid, aid, "timeout", f"agent ran past timeout_seconds={timeout}")
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + beat
+                    ended = self._heartbeat(rid, aid)
+                    if ended is not None:  # ended elsewhere (watchdog, cancel): leave the agent behind
+                        self.stats.abandoned += 1
+                        self.stats.state, self.stats.current_rollout = "idle", None
+                        return ended
+        except BaseException:  # KeyboardInterrupt in Runner.step: end the attempt, then re-raise
+            self._finish(rid, aid, "failed", "aborted: interrupted (KeyboardInterrupt) while the agent ran")
+            raise
+        finally:
+            self.current = None
         if "error" in outcome:
             return self._finish(rid, aid, "failed", outcome["error"])
         return self._finish(rid, aid, "succeeded", None)
@@ -197,10 +283,19 @@ class Runner:
         except BaseException:  # the traceback is kept on the attempt
             outcome["error"] = traceback.format_exc()
 
+    def _heartbeat(self, rid: str, aid: str) -> Optional[str]:
+        """Send one attempt heartbeat; the attempt's terminal status if it was ended elsewhere, else None."""
+        try:
+            attempt = self.store.update_attempt(rid, aid, heartbeat=True)
+        except Exception as exc:  # a remote store briefly unreachable: keep running, the watchdog decides
+            log.warning("%s: heartbeat for %s failed: %s", self.worker_id, aid, exc)
+            return None
+        return attempt.status if attempt.status in ATTEMPT_TERMINAL else None
+
     def _finish(self, rid: str, aid: str, status: str, error: Optional[str]) -> str:
         try:
             self.store.update_attempt(rid, aid, status=status, error=error)
-        except LightningNbError as exc:  # e.g. the rollout was cancelled meanwhile
+        except Exception as exc:  # e.g. the watchdog ended it or the rollout was cancelled meanwhile
             log.warning("%s: could not record %s for %s: %s", self.worker_id, status, aid, exc)
         counter = {"succeeded": "succeeded", "failed": "failed", "timeout": "timed_out"}[status]
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
@@ -214,12 +309,48 @@ class RunnerGroup:
     def __init__(self, runners: list[Runner]) -> None:
         self.runners = runners
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop all runners after their current attempts (waits up to ``timeout`` seconds)."""
+    def stop(self, timeout: float = 30.0, *, grace_s: float = 3.0) -> list[str]:
+        """Stop all runners after their current attempts; abort the ones still running after ``timeout`` s.
+
+        Runners still alive ``grace_s`` seconds after the abort are abandoned (daemon
+        threads) and their in-flight attempts are ended ``failed`` here. Returns the
+        worker ids abandoned (empty when every runner stopped).
+        """
         for r in self.runners:
             r.stop()
-        deadline = time.monotonic() + timeout
-        for r in self.runners:
+        self._join(time.monotonic() + timeout)
+        late = [r for r in self.runners if r.alive]
+        return self._abort(late, f"runner did not stop within {timeout} s", grace_s) if late else []
+
+    def abort(self, reason: str = "aborted by the caller", grace_s: float = 3.0) -> list[str]:
+        """Abort now (failure or user interrupt): in-flight attempts end ``failed``; see the module docstring.
+
+        Returns the worker ids abandoned after ``grace_s`` seconds.
+        """
+        return self._abort(list(self.runners), reason, grace_s)
+
+    def _abort(self, runners: list[Runner], reason: str, grace_s: float) -> list[str]:
+        for r in runners:
+            r.abort(reason)
+        self._join(time.monotonic() + grace_s, runners)
+        abandoned = []
+        for r in runners:
+            if not r.alive:
+                continue
+            abandoned.append(r.worker_id)
+            r.stats.state = "abandoned"
+            current = r.current
+            if current is not None:
+                try:  # fails harmlessly if the runner got there first
+                    r.store.update_attempt(*current, status="failed",
+                                           error=f"aborted: {reason}; runner {r.worker_id} abandoned")
+                except Exception as exc:
+                    log.warning("could not end attempt %s of abandoned %s (the watchdog will): %s",
+                                current[1], r.worker_id, exc)
+        return abandoned
+
+    def _join(self, deadline: float, runners: Optional[list[Runner]] = None) -> None:
+        for r in self.runners if runners is None else runners:
             r.join(max(0.0, deadline - time.monotonic()))
 
     def status(self) -> pd.DataFrame:
@@ -228,7 +359,7 @@ class RunnerGroup:
         return pd.DataFrame([
             {"worker_id": r.worker_id, "state": r.stats.state, "alive": r.alive,
              "current_rollout": r.stats.current_rollout, "succeeded": r.stats.succeeded,
-             "failed": r.stats.failed, "timed_out": r.stats.timed_out,
+             "failed": r.stats.failed, "timed_out": r.stats.timed_out, "abandoned": r.stats.abandoned,
              "heartbeat_age_s": round(now - r.stats.last_heartbeat, 1)}
             for r in self.runners
         ])
@@ -236,16 +367,24 @@ class RunnerGroup:
     def __enter__(self) -> "RunnerGroup":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.stop()  # the algorithm side finished: runners finish their attempts
+        else:  # failure or KeyboardInterrupt: both sides stop now
+            self.abort(f"{exc_type.__name__} in the algorithm side")
 
     def _repr_html_(self) -> str:
         return f"<b>RunnerGroup</b> ({len(self.runners)} runners)" + self.status().to_html(index=False)
 
 
 def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Optional[Tracer] = None,
-                  default_timeout_s: Optional[float] = 300.0, llm_resource: str = "main_llm") -> RunnerGroup:
+                  default_timeout_s: Optional[float] = 300.0, llm_resource: str = "main_llm",
+                  heartbeat_interval_s: float = 5.0) -> RunnerGroup:
     """Start ``n`` runner threads and return at once. Stop them with ``group.stop()``.
+
+    Use it as ``with start_runners(...) as group:`` around the algorithm side to get the
+    abort semantics of the module docstring; ``heartbeat_interval_s`` (seconds) is the
+    threads' heartbeat period.
 
     Raises:
         ConfigError: ``n`` < 1 or ``agent`` not callable.
@@ -253,8 +392,8 @@ def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Op
     if n < 1:
         raise ConfigError(f"n must be >= 1 runner, got {n}")
     tracer = tracer or Tracer(store)
-    runners = [Runner(agent, store, tracer, default_timeout_s=default_timeout_s, llm_resource=llm_resource)
-               for _ in range(n)]
+    runners = [Runner(agent, store, tracer, default_timeout_s=default_timeout_s, llm_resource=llm_resource,
+                      heartbeat_interval_s=heartbeat_interval_s) for _ in range(n)]
     for r in runners:
         r.start()
     return RunnerGroup(runners)

@@ -13,14 +13,21 @@ Rollout (a task)::
 Attempt (one execution of a rollout)::
 
     preparing ──▶ running ──▶ succeeded | failed | timeout
-        └──────────┴──▶ unresponsive   (set by a durable store on reopen, never by a runner)
+        └──────────┴──▶ unresponsive   (set by the store's watchdog, or on reopen after a crash)
 
 ``succeeded``, ``failed``, ``timeout``, ``unresponsive`` are terminal for an attempt;
 ``succeeded``, ``failed`` and ``cancelled`` are terminal for a rollout. A rollout whose
-attempt ends in ``failed``, ``timeout`` or ``unresponsive`` goes back to ``requeuing``
-while it has attempts left (``RolloutConfig.max_attempts``), else to ``failed``.
-An attempt is ``unresponsive`` when the store was reopened (e.g. after a crash) while
-the attempt was still ``preparing`` or ``running``.
+attempt ends in a status listed in ``RolloutConfig.retry_condition`` (by default
+``failed``, ``timeout`` and ``unresponsive``) goes back to ``requeuing`` while it has
+attempts left (``RolloutConfig.max_attempts``), else to ``failed``.
+
+The store's watchdog (``LightningStore.sweep_attempts``) ends an attempt still
+``preparing`` or ``running`` in ``timeout`` once it is older than
+``timeout_seconds`` (counted from the attempt's ``start_time``), and in
+``unresponsive`` once no heartbeat arrived for ``unresponsive_seconds`` (counted
+from ``last_heartbeat_time``, or ``start_time`` before the first heartbeat). A
+durable store also marks attempts ``unresponsive`` when it is reopened (e.g. after
+a crash) while they were still ``preparing`` or ``running``.
 
 Times are float seconds since the epoch (``time.time()``).
 """
@@ -42,6 +49,8 @@ __all__ = [
     "Rollout",
     "Attempt",
     "AttemptedRollout",
+    "Worker",
+    "WorkerStatus",
     "Span",
     "LLMResource",
     "PromptTemplate",
@@ -55,6 +64,7 @@ __all__ = [
 RolloutStatus = Literal["queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled"]
 AttemptStatus = Literal["preparing", "running", "succeeded", "failed", "timeout", "unresponsive"]
 RolloutMode = Literal["train", "val", "test"]
+WorkerStatus = Literal["idle", "busy", "stopped", "unresponsive"]
 
 ROLLOUT_TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 ATTEMPT_TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "timeout", "unresponsive"})
@@ -69,13 +79,34 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+_RETRYABLE = ("failed", "timeout", "unresponsive")
+
+
 class RolloutConfig(_Model):
-    """Retry and timeout policy of one rollout."""
+    """Retry and timeout policy of one rollout (all times in seconds).
+
+    Raises pydantic's ``ValidationError`` (a ValueError) naming the field for a bad value.
+    """
 
     max_attempts: int = Field(1, ge=1, description="Attempts before the rollout is marked failed.")
     timeout_seconds: Optional[float] = Field(
         None, gt=0, description="Wall-clock limit of one attempt; None means no limit."
     )
+    unresponsive_seconds: Optional[float] = Field(
+        None, gt=0, description="An attempt with no heartbeat for this long is ended 'unresponsive'; None: never."
+    )
+    retry_condition: list[AttemptStatus] = Field(
+        default_factory=lambda: list(_RETRYABLE),
+        description="Terminal attempt statuses that requeue the rollout while attempts remain.",
+    )
+
+    @field_validator("retry_condition")
+    @classmethod
+    def _retryable(cls, v: list[str]) -> list[str]:
+        bad = [s for s in v if s not in _RETRYABLE]
+        if bad:
+            raise ValueError(f"retry_condition may only list {list(_RETRYABLE)}, got {bad}")
+        return list(dict.fromkeys(v))
 
 
 class Rollout(_Model):
@@ -106,6 +137,23 @@ class Attempt(_Model):
     end_time: Optional[float] = None
     last_heartbeat_time: Optional[float] = None
     error: Optional[str] = Field(None, description="Traceback or message when the attempt did not succeed.")
+
+
+class Worker(_Model):
+    """A runner as the store sees it: what it is doing and when it was last heard from.
+
+    Created by the store the first time a ``worker_id`` dequeues, starts a rollout,
+    sends an attempt heartbeat or calls ``update_worker``; times are epoch seconds.
+    """
+
+    worker_id: str
+    status: WorkerStatus = "idle"
+    current_rollout_id: Optional[str] = None
+    current_attempt_id: Optional[str] = None
+    first_seen_time: float = Field(default_factory=time.time)
+    last_heartbeat_time: Optional[float] = None
+    last_dequeue_time: Optional[float] = None
+    heartbeat_stats: dict[str, Any] = Field(default_factory=dict)
 
 
 class AttemptedRollout(_Model):

@@ -101,23 +101,30 @@ def test_migrations_are_recorded_and_applied_once(tmp_path, monkeypatch):
         finally:
             db.close()
 
-    SqliteStore(path).close()
+    names = [name for name, _ in sqlite_mod.MIGRATIONS]
+    assert names[:2] == ["001_initial", "002_workers"]
+    monkeypatch.setattr(sqlite_mod, "MIGRATIONS", sqlite_mod.MIGRATIONS[:1])  # a file made before 002 existed
+    with SqliteStore(path) as s:
+        s.enqueue_rollout("old")
+    monkeypatch.undo()
+    with SqliteStore(path) as s:  # upgraded in place: only the missing migrations run
+        assert [r.input for r in s.query_rollouts()] == ["old"] and s.update_worker("w").worker_id == "w"
     first = applied()
-    assert [name for name, _ in first] == [name for name, _ in sqlite_mod.MIGRATIONS] == ["001_initial"]
+    assert [name for name, _ in first] == names
     SqliteStore(path).close()
     assert applied() == first
 
-    extra = ("002_extra", "CREATE TABLE extra (x INTEGER);\nCREATE INDEX extra_x ON extra(x);")
+    extra = ("900_extra", "CREATE TABLE extra (x INTEGER);\nCREATE INDEX extra_x ON extra(x);")
     monkeypatch.setattr(sqlite_mod, "MIGRATIONS", [*sqlite_mod.MIGRATIONS, extra])
     with SqliteStore(path) as s:
         s.enqueue_rollout("t")
-    assert applied()[0] == first[0] and [n for n, _ in applied()] == ["001_initial", "002_extra"]
+    assert applied()[0] == first[0] and [n for n, _ in applied()] == [*names, "900_extra"]
 
-    broken = ("003_broken", "CREATE TABLE half (x INTEGER);\nINSERT INTO no_such_table VALUES (1);")
+    broken = ("901_broken", "CREATE TABLE half (x INTEGER);\nINSERT INTO no_such_table VALUES (1);")
     monkeypatch.setattr(sqlite_mod, "MIGRATIONS", [*sqlite_mod.MIGRATIONS, broken])
     with pytest.raises(sqlite3.OperationalError, match="no_such_table"):
         SqliteStore(path)
-    assert [n for n, _ in applied()] == ["001_initial", "002_extra"]
+    assert [n for n, _ in applied()] == [*names, "900_extra"]
     assert "half" not in " ".join(_dump(path))  # the failed migration rolled back whole
 
 

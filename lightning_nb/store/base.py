@@ -5,6 +5,24 @@ LLM proxy, the algorithm and a notebook cell), must not call ``asyncio.run``
 (a Jupyter kernel already runs an event loop), and must never drop data that a
 call already acknowledged: a bad call raises and leaves the store unchanged.
 
+Attempts, retries and the watchdog (the rules live once in
+:mod:`lightning_nb.store.rules`; every backend applies them the same way).
+Implementations must:
+
+* requeue a rollout whose latest attempt ends in a status listed in its
+  ``config.retry_condition`` while ``num_attempts < config.max_attempts``, and fail
+  it otherwise (``follow_attempt``);
+* run the watchdog (:meth:`sweep_attempts`, verdicts from ``rules.overdue``) at
+  least every ``watchdog_interval_s`` seconds while any caller waits in
+  :meth:`dequeue_rollout` or :meth:`wait_for_rollouts`, so a timed-out or silent
+  attempt ends (``timeout`` / ``unresponsive``) and its rollout is requeued per its
+  retry policy without any extra thread; a store server's store does this for its
+  clients;
+* keep one :class:`~lightning_nb.types.Worker` record per ``worker_id``:
+  created or stamped by ``dequeue_rollout``/``start_rollout`` with a worker id,
+  by ``update_attempt(..., heartbeat=True)`` on an attempt that has a worker, and
+  by :meth:`update_worker` (rules ``worker_on_dequeue``/``worker_on_attempt``/``worker_update``).
+
 The DataFrame views (``rollouts_df`` ...) are built here from the query methods,
 so every backend gets them.
 """
@@ -13,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from abc import ABC, abstractmethod
 from typing import Any, Iterable, Optional, Sequence
 
@@ -28,6 +47,7 @@ from lightning_nb.types import (
     RolloutConfig,
     RolloutMode,
     Span,
+    Worker,
 )
 
 __all__ = ["LightningStore", "span_summary"]
@@ -126,9 +146,42 @@ class LightningStore(ABC):
         """Change an attempt's status (and its rollout's, per the status machine).
 
         Implementations must raise InvalidStatusTransition when leaving a terminal
-        status and NotFoundError for unknown ids. Ending an attempt in ``failed``,
-        ``timeout`` or ``unresponsive`` requeues the rollout while ``num_attempts < max_attempts``.
+        status and NotFoundError for unknown ids. Ending the latest attempt in a status
+        listed in ``config.retry_condition`` requeues the rollout while
+        ``num_attempts < max_attempts``; any other non-success ends it ``failed``.
+        ``heartbeat=True`` stamps ``last_heartbeat_time`` (epoch seconds) on the attempt
+        and on its worker's record; a heartbeat on a terminal attempt changes nothing
+        else, and the returned attempt's ``status`` tells the runner it was ended
+        (e.g. by the watchdog).
         """
+
+    @abstractmethod
+    def sweep_attempts(self) -> list[Attempt]:
+        """Run the watchdog once now; return the attempts it ended.
+
+        Implementations must end every ``preparing``/``running`` attempt that
+        ``rules.overdue`` condemns (``timeout`` past ``timeout_seconds`` since its
+        start, ``unresponsive`` past ``unresponsive_seconds`` since its last
+        heartbeat), with the verdict as ``error``, and let its rollout follow exactly as
+        :meth:`update_attempt` would (requeue per ``retry_condition``/``max_attempts``).
+        Each ended attempt is one atomic write. Safe to call at any time from any thread.
+        """
+
+    # ----- workers --------------------------------------------------------------------
+    @abstractmethod
+    def update_worker(self, worker_id: str, *, status: Optional[str] = None,
+                      heartbeat_stats: Optional[dict[str, Any]] = None) -> Worker:
+        """Record a heartbeat from ``worker_id`` (created if new) and return its record.
+
+        ``status`` is ``'idle'``, ``'busy'`` or ``'stopped'`` (``idle``/``stopped`` clear
+        the current rollout); ``heartbeat_stats`` replaces the free-form stats dict.
+        Implementations must raise ConfigError (store unchanged) for an empty
+        ``worker_id`` or an unknown ``status``.
+        """
+
+    @abstractmethod
+    def query_workers(self) -> list[Worker]:
+        """Every worker record, first seen first."""
 
     @abstractmethod
     def query_attempts(self, rollout_id: Optional[str] = None) -> list[Attempt]:
@@ -179,6 +232,13 @@ class LightningStore(ABC):
     def attempts_df(self) -> pd.DataFrame:
         """One row per attempt."""
         return pd.DataFrame([a.model_dump() for a in self.query_attempts()], columns=list(Attempt.model_fields))
+
+    def workers_df(self) -> pd.DataFrame:
+        """One row per worker, with ``heartbeat_age_s`` (seconds since its last heartbeat)."""
+        now = time.time()
+        rows = [{**w.model_dump(), "heartbeat_age_s": (now - w.last_heartbeat_time) if w.last_heartbeat_time
+                 else math.nan} for w in self.query_workers()]
+        return pd.DataFrame(rows, columns=[*Worker.model_fields, "heartbeat_age_s"])
 
     def spans_df(self, rollout_id: Optional[str] = None) -> pd.DataFrame:
         """One row per span.

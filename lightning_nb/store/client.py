@@ -38,6 +38,7 @@ from lightning_nb.types import (
     RolloutConfig,
     RolloutMode,
     Span,
+    Worker,
 )
 
 __all__ = ["StoreClient", "StoreConnectionError"]
@@ -202,6 +203,20 @@ class StoreClient(LightningStore):
     def query_attempts(self, rollout_id: Optional[str] = None) -> list[Attempt]:
         params = None if rollout_id is None else {"rollout_id": rollout_id}
         return [Attempt.model_validate(x) for x in self._request("GET", "/attempts", params=params)]
+
+    def sweep_attempts(self) -> list[Attempt]:
+        return [Attempt.model_validate(x) for x in self._request("POST", "/attempts/sweep")]
+
+    # ----- workers --------------------------------------------------------------------
+    def update_worker(self, worker_id: str, *, status: Optional[str] = None,
+                      heartbeat_stats: Optional[dict[str, Any]] = None) -> Worker:
+        if not isinstance(worker_id, str) or not worker_id:
+            raise ConfigError(f"worker_id must be a non-empty string, got {worker_id!r}")
+        body = {"status": status, "heartbeat_stats": _jsonable(heartbeat_stats, "heartbeat_stats")}
+        return Worker.model_validate(self._request("POST", self._path("workers", worker_id), body=body))
+
+    def query_workers(self) -> list[Worker]:
+        return [Worker.model_validate(x) for x in self._request("GET", "/workers")]
 
     # ----- spans ----------------------------------------------------------------------
     def add_span(self, span: Span) -> Span:

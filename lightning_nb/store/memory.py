@@ -1,16 +1,23 @@
-"""Thread-safe in-memory store (the default)."""
+"""Thread-safe in-memory store (the default), with an optional bound on the spans it keeps in memory."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict, deque
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import numpy as np
+import pandas as pd
+
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundError
-from lightning_nb.store.base import LightningStore
+from lightning_nb.store.base import _SPAN_COLUMNS, LightningStore
+from lightning_nb.store.spantable import SpanSpill, SpanTable, frame_from_spans
 from lightning_nb.store.rules import (
-    apply_attempt_update, coerce_resources, follow_attempt, new_rollout, start_attempt,
+    ACTIVE, DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, coerce_resources, follow_attempt,
+    new_rollout, overdue, start_attempt, worker_on_attempt, worker_on_dequeue, worker_update,
 )
 from lightning_nb.types import (
     ROLLOUT_TERMINAL,
@@ -22,6 +29,7 @@ from lightning_nb.types import (
     RolloutConfig,
     RolloutMode,
     Span,
+    Worker,
     new_id,
 )
 
@@ -32,14 +40,58 @@ class InMemoryStore(LightningStore):
 
     Calls never block on I/O while holding the lock; ``dequeue_rollout`` and
     ``wait_for_rollouts`` wait on the condition, which releases the lock.
+
+    Spans are stored as columns (:mod:`lightning_nb.store.spantable`), so
+    ``spans_df()`` over a million spans builds in well under a second.
+
+    Memory policy (bounded RSS over long runs): with ``max_spans`` set, once more than
+    ``max_spans`` spans are held in memory, the spans of *finished* rollouts
+    (succeeded, failed, cancelled), oldest enqueued first, leave memory until at most
+    80 % of ``max_spans`` remain:
+
+    * with ``spill_path``: they are written to that SQLite file (created fresh) and
+      stay readable: ``query_spans``, ``spans_df``, ``rewards_df``, ``final_reward``
+      read them back (slower), so nothing is lost;
+    * without ``spill_path``: they are evicted (dropped); ``evicted_spans`` counts
+      them, and the views no longer show them. Rollouts and attempts are always kept
+      (a few hundred bytes each); rewards of evicted rollouts stay in ``rollouts_df``.
+
+    Spans of rollouts still queued or running are never spilled or evicted, so
+    ``max_spans`` is a soft limit while many rollouts are in flight. Spilling runs
+    inside ``add_span`` with the store's lock held (one batch write per spill).
+
+    Args:
+        watchdog_interval_s: how often (seconds) waiting callers run the watchdog
+            (:meth:`sweep_attempts`).
+        max_spans: spans kept in memory before spilling/evicting; None: no limit.
+        spill_path: SQLite file for spilled spans; None: evict instead.
+
+    Raises:
+        ConfigError: a non-positive ``watchdog_interval_s`` or ``max_spans``, or
+            ``spill_path`` without ``max_spans``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, watchdog_interval_s: float = DEFAULT_WATCHDOG_INTERVAL_S, max_spans: Optional[int] = None,
+                 spill_path: Optional[str | Path] = None) -> None:
+        if max_spans is not None and (not isinstance(max_spans, int) or max_spans < 1):
+            raise ConfigError(f"max_spans must be a positive int or None (no limit), got {max_spans!r}")
+        if spill_path is not None and max_spans is None:
+            raise ConfigError("spill_path needs max_spans: pass max_spans=N to say when spans spill to the file")
+        self.max_spans = max_spans
+        self.evicted_spans = 0  # dropped for good (no spill_path)
+        self._spill = SpanSpill(spill_path) if spill_path is not None else None
+        self._table = SpanTable()
+        self._span_counts: dict[str, int] = {}  # attempt_id -> spans ever added (spilled ones included)
+        self._rank: dict[str, int] = {}  # rollout_id -> enqueue order
+        self._span_rollouts: OrderedDict[str, None] = OrderedDict()  # rollouts with spans in memory, oldest first
+        self._spilled_rollouts: set[str] = set()
+        self._clock = SweepClock(watchdog_interval_s)
+        self._active: dict[str, Attempt] = {}  # attempt_id -> attempt still preparing/running
+        self._workers: OrderedDict[str, Worker] = OrderedDict()
         self._cond = threading.Condition()
         self._rollouts: OrderedDict[str, Rollout] = OrderedDict()
         self._queue: deque[str] = deque()
         self._attempts: dict[str, list[Attempt]] = {}
-        self._spans: dict[str, list[Span]] = {}  # attempt_id -> spans
         self._resources: OrderedDict[str, ResourcesUpdate] = OrderedDict()
 
     # ----- rollouts -------------------------------------------------------------------
@@ -86,7 +138,9 @@ class InMemoryStore(LightningStore):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, self._clock.interval_s))
+                if self._clock.due():
+                    self._sweep()
 
     def get_rollout_by_id(self, rollout_id: str) -> Rollout:
         with self._cond:
@@ -115,7 +169,10 @@ class InMemoryStore(LightningStore):
                 if remaining is not None and remaining <= 0:
                     return [r.model_copy() for r in done]
                 # wake up periodically so a KeyboardInterrupt in a notebook is honoured promptly
-                self._cond.wait(0.5 if remaining is None else min(remaining, 0.5))
+                wake = min(0.5, self._clock.interval_s)
+                self._cond.wait(wake if remaining is None else min(remaining, wake))
+                if self._clock.due():
+                    self._sweep()
 
     def cancel_rollout(self, rollout_id: str) -> Rollout:
         with self._cond:
@@ -143,14 +200,56 @@ class InMemoryStore(LightningStore):
         with self._cond:
             rollout = self._rollout(rollout_id)
             attempt = self._attempt(rollout_id, attempt_id)
-            now = time.time()
-            changed = apply_attempt_update(attempt, status=status, worker_id=worker_id, error=error,
-                                           heartbeat=heartbeat, now=now)
-            is_latest = self._attempts[rollout_id][-1].attempt_id == attempt_id
-            if changed and is_latest and follow_attempt(rollout, attempt.status, now):
-                self._queue.append(rollout_id)
-            self._cond.notify_all()
+            self._update(rollout, attempt, status=status, worker_id=worker_id, error=error, heartbeat=heartbeat,
+                         now=time.time())
             return attempt.model_copy()
+
+    def _update(self, rollout: Rollout, attempt: Attempt, *, status: Optional[str], worker_id: Optional[str],
+                error: Optional[str], heartbeat: bool, now: float) -> None:
+        """Apply one attempt update and let the rollout and worker follow (lock held)."""
+        changed = apply_attempt_update(attempt, status=status, worker_id=worker_id, error=error,
+                                       heartbeat=heartbeat, now=now)
+        if attempt.status not in ACTIVE:
+            self._active.pop(attempt.attempt_id, None)
+        is_latest = self._attempts[rollout.rollout_id][-1].attempt_id == attempt.attempt_id
+        if changed and is_latest and follow_attempt(rollout, attempt.status, now):
+            self._queue.append(rollout.rollout_id)
+        if attempt.worker_id:
+            worker = worker_on_attempt(self._workers.get(attempt.worker_id), attempt, now,
+                                       heartbeat=heartbeat or changed)
+            if worker is not None:
+                self._workers[worker.worker_id] = worker
+        self._cond.notify_all()
+
+    def sweep_attempts(self) -> list[Attempt]:
+        with self._cond:
+            return self._sweep()
+
+    def _sweep(self) -> list[Attempt]:
+        """The watchdog (lock held): end overdue attempts; copies of those ended."""
+        now = time.time()
+        ended = []
+        for attempt in list(self._active.values()):
+            rollout = self._rollouts[attempt.rollout_id]
+            verdict = overdue(rollout, attempt, now)
+            if verdict is not None:
+                self._update(rollout, attempt, status=verdict[0], worker_id=None, error=verdict[1],
+                             heartbeat=False, now=now)
+                ended.append(attempt.model_copy())
+        return ended
+
+    # ----- workers --------------------------------------------------------------------
+    def update_worker(self, worker_id: str, *, status: Optional[str] = None,
+                      heartbeat_stats: Optional[dict[str, Any]] = None) -> Worker:
+        with self._cond:
+            worker = worker_update(self._workers.get(worker_id), worker_id, time.time(), status=status,
+                                   heartbeat_stats=heartbeat_stats)
+            self._workers[worker_id] = worker
+            return worker.model_copy()
+
+    def query_workers(self) -> list[Worker]:
+        with self._cond:
+            return [w.model_copy() for w in self._workers.values()]
 
     def query_attempts(self, rollout_id: Optional[str] = None) -> list[Attempt]:
         with self._cond:
@@ -162,12 +261,43 @@ class InMemoryStore(LightningStore):
     # ----- spans ----------------------------------------------------------------------
     def add_span(self, span: Span) -> Span:
         with self._cond:
-            self._attempt(span.rollout_id, span.attempt_id)
-            spans = self._spans[span.attempt_id]
-            stored = span.model_copy(update={"sequence_id": len(spans) + 1})
-            spans.append(stored)
+            attempt = self._attempt(span.rollout_id, span.attempt_id)
+            seq = self._span_counts[attempt.attempt_id] + 1
+            stored = span.model_copy(update={"sequence_id": seq})
+            self._table.append(stored, attempt.rollout_id, attempt.attempt_id, self._rank[attempt.rollout_id],
+                               attempt.sequence_id)
+            self._span_counts[attempt.attempt_id] = seq
+            self._span_rollouts[attempt.rollout_id] = None
+            if self.max_spans is not None and len(self._table) > self.max_spans:
+                self._shed()
             self._cond.notify_all()
             return stored.model_copy()
+
+    def _shed(self) -> None:
+        """Spill or evict spans of finished rollouts, oldest first, down to 80 % of max_spans (lock held)."""
+        target = len(self._table) - int(self.max_spans * 0.8)  # type: ignore[operator]
+        counts: dict[str, int] = {}
+        for aid in self._table.by_attempt:
+            rid = self._table.value("rollout_id", self._table.by_attempt[aid][0])
+            counts[rid] = counts.get(rid, 0) + len(self._table.by_attempt[aid])
+        chosen: set[str] = set()
+        freed = 0
+        for rid in self._span_rollouts:
+            if freed >= target:
+                break
+            if self._rollouts[rid].status in ROLLOUT_TERMINAL:
+                chosen.add(rid)
+                freed += counts.get(rid, 0)
+        if not chosen:
+            return
+        dropped = self._table.drop(chosen)
+        for rid in chosen:
+            del self._span_rollouts[rid]
+        if self._spill is not None:
+            self._spill.write(dropped)
+            self._spilled_rollouts |= chosen
+        else:
+            self.evicted_spans += len(dropped)
 
     def query_spans(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> list[Span]:
         with self._cond:
@@ -181,7 +311,56 @@ class InMemoryStore(LightningStore):
                     attempts = attempts[-1:]
                 elif attempt_id is not None:
                     attempts = [self._attempt(rollout_id, attempt_id)]
-            return [s.model_copy() for a in attempts for s in self._spans[a.attempt_id]]
+            table = self._table
+            items = [(table.keys(r), r) for r in table.rows(a.attempt_id for a in attempts)]
+            spans = [(k, table.span(r)) for k, r in items]
+            if self._spilled_rollouts and (rollout_id is None or rollout_id in self._spilled_rollouts):
+                wanted = {a.attempt_id for a in attempts}
+                spans += [((rank, aseq, s.sequence_id), s) for rank, aseq, s in self._spill.read(rollout_id)
+                          if s.attempt_id in wanted]  # type: ignore[union-attr]
+            spans.sort(key=lambda item: item[0])
+            return [s for _, s in spans]
+
+    # ----- fast views -----------------------------------------------------------------
+    def spans_df(self, rollout_id: Optional[str] = None) -> pd.DataFrame:
+        """One row per span, as :meth:`LightningStore.spans_df`, built from the span columns.
+
+        Spilled spans are read back from the spill file and included (slower).
+        """
+        with self._cond:
+            if rollout_id is None:
+                df, keys = self._table.frame()
+                spilled = self._spill.read() if self._spilled_rollouts else []  # type: ignore[union-attr]
+            else:
+                attempts = self._attempts[self._rollout(rollout_id).rollout_id]
+                df, keys = self._table.frame(self._table.rows(a.attempt_id for a in attempts))
+                spilled = self._spill.read(rollout_id) if rollout_id in self._spilled_rollouts else []  # type: ignore[union-attr]
+        if spilled:
+            more, more_keys = frame_from_spans(spilled)
+            df, keys = pd.concat([df, more], ignore_index=True), np.concatenate([keys, more_keys], axis=1)
+        if df.empty:
+            return pd.DataFrame(columns=_SPAN_COLUMNS)
+        order = np.lexsort(keys[::-1])
+        if not (order[1:] > order[:-1]).all():
+            df = df.take(order).reset_index(drop=True)
+        return df
+
+    def _final_rewards(self) -> dict[str, float]:
+        with self._cond:
+            latest = {rid: attempts[-1].attempt_id for rid, attempts in self._attempts.items() if attempts}
+            table = self._table
+            rows = table.rows_named("reward")
+            spilled = self._spill.read(name="reward") if self._spilled_rollouts else []  # type: ignore[union-attr]
+            found = [(table.keys(r), table.value("rollout_id", r), table.value("attempt_id", r), table.attrs[r])
+                     for r in rows]
+        found += [((rank, aseq, s.sequence_id), s.rollout_id, s.attempt_id, s.attributes) for rank, aseq, s in spilled]
+        found.sort(key=lambda item: item[0])
+        out: dict[str, float] = {}
+        for _, rid, aid, attrs in found:
+            if latest.get(rid) == aid:
+                value = attrs.get("reward")
+                out[rid] = math.nan if value is None else float(value)
+        return out
 
     # ----- resources ------------------------------------------------------------------
     def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
@@ -211,12 +390,17 @@ class InMemoryStore(LightningStore):
                                 f"add it with add_resources()")
         self._rollouts[rollout.rollout_id] = rollout
         self._attempts[rollout.rollout_id] = []
+        self._rank[rollout.rollout_id] = len(self._rank)
 
     def _start_attempt(self, rollout: Rollout, worker_id: Optional[str]) -> AttemptedRollout:
         """Move the rollout to ``preparing`` with a fresh attempt and hand out copies."""
-        attempt = start_attempt(rollout, worker_id, time.time())
+        now = time.time()
+        attempt = start_attempt(rollout, worker_id, now)
         self._attempts[rollout.rollout_id].append(attempt)
-        self._spans[attempt.attempt_id] = []
+        self._active[attempt.attempt_id] = attempt
+        if worker_id:
+            self._workers[worker_id] = worker_on_dequeue(self._workers.get(worker_id), attempt, now)
+        self._span_counts[attempt.attempt_id] = 0
         self._cond.notify_all()
         return AttemptedRollout(rollout=rollout.model_copy(), attempt=attempt.model_copy())
 

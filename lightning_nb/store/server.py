@@ -92,6 +92,11 @@ class UpdateAttemptRequest(_Body):
     heartbeat: bool = False
 
 
+class UpdateWorkerRequest(_Body):
+    status: Optional[str] = None
+    heartbeat_stats: Optional[dict[str, Any]] = None
+
+
 class AddResourcesRequest(_Body):
     resources: Any = Field(description="name -> LLMResource | PromptTemplate (as JSON); the store validates it")
     resources_id: Optional[str] = None
@@ -351,6 +356,20 @@ class StoreServer:
         @api.get("/attempts")
         async def query_attempts(rollout_id: Optional[str] = None) -> _JSON:
             return await self._call(store.query_attempts, rollout_id)
+
+        @api.post("/attempts/sweep")
+        async def sweep_attempts() -> _JSON:
+            return await self._call(store.sweep_attempts)
+
+        # workers
+        @api.post("/workers/{worker_id}")
+        async def update_worker(worker_id: str, req: UpdateWorkerRequest) -> _JSON:
+            return await self._call(store.update_worker, worker_id, status=req.status,
+                                    heartbeat_stats=req.heartbeat_stats)
+
+        @api.get("/workers")
+        async def query_workers() -> _JSON:
+            return await self._call(store.query_workers)
 
         # spans
         @api.post("/spans")

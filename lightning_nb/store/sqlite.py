@@ -14,11 +14,12 @@ from pydantic_core import PydanticSerializationError
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import (
-    apply_attempt_update, coerce_resources, follow_attempt, new_rollout, start_attempt,
+    DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, coerce_resources, follow_attempt, new_rollout,
+    overdue, start_attempt, worker_on_attempt, worker_on_dequeue, worker_update,
 )
 from lightning_nb.types import (
     ROLLOUT_TERMINAL, Attempt, AttemptedRollout, AttemptStatus, ResourcesUpdate, Rollout,
-    RolloutConfig, RolloutMode, Span, new_id,
+    RolloutConfig, RolloutMode, Span, Worker, new_id,
 )
 
 __all__ = ["SqliteStore", "MIGRATIONS"]
@@ -46,6 +47,11 @@ MIGRATIONS: list[tuple[str, str]] = [
             seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- the highest is the latest
             resources_id TEXT NOT NULL UNIQUE, data TEXT NOT NULL);
     """),
+    ("002_workers", """
+        CREATE TABLE workers (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- first seen order
+            worker_id TEXT NOT NULL UNIQUE, data TEXT NOT NULL);
+    """),
 ]
 
 
@@ -62,6 +68,9 @@ class SqliteStore(LightningStore):
     while ``num_attempts < config.max_attempts`` and fails it otherwise, exactly as
     a ``timeout`` would. So open a file from one process at a time.
 
+    Watchdog: callers waiting in ``dequeue_rollout``/``wait_for_rollouts`` run
+    :meth:`sweep_attempts` every ``watchdog_interval_s`` seconds (see the contract).
+
     Thread-safe: one connection guarded by a ``threading.Condition``;
     ``dequeue_rollout`` and ``wait_for_rollouts`` wait on it without holding the lock.
     Rollout inputs, metadata and span attributes must be JSON-serializable (NaN and
@@ -69,7 +78,8 @@ class SqliteStore(LightningStore):
     Use as a context manager, or call :meth:`close`.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, watchdog_interval_s: float = DEFAULT_WATCHDOG_INTERVAL_S) -> None:
+        self._clock = SweepClock(watchdog_interval_s)
         self.path = Path(path)
         self._cond = threading.Condition()
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +152,9 @@ class SqliteStore(LightningStore):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, self._clock.interval_s))
+                if self._clock.due():
+                    self._sweep()
 
     def _start_attempt(self, rollout_id: str, worker_id: Optional[str]) -> AttemptedRollout:
         """Move the rollout to ``preparing`` with a fresh attempt, out of the queue (lock and transaction held)."""
@@ -151,6 +163,8 @@ class SqliteStore(LightningStore):
         self._rows("INSERT INTO attempts (attempt_id, rollout_id, sequence_id, status, data) VALUES (?, ?, ?, ?, ?)",
                    attempt.attempt_id, rollout_id, attempt.sequence_id, attempt.status, attempt.model_dump_json())
         self._save_rollout(rollout, queued=False)
+        if worker_id:
+            self._save_worker(worker_on_dequeue(self._worker(worker_id), attempt, time.time()))
         self._cond.notify_all()
         return AttemptedRollout(rollout=rollout, attempt=attempt)
 
@@ -181,7 +195,10 @@ class SqliteStore(LightningStore):
                 if len(done) == len(rollout_ids) or (remaining is not None and remaining <= 0):
                     return [self._rollout(rid) for rid in done]
                 # wake up periodically so a KeyboardInterrupt in a notebook is honoured promptly
-                self._cond.wait(0.5 if remaining is None else min(remaining, 0.5))
+                wake = min(0.5, self._clock.interval_s)
+                self._cond.wait(wake if remaining is None else min(remaining, wake))
+                if self._clock.due():
+                    self._sweep()
 
     def cancel_rollout(self, rollout_id: str) -> Rollout:
         with self._cond, self._tx():
@@ -202,19 +219,72 @@ class SqliteStore(LightningStore):
         with self._cond, self._tx():
             attempt = self._attempt(rollout_id, attempt_id)
             now = time.time()
-            changed = apply_attempt_update(attempt, status=status, worker_id=worker_id, error=error,
-                                           heartbeat=heartbeat, now=now)
-            self._save_attempt(attempt)
-            if changed:
-                self._follow(attempt, now)
-            self._cond.notify_all()
+            self._update(attempt, status=status, worker_id=worker_id, error=error, heartbeat=heartbeat, now=now)
             return attempt
+
+    def _update(self, attempt: Attempt, *, status: Optional[str], worker_id: Optional[str], error: Optional[str],
+                heartbeat: bool, now: float) -> None:
+        """Apply one attempt update; the rollout and worker follow (lock and transaction held)."""
+        changed = apply_attempt_update(attempt, status=status, worker_id=worker_id, error=error,
+                                       heartbeat=heartbeat, now=now)
+        self._save_attempt(attempt)
+        if changed:
+            self._follow(attempt, now)
+        if attempt.worker_id:
+            worker = worker_on_attempt(self._worker(attempt.worker_id), attempt, now, heartbeat=heartbeat or changed)
+            if worker is not None:
+                self._save_worker(worker)
+        self._cond.notify_all()
 
     def _follow(self, attempt: Attempt, now: float) -> None:
         """Let the rollout follow its latest attempt's new status (lock and transaction held)."""
         rollout = self._rollout(attempt.rollout_id)
         if attempt.attempt_id == self._latest_attempt_id(rollout.rollout_id):
             self._save_rollout(rollout, queued=follow_attempt(rollout, attempt.status, now))
+
+    def sweep_attempts(self) -> list[Attempt]:
+        with self._cond:
+            return self._sweep()
+
+    def _sweep(self) -> list[Attempt]:
+        """The watchdog (lock held): end overdue attempts, one transaction each."""
+        rows = self._rows("SELECT a.data, r.data FROM attempts a JOIN rollouts r ON r.rollout_id = a.rollout_id "
+                          "WHERE a.status IN ('preparing', 'running') ORDER BY r.seq, a.sequence_id")
+        now = time.time()
+        ended = []
+        for attempt_data, rollout_data in rows:
+            verdict = overdue(Rollout.model_validate_json(rollout_data), Attempt.model_validate_json(attempt_data), now)
+            if verdict is None:
+                continue
+            with self._tx():
+                attempt = Attempt.model_validate_json(attempt_data)
+                self._update(attempt, status=verdict[0], worker_id=None, error=verdict[1], heartbeat=False, now=now)
+            ended.append(attempt)
+        return ended
+
+    # ----- workers --------------------------------------------------------------------
+    def update_worker(self, worker_id: str, *, status: Optional[str] = None,
+                      heartbeat_stats: Optional[dict[str, Any]] = None) -> Worker:
+        with self._cond:
+            worker = worker_update(self._worker(worker_id) if isinstance(worker_id, str) else None, worker_id,
+                                   time.time(), status=status, heartbeat_stats=heartbeat_stats)
+            data = _json(worker, "heartbeat_stats")
+            with self._tx():
+                self._save_worker(worker, data)
+            return worker
+
+    def query_workers(self) -> list[Worker]:
+        with self._cond:
+            return [Worker.model_validate_json(d) for (d,) in self._rows("SELECT data FROM workers ORDER BY seq")]
+
+    def _worker(self, worker_id: str) -> Optional[Worker]:
+        rows = self._rows("SELECT data FROM workers WHERE worker_id = ?", worker_id)
+        return Worker.model_validate_json(rows[0][0]) if rows else None
+
+    def _save_worker(self, worker: Worker, data: Optional[str] = None) -> None:
+        self._rows("INSERT INTO workers (worker_id, data) VALUES (?, ?) "
+                   "ON CONFLICT(worker_id) DO UPDATE SET data = excluded.data",
+                   worker.worker_id, data or worker.model_dump_json())
 
     def query_attempts(self, rollout_id: Optional[str] = None) -> list[Attempt]:
         with self._cond:
@@ -302,10 +372,7 @@ class SqliteStore(LightningStore):
                 attempt = Attempt.model_validate_json(data)
                 error = (f"the store {str(self.path)!r} was reopened while this attempt was "
                          f"{attempt.status!r}: the process running it died or was killed")
-                apply_attempt_update(attempt, status="unresponsive", worker_id=None, error=error,
-                                     heartbeat=False, now=now)
-                self._save_attempt(attempt)
-                self._follow(attempt, now)
+                self._update(attempt, status="unresponsive", worker_id=None, error=error, heartbeat=False, now=now)
 
     def _rows(self, sql: str, *params: Any) -> list[Any]:
         """Run one statement; its result rows."""
