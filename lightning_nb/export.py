@@ -8,6 +8,10 @@ same columns and types, and token IDs come back exactly as they were stored:
   (see :data:`TRIPLET_SCHEMA`).
 
 Read them back with ``pandas.read_parquet(path)`` or ``pyarrow.parquet.read_table(path)``.
+
+:func:`spans_to_otlp` sends stored spans to an OpenTelemetry collector over OTLP/HTTP
+(Jaeger, Phoenix, Grafana Tempo, an ``otelcol``) with their original trace, span and
+parent ids, so the trees look there as they did when recorded.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from typing import Any, Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lightning_nb.errors import ConfigError
+from lightning_nb.errors import ConfigError, LightningNbError, MissingDependencyError
 from lightning_nb.store.base import LightningStore, span_summary
 from lightning_nb.types import Span, Triplet
 
-__all__ = ["spans_to_parquet", "triplets_to_parquet", "SPAN_SCHEMA", "TRIPLET_SCHEMA"]
+__all__ = ["spans_to_parquet", "triplets_to_parquet", "spans_to_otlp", "OTLPExportError", "SPAN_SCHEMA",
+           "TRIPLET_SCHEMA"]
 
 _IDS = pa.list_(pa.int64())
 
@@ -88,6 +93,135 @@ def triplets_to_parquet(triplets: Sequence[Triplet], path: str | Path) -> Path:
         rows.append({name: getattr(t, name) for name in TRIPLET_SCHEMA.names})
     table = pa.Table.from_pylist(rows, schema=TRIPLET_SCHEMA)
     return _write(table, path, "triplets_to_parquet")
+
+
+class OTLPExportError(LightningNbError, ConnectionError):
+    """The OTLP collector could not be reached or refused the spans."""
+
+
+def spans_to_otlp(store: LightningStore, endpoint: str, rollout_id: Optional[str] = None, *,
+                  headers: Optional[dict[str, str]] = None, service_name: str = "lightning-nb",
+                  timeout_s: float = 10.0, batch_size: int = 512) -> int:
+    """Send the store's spans (all, or one rollout's) to an OTLP/HTTP collector; returns how many were sent.
+
+    Each stored span is re-emitted with its stored ``trace_id``, ``span_id``, ``parent_id``,
+    name, start/end times (nanoseconds on the wire), status and attributes, plus
+    ``lightning_nb.rollout_id``, ``lightning_nb.attempt_id``, ``lightning_nb.sequence_id`` and
+    an ``openinference.span.kind`` (LLM, TOOL, EVALUATOR for rewards, CHAIN otherwise) so
+    Phoenix shows them by kind. Attribute values OTLP cannot carry (dicts, mixed or nested
+    lists) are sent as JSON strings; None values are dropped. An id that is not hex of the
+    OpenTelemetry length (32 digits for traces, 16 for spans) is replaced by a stable hash of it.
+    Sending the same spans twice sends duplicates; collectors do not deduplicate.
+
+    Args:
+        store: where the spans are read (any backend).
+        endpoint: the collector URL, e.g. ``http://127.0.0.1:4318`` (Jaeger, otelcol) or
+            ``http://127.0.0.1:6006`` (Phoenix); ``/v1/traces`` is appended when the URL has no path.
+        rollout_id: only this rollout's spans; None sends all.
+        headers: extra HTTP headers, e.g. ``{"authorization": "Bearer ..."}`` for a hosted collector.
+        service_name: the OpenTelemetry ``service.name`` resource attribute.
+        timeout_s: seconds per request (the exporter retries within it).
+        batch_size: spans per request.
+
+    Raises:
+        ConfigError: ``endpoint`` is not an http(s) URL, or ``timeout_s`` / ``batch_size`` not positive.
+        NotFoundError: ``rollout_id`` is not in the store.
+        MissingDependencyError: opentelemetry-exporter-otlp-proto-http is missing (the ``otlp`` extra).
+        OTLPExportError: the collector did not accept a batch (earlier batches stay sent).
+    """
+    url = _otlp_url(endpoint)
+    if not timeout_s > 0 or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"timeout_s must be positive seconds and batch_size an int >= 1, "
+                          f"got timeout_s={timeout_s!r}, batch_size={batch_size!r}")
+    exporter_cls = _otlp_exporter_class()
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    spans = store.query_spans(rollout_id)
+    resource = Resource.create({"service.name": service_name})
+    exporter = exporter_cls(endpoint=url, headers=headers, timeout=timeout_s)
+    try:
+        for start in range(0, len(spans), batch_size):
+            batch = [_readable_span(s, resource) for s in spans[start:start + batch_size]]
+            if exporter.export(batch) != SpanExportResult.SUCCESS:
+                last = start + len(batch) - 1
+                raise OTLPExportError(f"the OTLP collector at {url} did not accept spans {start}..{last} of "
+                                      f"{len(spans)} (see the opentelemetry exporter's log); is it running?")
+    finally:
+        exporter.shutdown()
+    return len(spans)
+
+
+def _otlp_url(endpoint: str) -> str:
+    from urllib.parse import urlsplit
+
+    if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
+        raise ConfigError(f"endpoint must be an http:// or https:// URL of an OTLP/HTTP collector such as "
+                          f"'http://127.0.0.1:4318', got {endpoint!r}")
+    return endpoint.rstrip("/") + "/v1/traces" if urlsplit(endpoint).path in ("", "/") else endpoint
+
+
+def _otlp_exporter_class() -> Any:
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError as exc:
+        raise MissingDependencyError("OTLP export needs opentelemetry-exporter-otlp-proto-http: "
+                                     "pip install 'lightning-nb[otlp]'") from exc
+    return OTLPSpanExporter
+
+
+def _otel_id(value: Optional[str], digits: int) -> int:
+    """The hex id as an int; a stable hash for ids that are not ``digits`` hex digits (never 0)."""
+    import hashlib
+
+    if value and len(value) == digits:
+        try:
+            n = int(value, 16)
+            if n:
+                return n
+        except ValueError:
+            pass
+    n = int.from_bytes(hashlib.sha256(str(value).encode()).digest()[: digits // 2], "big")
+    return n or 1
+
+
+def _otel_value(value: Any) -> Any:
+    """``value`` as an OTLP attribute value: primitives and homogeneous lists as they are, else JSON."""
+    if isinstance(value, (str, bool, float)) or (_is_int(value) and -2**63 <= value < 2**63):
+        return value
+    if isinstance(value, (list, tuple)) and value:
+        kinds = {type(v) for v in value}
+        if len(kinds) == 1 and kinds <= {str, bool, int, float} and all(
+                not isinstance(v, int) or isinstance(v, bool) or -2**63 <= v < 2**63 for v in value):
+            return list(value)
+    return json.dumps(value, allow_nan=True, default=repr)
+
+
+def _span_kind(span: Span) -> str:
+    if "gen_ai.system" in span.attributes or "prompt_token_ids" in span.attributes:
+        return "LLM"
+    if span.name.startswith("tool:"):
+        return "TOOL"
+    return "EVALUATOR" if span.name == "reward" else "CHAIN"
+
+
+def _readable_span(span: Span, resource: Any) -> Any:
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
+
+    trace_id = _otel_id(span.trace_id, 32)
+    context = SpanContext(trace_id, _otel_id(span.span_id, 16), is_remote=False, trace_flags=TraceFlags(1))
+    parent = (SpanContext(trace_id, _otel_id(span.parent_id, 16), is_remote=False, trace_flags=TraceFlags(1))
+              if span.parent_id else None)
+    attributes = {k: _otel_value(v) for k, v in span.attributes.items() if v is not None}
+    attributes.update({"lightning_nb.rollout_id": span.rollout_id, "lightning_nb.attempt_id": span.attempt_id,
+                       "lightning_nb.sequence_id": span.sequence_id})
+    attributes.setdefault("openinference.span.kind", _span_kind(span))
+    status = Status({"ok": StatusCode.OK, "error": StatusCode.ERROR}.get(span.status, StatusCode.UNSET))
+    return ReadableSpan(name=span.name, context=context, parent=parent, resource=resource, attributes=attributes,
+                        status=status, start_time=int(span.start_time * 1e9), end_time=int(span.end_time * 1e9),
+                        instrumentation_scope=InstrumentationScope("lightning_nb"))
 
 
 # ----- helpers ----------------------------------------------------------------------------

@@ -379,16 +379,36 @@ class RunnerGroup:
 
 def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Optional[Tracer] = None,
                   default_timeout_s: Optional[float] = 300.0, llm_resource: str = "main_llm",
-                  heartbeat_interval_s: float = 5.0) -> RunnerGroup:
+                  backend: str = "threads", heartbeat_interval_s: float = 5.0,
+                  **backend_options: Any) -> RunnerGroup:
     """Start ``n`` runner threads and return at once. Stop them with ``group.stop()``.
 
     Use it as ``with start_runners(...) as group:`` around the algorithm side to get the
     abort semantics of the module docstring; ``heartbeat_interval_s`` (seconds) is the
     threads' heartbeat period.
 
+    ``backend="ray"`` starts ``n`` Ray actors instead (see :mod:`lightning_nb.runners_ray`:
+    the store is served over HTTP; ``backend_options`` such as ``num_cpus``, ``address``,
+    ``actor_options`` go to :func:`~lightning_nb.runners_ray.start_ray_runners`) and returns
+    a ``RayRunnerGroup`` with the same ``stop()`` / ``status()``.
+
     Raises:
-        ConfigError: ``n`` < 1 or ``agent`` not callable.
+        ConfigError: ``n`` < 1, ``agent`` not callable, unknown ``backend``, or options the backend lacks.
+        MissingDependencyError: ``backend="ray"`` without Ray installed.
     """
+    if backend == "ray":
+        if tracer is not None:
+            raise ConfigError("tracer cannot be passed with backend='ray': each Ray actor makes its own Tracer")
+        from lightning_nb.runners_ray import start_ray_runners
+
+        return start_ray_runners(agent, store, n, default_timeout_s=default_timeout_s,  # type: ignore[return-value]
+                                 llm_resource=llm_resource, heartbeat_interval_s=heartbeat_interval_s,
+                                 **backend_options)
+    if backend != "threads":
+        raise ConfigError(f"backend must be 'threads' (default) or 'ray', got {backend!r}")
+    if backend_options:
+        raise ConfigError(f"unknown option(s) for backend='threads': {sorted(backend_options)}; "
+                          f"they apply to backend='ray' only")
     if n < 1:
         raise ConfigError(f"n must be >= 1 runner, got {n}")
     tracer = tracer or Tracer(store)
