@@ -81,9 +81,24 @@ class LightningRL:
     def _rollout_config(self) -> RolloutConfig:
         return RolloutConfig(max_attempts=self.config.max_attempts, timeout_seconds=self.config.rollout_timeout_s)
 
-    def _wait(self, rollout_ids: list[str]) -> None:
+    def _wait(self, rollout_ids: list[str], desc: Optional[str] = None) -> None:
+        """Wait for the rollouts (cancel them if the trainer stops); a tqdm.auto bar named ``desc`` if given."""
+        bar = None
+        if desc:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(rollout_ids), desc=desc, unit="rollout")
+        try:
+            self._wait_loop(rollout_ids, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _wait_loop(self, rollout_ids: list[str], bar: Any) -> None:
         while True:
             done = self.store.wait_for_rollouts(rollout_ids, timeout=1.0)
+            if bar is not None:
+                bar.update(len(done) - bar.n)
             if len(done) == len(rollout_ids):
                 return
             if self.trainer.stop_requested:
@@ -109,10 +124,11 @@ class LightningRL:
         self._wait(ids)
         return self.adapter.adapt(self.store, ids), ids
 
-    def evaluate(self, tasks: Optional[Sequence[Any]] = None) -> float:
+    def evaluate(self, tasks: Optional[Sequence[Any]] = None, progress: bool = True) -> float:
         """Mean final reward over ``tasks`` (default: val_tasks) with greedy decoding.
 
-        Rollouts that fail or time out count as reward 0.
+        Rollouts that fail or time out count as reward 0. ``progress`` shows a
+        tqdm.auto bar of finished rollouts (a widget in a notebook).
         """
         tasks = list(self.val_tasks if tasks is None else tasks)
         if not tasks:
@@ -120,7 +136,7 @@ class LightningRL:
         sampling = {"temperature": 0.0, "max_tokens": self.config.max_tokens}
         ids = [self.store.enqueue_rollout(t, mode="val", config=self._rollout_config(),
                                           metadata={"sampling_parameters": sampling}).rollout_id for t in tasks]
-        self._wait(ids)
+        self._wait(ids, desc="evaluating" if progress else None)
         rewards = [self.store.final_reward(rid) for rid in ids]
         return sum(r if r is not None else 0.0 for r in rewards) / len(rewards)
 
@@ -138,7 +154,7 @@ class LightningRL:
         failed = sum(1 for r in self.store.query_rollouts(rollout_ids=ids) if r.status != "succeeded")
         extra: dict[str, Any] = {"rollout_seconds": rollout_seconds, "rollouts_failed": failed}
         if self.config.val_every and step % self.config.val_every == 0 and self.val_tasks:
-            extra["val_reward"] = self.evaluate()
+            extra["val_reward"] = self.evaluate(progress=False)  # runs on the trainer's thread
             self.val_history.append((step, extra["val_reward"]))
         extra["step_seconds"] = time.perf_counter() - t0
         self.trainer.add_metrics(step, **extra)

@@ -374,7 +374,9 @@ class RunnerGroup:
             self.abort(f"{exc_type.__name__} in the algorithm side")
 
     def _repr_html_(self) -> str:
-        return f"<b>RunnerGroup</b> ({len(self.runners)} runners)" + self.status().to_html(index=False)
+        from lightning_nb._repr import runner_group_html
+
+        return runner_group_html(self)
 
 
 def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Optional[Tracer] = None,

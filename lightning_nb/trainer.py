@@ -367,10 +367,9 @@ class GRPOTrainer:
         return triplets_df(self.last_triplets, self.last_advantages)
 
     def _repr_html_(self) -> str:
-        last = self.metrics[-1] if self.metrics else {}
-        reward = last.get("reward_mean", math.nan)
-        return (f"<b>GRPOTrainer</b> state={self.state} step={self.step} "
-                f"last reward_mean={reward:.3f} weight_version={self.engine.weight_version}")
+        from lightning_nb._repr import trainer_html
+
+        return trainer_html(self)
 
     # ----- checkpoints ------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:

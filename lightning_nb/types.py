@@ -124,6 +124,11 @@ class Rollout(_Model):
     end_time: Optional[float] = None
     num_attempts: int = 0
 
+    def _repr_html_(self) -> str:
+        from lightning_nb._repr import rollout_html
+
+        return rollout_html(self)
+
 
 class Attempt(_Model):
     """One execution of a rollout by a runner."""

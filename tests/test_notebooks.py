@@ -10,6 +10,17 @@ from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+# what each notebook's outputs must contain (text, or a MIME type among the outputs' data)
+EXPECTED = {
+    "01_quickstart.ipynb": ["held-out reward before training", "held-out reward after training",
+                            "'paused'"],  # trainer.state shown after pause()
+    "02_widgets.ipynb": ["application/vnd.jupyter.widget-view+json",  # the dashboard
+                         "'running'", "InMemoryStore</b>", "RunnerGroup</b>"],  # trainer.state and the HTML reprs
+}
+
+
+def test_every_notebook_has_expectations():
+    assert sorted(EXPECTED) == [p.name for p in NOTEBOOKS]
 
 
 @pytest.mark.slow
@@ -20,6 +31,7 @@ def test_notebook_executes(path, monkeypatch):
     NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.get("output_type") == "error"]
-    text = "\n".join(str(o.get("text", "")) + str(o.get("data", {}).get("text/plain", "")) for o in outputs)
-    assert "held-out reward before training" in text and "held-out reward after training" in text
-    assert "'paused'" in text  # trainer.state shown after pause()
+    text = "\n".join(str(o.get("text", "")) + "".join(f"{k}\n{v}" for k, v in o.get("data", {}).items())
+                     for o in outputs)
+    for expected in EXPECTED[path.name]:
+        assert expected in text, f"{path.name}: no {expected!r} in the outputs"

@@ -120,11 +120,13 @@ class LightningStore(ABC):
         """Rollouts in enqueue order, optionally filtered by status and ids."""
 
     @abstractmethod
-    def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> list[Rollout]:
+    def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None,
+                          progress: bool = False) -> list[Rollout]:
         """Block until every listed rollout is terminal or ``timeout`` seconds pass.
 
         Returns the rollouts that are terminal (all of them unless it timed out).
-        Raises NotFoundError for an unknown id before waiting.
+        Raises NotFoundError for an unknown id before waiting. With ``progress``,
+        implementations must delegate to :meth:`_wait_with_progress` (a tqdm.auto bar).
         """
 
     @abstractmethod
@@ -305,13 +307,28 @@ class LightningStore(ABC):
         fresh = [r for r in done if r.end_time is not None and r.end_time > after_end_time]
         return sorted(fresh, key=lambda r: r.end_time)
 
+    def _wait_with_progress(self, rollout_ids: Sequence[str], timeout: Optional[float]) -> list[Rollout]:
+        """:meth:`wait_for_rollouts` in slices of at most 0.5 s, updating a tqdm.auto bar of finished rollouts."""
+        from tqdm.auto import tqdm
+
+        ids = list(rollout_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with tqdm(total=len(ids), desc="rollouts", unit="rollout") as bar:
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done = self.wait_for_rollouts(ids, timeout=0.5 if left is None else min(0.5, left))
+                bar.update(len(done) - bar.n)
+                if len(done) == len(ids) or left == 0.0:
+                    return done
+
     def enqueue_rollouts(self, inputs: Iterable[Any], **kwargs: Any) -> list[Rollout]:
         """Enqueue many tasks with the same options; see :meth:`enqueue_rollout`."""
         return [self.enqueue_rollout(x, **kwargs) for x in inputs]
 
     def _repr_html_(self) -> str:
-        counts = pd.Series([r.status for r in self.query_rollouts()]).value_counts().to_dict()
-        return f"<b>{type(self).__name__}</b> rollouts by status: {counts}, spans: {len(self.query_spans())}"
+        from lightning_nb._repr import store_html
+
+        return store_html(self)
 
 
 def span_summary(span: Span) -> dict[str, Any]:

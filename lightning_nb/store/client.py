@@ -171,7 +171,10 @@ class StoreClient(LightningStore):
                 "rollout_ids": None if rollout_ids is None else list(rollout_ids)}
         return [Rollout.model_validate(x) for x in self._request("POST", "/rollouts/query", body=body)]
 
-    def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> list[Rollout]:
+    def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None,
+                          progress: bool = False) -> list[Rollout]:
+        if progress:
+            return self._wait_with_progress(rollout_ids, timeout)
         ids = list(rollout_ids)
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         while True:

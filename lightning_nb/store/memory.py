@@ -156,7 +156,10 @@ class InMemoryStore(LightningStore):
                 items = list(self._rollouts.values())
             return [r.model_copy() for r in items if status is None or r.status in status]
 
-    def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> list[Rollout]:
+    def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None,
+                          progress: bool = False) -> list[Rollout]:
+        if progress:
+            return self._wait_with_progress(rollout_ids, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             for rid in rollout_ids:

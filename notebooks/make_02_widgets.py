@@ -1,0 +1,96 @@
+"""Write notebooks/02_widgets.ipynb (committed without outputs). Run: python notebooks/make_02_widgets.py
+
+The notebook is short on purpose: tests/test_browser.py opens it in JupyterLab in
+headless Chromium, runs every cell and clicks the widgets; tests/test_notebooks.py
+executes it with nbclient. ``LIGHTNING_NB_SMOKE=1`` selects small parameters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+OUT = Path(__file__).resolve().parent / "02_widgets.ipynb"
+
+CELLS = [
+    ("md", """# Live widgets: watch and steer training from the notebook
+
+One call shows everything while GRPO trains in the background:
+
+* **trainer panel**: step, tokens/s, loss, KL, reward; **Pause / Resume / Save checkpoint**; a chat box that asks the current policy while training is paused;
+* **runner panel**: every runner thread's state, current rollout, counts and last heartbeat; Start / Stop;
+* **reward curve** (plotly): mean reward per training step with min/max, validation reward, and reward per batch of finished rollouts;
+* **span browser**: the latest spans as a table; click a row to see that rollout's span tree (agent → LLM calls → tools → reward) with prompt, completion and token counts.
+
+The panels poll the store and the trainer on background threads: cells never block, and `dash.close()` stops them.
+Set `LIGHTNING_NB_SMOKE=1` for small parameters (the tests do)."""),
+    ("code", """import os
+
+SMOKE = os.environ.get("LIGHTNING_NB_SMOKE") == "1"
+STEPS = 4 if SMOKE else 12          # training steps
+TASKS_PER_STEP = 2 if SMOKE else 4  # distinct tasks per step
+GROUP_SIZE = 3 if SMOKE else 4      # rollouts per task (the GRPO group)
+MAX_TOKENS = 24 if SMOKE else 48    # completion tokens per LLM call
+N_RUNNERS = 6 if SMOKE else 8       # runner threads
+VAL_EVERY = 0 if SMOKE else 4       # evaluate on held-out tasks every N steps (0: never)"""),
+    ("md", """## Model, store, proxy, runners and trainer
+
+The same set-up as `01_quickstart.ipynb`, in one cell. Nothing trains yet."""),
+    ("code", """from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy,
+                          TransformersEngine, start_runners)
+from lightning_nb.calc import calc_agent, load_tasks
+from lightning_nb.calc.agent import SYSTEM_PROMPT
+
+engine = TransformersEngine.from_default(max_batch_size=8)
+store = InMemoryStore()
+proxy = LLMProxy(engine, store).start()
+store.add_resources({"main_llm": proxy.as_resource()})
+runners = start_runners(calc_agent, store, n=N_RUNNERS)
+trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=5e-5))
+algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=16),
+                   AlgorithmConfig(tasks_per_step=TASKS_PER_STEP, group_size=GROUP_SIZE, max_tokens=MAX_TOKENS,
+                                   val_every=VAL_EVERY))"""),
+    ("md", """## The dashboard
+
+`dashboard(store, runners, trainer)` shows every panel; each one also works alone
+(`TrainerPanel(trainer)`, `RunnerPanel(runners)`, `RewardCurve(store)`, `SpanBrowser(store)`)."""),
+    ("code", """from widgets import dashboard
+
+dash = dashboard(store, runners, trainer, batch_size=TASKS_PER_STEP * GROUP_SIZE, chat_system=SYSTEM_PROMPT)
+dash"""),
+    ("md", """## Train in the background
+
+`trainer.start` returns at once; scroll up and watch the panels fill. Press **Pause**, ask the policy something in
+the chat box, then **Resume**."""),
+    ("code", """trainer.start(algo, steps=STEPS)
+trainer.state"""),
+    ("md", """Displaying the main objects in a cell shows a summary (`_repr_html_`):"""),
+    ("code", """store"""),
+    ("code", """runners"""),
+    ("md", """## When you are done
+
+Close the dashboard (its polling threads stop) and the background threads:"""),
+    ("code", """def shutdown():
+    dash.close()
+    trainer.stop()
+    runners.stop()
+    proxy.stop()
+
+# shutdown()"""),
+]
+
+
+def build() -> nbformat.NotebookNode:
+    nb = new_notebook(cells=[new_markdown_cell(src) if kind == "md" else new_code_cell(src) for kind, src in CELLS])
+    nb.metadata = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+                   "language_info": {"name": "python"}}
+    for i, cell in enumerate(nb.cells):
+        cell["id"] = f"cell-{i:02d}"
+    return nb
+
+
+if __name__ == "__main__":
+    nbformat.write(build(), OUT)
+    print(f"wrote {OUT}")

@@ -1,0 +1,67 @@
+"""``dashboard(store, runners, trainer)``: every live panel in one output."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import ipywidgets as ipw
+
+from lightning_nb.runner import RunnerGroup
+from lightning_nb.store.base import LightningStore
+from lightning_nb.trainer import GRPOTrainer
+from widgets._live import LivePanel
+from widgets.reward import RewardCurve
+from widgets.runners import RunnerPanel
+from widgets.spans import SpanBrowser
+from widgets.trainer import TrainerPanel
+
+__all__ = ["Dashboard", "dashboard"]
+
+
+class Dashboard(ipw.VBox):
+    """The panels of :func:`dashboard`; :meth:`close` stops all their polling threads."""
+
+    def __init__(self, panels: dict[str, LivePanel]) -> None:
+        self.panels = panels
+        title = ipw.HTML("<h3 style='margin:4px 0'>lightning-nb live dashboard</h3>")
+        top = [p for k, p in panels.items() if k in ("trainer", "runners")]
+        for p in top:
+            p.layout = ipw.Layout(width=f"{100 // len(top)}%", padding="0 8px 0 0")
+        rows: list[Any] = [title]
+        if top:
+            rows.append(ipw.HBox(top))
+        rows += [p for k, p in panels.items() if k not in ("trainer", "runners")]
+        super().__init__(children=rows)
+        self.add_class("lnb-dashboard")
+
+    def refresh(self) -> None:
+        """Refresh every panel now (they also refresh on their own)."""
+        for p in self.panels.values():
+            p.refresh()
+
+    def close(self) -> None:
+        """Stop every panel's polling thread and close all widgets."""
+        for p in self.panels.values():
+            p.close()
+        for child in self.children:
+            child.close()
+        super().close()
+
+
+def dashboard(store: LightningStore, runners: Optional[RunnerGroup] = None, trainer: Optional[GRPOTrainer] = None,
+              *, interval_s: float = 1.0, batch_size: int = 8, span_rows: int = 50,
+              chat_system: Optional[str] = None) -> Dashboard:
+    """Trainer and runner panels side by side (when given), the reward curve and the span browser.
+
+    Each panel is also usable alone: :class:`TrainerPanel`, :class:`RunnerPanel`,
+    :class:`RewardCurve`, :class:`SpanBrowser`. Every panel polls on its own daemon
+    thread every ``interval_s`` seconds; ``dash.close()`` stops them all.
+    """
+    panels: dict[str, LivePanel] = {}
+    if trainer is not None:
+        panels["trainer"] = TrainerPanel(trainer, interval_s=interval_s, chat_system=chat_system)
+    if runners is not None:
+        panels["runners"] = RunnerPanel(runners, interval_s=interval_s)
+    panels["reward"] = RewardCurve(store, batch_size=batch_size, interval_s=interval_s)
+    panels["spans"] = SpanBrowser(store, limit=span_rows, interval_s=interval_s)
+    return Dashboard(panels)

@@ -1,0 +1,131 @@
+"""Live reward curve: a plotly ``FigureWidget`` fed from the store by polling.
+
+Left panel, x = training step: mean final reward of the training rollouts of each
+step with min/max as error bars (the step is the prefix of the rollout's GRPO
+``group_id``, ``"<step>:<task id>"``, set by :class:`~lightning_nb.algorithm.LightningRL`),
+and the mean reward of validation rollouts at the weights they ran with (x = the
+``weight_version`` their LLM calls report, i.e. after that many updates).
+Right panel, x = batch: mean/min/max over each ``batch_size`` consecutive finished
+rollouts of any mode, in the order they finished; it grows while the runners work,
+before any training step ends.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from lightning_nb.store.base import LightningStore
+from widgets._live import LivePanel
+
+__all__ = ["RewardCurve", "rollout_point"]
+
+
+def rollout_point(store: LightningStore, rollout: Any) -> Optional[tuple[str, Optional[int], float]]:
+    """``(mode, x, reward)`` of one finished rollout for the curve, or None to skip it.
+
+    ``x`` is the training step for ``train`` rollouts (None without a step-prefixed
+    ``group_id``) and the weight version for the others (None without LLM spans).
+    ``reward`` is the last reward span of the latest attempt; a failed rollout without
+    one counts 0.0 (as :meth:`LightningRL.evaluate` does); cancelled rollouts are skipped.
+    """
+    if rollout.status == "cancelled":
+        return None
+    spans = store.query_spans(rollout.rollout_id, "latest")
+    rewards = [s.attributes.get("reward") for s in spans if s.name == "reward"]
+    reward = float(rewards[-1]) if rewards and rewards[-1] is not None else 0.0
+    x: Optional[int] = None
+    if rollout.mode == "train":
+        group = str(rollout.metadata.get("group_id", ""))
+        head = group.split(":", 1)[0].split(".", 1)[0]  # "<step>:<task>" or "<step>.<round>:<task>"
+        x = int(head) if ":" in group and head.isdigit() else None
+    else:
+        versions = [s.attributes["weight_version"] for s in spans if "weight_version" in s.attributes]
+        x = int(max(versions)) if versions else None
+    return rollout.mode, x, reward
+
+
+class RewardCurve(LivePanel):
+    """Reward per training step, validation reward, and reward per batch of finished rollouts.
+
+    Args:
+        store: the store the runners write to.
+        batch_size: finished rollouts per point of the right panel.
+        interval_s: seconds between polls; the figure is redrawn at most once per poll
+            and only when new rollouts finished.
+        height, width: figure size in pixels (``width=None`` lets plotly choose).
+    """
+
+    def __init__(self, store: LightningStore, *, batch_size: int = 8, interval_s: float = 1.0, height: int = 330,
+                 width: Optional[int] = 900, autostart: bool = True) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 rollout, got {batch_size}")
+        self.store, self.batch_size = store, batch_size
+        base = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], horizontal_spacing=0.09,
+                             subplot_titles=("reward per training step", f"reward per batch of {batch_size} rollouts"))
+        self.fig = go.FigureWidget(base)
+        self.fig.add_scatter(name="train mean (min–max)", mode="lines+markers", x=[], y=[], row=1, col=1)
+        self.fig.add_scatter(name="val mean", mode="markers", marker={"symbol": "square", "size": 10}, x=[], y=[],
+                             row=1, col=1)
+        self.fig.add_scatter(name="batch mean (min–max)", mode="lines+markers", x=[], y=[], row=1, col=2)
+        self.fig.update_layout(height=height, width=width, margin={"l": 45, "r": 10, "t": 40, "b": 40},
+                               legend={"orientation": "h", "y": -0.22}, template="plotly_white")
+        self.fig.update_yaxes(range=[-0.05, 1.05], title_text="reward", row=1, col=1)
+        self.fig.update_yaxes(range=[-0.05, 1.05], row=1, col=2)
+        self.fig.update_xaxes(title_text="training step", row=1, col=1)
+        self.fig.update_xaxes(title_text=f"batch ({batch_size} finished rollouts)", row=1, col=2)
+        self.train: dict[int, list[float]] = {}
+        self.val: dict[int, list[float]] = {}
+        self.finished: list[float] = []
+        self._after = 0.0
+        self._seen: set[str] = set()
+        super().__init__([self.fig], interval_s=interval_s, autostart=autostart)
+        self.add_class("lnb-reward-curve")
+
+    def _refresh(self) -> None:
+        fresh = [r for r in self.store.completed_since(self._after - 1.0) if r.rollout_id not in self._seen]
+        if not fresh and self.refresh_count:
+            return
+        for r in fresh:
+            self._seen.add(r.rollout_id)
+            self._after = max(self._after, r.end_time or 0.0)
+            point = rollout_point(self.store, r)
+            if point is None:
+                continue
+            mode, x, reward = point
+            self.finished.append(reward)
+            if x is not None:
+                (self.train if mode == "train" else self.val).setdefault(x, []).append(reward)
+        self._draw()
+
+    def series(self) -> dict[str, dict[str, list]]:
+        """The plotted values: ``{"train"|"val"|"batch": {"x", "mean", "min", "max", "n"}}``."""
+        batches = {i + 1: self.finished[i * self.batch_size:(i + 1) * self.batch_size]
+                   for i in range(math.ceil(len(self.finished) / self.batch_size))}
+        return {"train": _stats(self.train), "val": _stats(self.val), "batch": _stats(batches)}
+
+    def _draw(self) -> None:
+        s = self.series()
+        with self.fig.batch_update():
+            for col, xs in ((1, s["train"]["x"] + s["val"]["x"]), (2, s["batch"]["x"])):
+                top = max(xs, default=1)
+                self.fig.update_xaxes(range=[-0.3, max(top, 1) + 0.3], tick0=0, dtick=max(1, math.ceil(top / 10)),
+                                      row=1, col=col)
+            for trace, key in ((self.fig.data[0], "train"), (self.fig.data[1], "val"), (self.fig.data[2], "batch")):
+                d = s[key]
+                trace.x, trace.y = d["x"], d["mean"]
+                trace.customdata = d["n"]
+                trace.hovertemplate = "x=%{x}<br>mean %{y:.3f}<br>n=%{customdata}<extra></extra>"
+                if key != "val":
+                    trace.error_y = {"type": "data", "symmetric": False, "thickness": 1,
+                                     "array": [hi - m for hi, m in zip(d["max"], d["mean"])],
+                                     "arrayminus": [m - lo for lo, m in zip(d["min"], d["mean"])]}
+
+
+def _stats(groups: dict[int, list[float]]) -> dict[str, list]:
+    xs = sorted(k for k, v in groups.items() if v)
+    return {"x": xs, "mean": [sum(groups[x]) / len(groups[x]) for x in xs], "min": [min(groups[x]) for x in xs],
+            "max": [max(groups[x]) for x in xs], "n": [len(groups[x]) for x in xs]}
