@@ -144,13 +144,22 @@ def _drive(page, base: str, token: str, shots: Path, t0: float) -> None:
     """Open the notebook, run all cells, and check the dashboard as a user would."""
     page.goto(f"{base}/doc/tree/{NOTEBOOK.name}?token={token}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
-    page.wait_for_timeout(1000)
+    kernel_idle = page.locator(".jp-StatusBar-Widget", has_text=re.compile(r"ipykernel\)\s*\|\s*Idle"))
+    _wait_for(page, "the kernel to be idle", lambda: kernel_idle.count() > 0, 90, shots)
     if page.locator(".jp-Dialog", has_text="Select Kernel").count():  # older settings: accept the preferred kernel
         page.locator(".jp-Dialog .jp-mod-accept").click()
-    # Run ▸ Run All Cells, as a user would
-    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-    page.locator(".lm-Menu-item[data-command='runmenu:run-all']").click()
+    first_prompt = page.locator(".jp-CodeCell .jp-InputPrompt").first
+    for _ in range(3):  # Run ▸ Run All Cells, as a user would (again if the kernel was not ready for it)
+        page.keyboard.press("Escape")  # close a menu left open
+        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        page.locator(".lm-Menu-item[data-command='runmenu:run-all']").click()
+        deadline = time.monotonic() + 20
+        while re.fullmatch(r"\[\s*\]:", first_prompt.inner_text().strip()) and time.monotonic() < deadline:
+            page.wait_for_timeout(500)
+        if not re.fullmatch(r"\[\s*\]:", first_prompt.inner_text().strip()):
+            break
+    else:
+        raise AssertionError("Run All Cells did not start the notebook")
 
     dash = ".lnb-dashboard"
     page.wait_for_selector(dash, timeout=120_000)
