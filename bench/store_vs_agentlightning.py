@@ -8,6 +8,7 @@ pins its own dependency versions, so keep it out of the project's .venv)::
     /tmp/al/bin/pip install -e /work/main          # this repo (lightning-nb)
     /tmp/al/bin/python bench/store_vs_agentlightning.py            # N=1000 K=4 S=8
     /tmp/al/bin/python bench/store_vs_agentlightning.py -n 2000 -k 8 -s 16
+    /tmp/al/bin/python bench/store_vs_agentlightning.py --synchronous FULL   # SqliteStore durability modes to run
 
 Workload, identical for every store (timed from the first enqueue to the last query):
 
@@ -31,7 +32,9 @@ store calls its ``LitAgentRunner`` makes (``dequeue_rollout``, ``get_latest_reso
 ``add_otel_span``, ``update_attempt``). Our runners also mark the attempt ``running``
 before the agent starts (one more call per rollout than theirs).
 
-Prints rollouts/s per store and the ratios. The machine's other load matters: run it
+``SqliteStore`` runs once per ``--synchronous`` mode (FULL and NORMAL by default; the file
+goes in the system temp folder unless ``--tmp`` names another, and its disk's fsync time
+dominates FULL). Prints rollouts/s per store and the ratios. The machine's other load matters: run it
 on an idle machine for numbers you quote.
 """
 
@@ -183,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-s", "--spans", type=int, default=8, help="spans per rollout (S)")
     parser.add_argument("--sdk-spans", action="store_true",
                         help="make every span with the OTel SDK inside the timed loop (agent-side cost included)")
+    parser.add_argument("--synchronous", default="FULL,NORMAL",
+                        help="SqliteStore synchronous modes to run, comma-separated (default: FULL,NORMAL)")
+    parser.add_argument("--tmp", default=None, help="folder for the SQLite file (default: the system temp folder; "
+                        "fsync cost depends on its disk)")
     args = parser.parse_args(argv)
     n, k, s = args.rollouts, args.threads, args.spans
     try:
@@ -202,12 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     sdk = args.sdk_spans
     results = {"agentlightning InMemoryLightningStore": bench_agentlightning(n, k, s, sdk),
                "lightning-nb InMemoryStore": bench_ours(InMemoryStore(), n, k, s, sdk)}
-    with tempfile.TemporaryDirectory() as tmp:
-        sqlite = SqliteStore(Path(tmp) / "bench.db")
-        try:
-            results["lightning-nb SqliteStore"] = bench_ours(sqlite, n, k, s, sdk)
-        finally:
-            sqlite.close()
+    for mode in args.synchronous.split(","):
+        with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+            sqlite = SqliteStore(Path(tmp) / "bench.db", synchronous=mode)
+            try:
+                results[f"lightning-nb SqliteStore {mode}"] = bench_ours(sqlite, n, k, s, sdk)
+            finally:
+                sqlite.close()
     theirs = n / results["agentlightning InMemoryLightningStore"]["total_s"]
     print(f"{'store':40s} {'enqueue s':>10s} {'run s':>8s} {'query s':>8s} {'rollouts/s':>11s} {'vs agl':>7s}")
     for name, r in results.items():
@@ -215,8 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:40s} {r['enqueue_s']:10.3f} {r['run_s']:8.3f} {r['query_s']:8.3f} {rate:11.1f} "
               f"{rate / theirs:6.1f}x")
     ours = n / results["lightning-nb InMemoryStore"]["total_s"]
+    sqlite_ratios = ", ".join(f"{name.split()[-1]} {n / r['total_s'] / theirs:.1f}x" for name, r in results.items()
+                              if "SqliteStore" in name)
     print(f"ratio InMemoryStore / agentlightning: {ours / theirs:.1f}x (target >= 10x); "
-          f"SqliteStore / agentlightning: {n / results['lightning-nb SqliteStore']['total_s'] / theirs:.1f}x")
+          f"SqliteStore / agentlightning: {sqlite_ratios}")
     del agentlightning
     return 0
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -29,7 +30,7 @@ from lightning_nb.store.base import LightningStore, span_summary
 from lightning_nb.types import Span, Triplet
 
 __all__ = ["spans_to_parquet", "triplets_to_parquet", "spans_to_otlp", "OTLPExportError", "SPAN_SCHEMA",
-           "TRIPLET_SCHEMA"]
+           "TRIPLET_SCHEMA", "redact_attributes", "live_otlp_exporter"]
 
 _IDS = pa.list_(pa.int64())
 
@@ -109,7 +110,8 @@ def spans_to_otlp(store: LightningStore, endpoint: str, rollout_id: Optional[str
     ``lightning_nb.rollout_id``, ``lightning_nb.attempt_id``, ``lightning_nb.sequence_id`` and
     an ``openinference.span.kind`` (LLM, TOOL, EVALUATOR for rewards, CHAIN otherwise) so
     Phoenix shows them by kind. Attribute values OTLP cannot carry (dicts, mixed or nested
-    lists) are sent as JSON strings; None values are dropped. An id that is not hex of the
+    lists) are sent as JSON strings; None values are dropped; credentials are redacted
+    (:func:`redact_attributes`). An id that is not hex of the
     OpenTelemetry length (32 digits for traces, 16 for spans) is replaced by a stable hash of it.
     Sending the same spans twice sends duplicates; collectors do not deduplicate.
 
@@ -197,12 +199,74 @@ def _otel_value(value: Any) -> Any:
     return json.dumps(value, allow_nan=True, default=repr)
 
 
-def _span_kind(span: Span) -> str:
-    if "gen_ai.system" in span.attributes or "prompt_token_ids" in span.attributes:
+def _span_kind(name: str, attributes: Any) -> str:
+    """The OpenInference span kind Phoenix groups by: LLM, TOOL, EVALUATOR (rewards) or CHAIN."""
+    if "gen_ai.system" in attributes or "prompt_token_ids" in attributes:
         return "LLM"
-    if span.name.startswith("tool:"):
+    if name.startswith("tool:"):
         return "TOOL"
-    return "EVALUATOR" if span.name == "reward" else "CHAIN"
+    return "EVALUATOR" if name == "reward" else "CHAIN"
+
+
+# an attribute whose name has one of these words (between ., _, - or the ends) holds a credential
+_SECRET_KEY = re.compile(r"(?:^|[._-])(?:api[_-]?key|apikey|authorization|auth[_-]?token|access[_-]?token|"
+                         r"refresh[_-]?token|bearer|password|passwd|secret|client[_-]?secret|cookie)(?:$|[._-])",
+                         re.IGNORECASE)
+REDACTED = "[redacted]"
+
+
+def redact_attributes(attributes: Any) -> dict[str, Any]:
+    """A copy of ``attributes`` with credential-named values replaced by ``"[redacted]"``.
+
+    A key is a credential when one of its ``.``/``_``/``-``-separated parts reads ``api_key``,
+    ``apikey``, ``authorization``, ``auth_token``, ``access_token``, ``refresh_token``, ``bearer``,
+    ``password``, ``passwd``, ``secret``, ``client_secret`` or ``cookie`` (any case), e.g.
+    ``llm.api_key`` or ``http.request.header.authorization``; token counts and token IDs
+    (``gen_ai.usage.input_tokens``, ``prompt_token_ids``) are not. Every OTLP export applies it.
+    """
+    return {k: REDACTED if _SECRET_KEY.search(k) else v for k, v in attributes.items()}
+
+
+def live_otlp_exporter(endpoint: str, headers: Optional[dict[str, str]] = None, timeout_s: float = 10.0) -> Any:
+    """An OpenTelemetry ``SpanExporter`` for live spans (used by ``Tracer(otlp_endpoint=...)``).
+
+    It sends OTel SDK spans to the OTLP/HTTP collector at ``endpoint`` after
+    :func:`redact_attributes` and with an ``openinference.span.kind`` added; ``.url`` is the full URL.
+
+    Raises:
+        ConfigError: ``endpoint`` is not an http(s) URL.
+        MissingDependencyError: opentelemetry-exporter-otlp-proto-http is missing (the ``otlp`` extra).
+    """
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    url = _otlp_url(endpoint)
+    inner = _otlp_exporter_class()(endpoint=url, headers=headers, timeout=timeout_s)
+
+    class LiveOTLPExporter(SpanExporter):
+        def export(self, spans: Sequence[Any]) -> Any:
+            return inner.export([_redacted_copy(s) for s in spans])
+
+        def shutdown(self) -> None:
+            inner.shutdown()
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return inner.force_flush(timeout_millis)
+
+    exporter = LiveOTLPExporter()
+    exporter.url = url  # type: ignore[attr-defined]
+    return exporter
+
+
+def _redacted_copy(span: Any) -> Any:
+    """The finished SDK span with redacted attributes and a span kind, as a new ``ReadableSpan``."""
+    from opentelemetry.sdk.trace import ReadableSpan
+
+    attributes = redact_attributes(span.attributes or {})
+    attributes.setdefault("openinference.span.kind", _span_kind(span.name, attributes))
+    return ReadableSpan(name=span.name, context=span.context, parent=span.parent, resource=span.resource,
+                        attributes=attributes, events=span.events, links=span.links, kind=span.kind,
+                        status=span.status, start_time=span.start_time, end_time=span.end_time,
+                        instrumentation_scope=span.instrumentation_scope)
 
 
 def _readable_span(span: Span, resource: Any) -> Any:
@@ -214,10 +278,10 @@ def _readable_span(span: Span, resource: Any) -> Any:
     context = SpanContext(trace_id, _otel_id(span.span_id, 16), is_remote=False, trace_flags=TraceFlags(1))
     parent = (SpanContext(trace_id, _otel_id(span.parent_id, 16), is_remote=False, trace_flags=TraceFlags(1))
               if span.parent_id else None)
-    attributes = {k: _otel_value(v) for k, v in span.attributes.items() if v is not None}
+    attributes = {k: _otel_value(v) for k, v in redact_attributes(span.attributes).items() if v is not None}
     attributes.update({"lightning_nb.rollout_id": span.rollout_id, "lightning_nb.attempt_id": span.attempt_id,
                        "lightning_nb.sequence_id": span.sequence_id})
-    attributes.setdefault("openinference.span.kind", _span_kind(span))
+    attributes.setdefault("openinference.span.kind", _span_kind(span.name, span.attributes))
     status = Status({"ok": StatusCode.OK, "error": StatusCode.ERROR}.get(span.status, StatusCode.UNSET))
     return ReadableSpan(name=span.name, context=context, parent=parent, resource=resource, attributes=attributes,
                         status=status, start_time=int(span.start_time * 1e9), end_time=int(span.end_time * 1e9),

@@ -89,13 +89,59 @@ class StoreSpanProcessor(SpanProcessor):
 
 
 class Tracer:
-    """An OpenTelemetry ``TracerProvider`` whose spans land in ``store``."""
+    """An OpenTelemetry ``TracerProvider`` whose spans land in ``store`` (and, optionally, in a collector live).
 
-    def __init__(self, store: LightningStore) -> None:
+    Args:
+        store: where every finished span of a rollout is written.
+        otlp_endpoint: also send every span, as it ends, to this OTLP/HTTP collector
+            (Jaeger, Phoenix, Grafana Tempo, an ``otelcol``), e.g. ``http://127.0.0.1:4318/v1/traces``;
+            ``/v1/traces`` is appended when the URL has no path. Spans are batched and sent by a
+            background thread (OpenTelemetry's ``BatchSpanProcessor``), so a slow or missing collector
+            never blocks the agent; call :meth:`force_flush` to send what is buffered now. They carry
+            ``lightning_nb.rollout_id``/``attempt_id`` and an ``openinference.span.kind``, and attributes
+            named like credentials (``api_key``, ``authorization``, ``password``, ...) are sent as
+            ``"[redacted]"`` (see :func:`lightning_nb.export.redact_attributes`).
+        otlp_headers: extra HTTP headers for the collector, e.g. ``{"authorization": "Bearer ..."}``;
+            they go on the requests only, never into span attributes.
+        service_name: the OpenTelemetry ``service.name`` resource attribute the collector shows.
+
+    Raises:
+        ConfigError: ``otlp_endpoint`` is not an http(s) URL.
+        MissingDependencyError: ``otlp_endpoint`` needs opentelemetry-exporter-otlp-proto-http
+            (``pip install 'lightning-nb[otlp]'``).
+    """
+
+    def __init__(self, store: LightningStore, *, otlp_endpoint: Optional[str] = None,
+                 otlp_headers: Optional[dict[str, str]] = None, service_name: str = "lightning-nb") -> None:
+        from opentelemetry.sdk.resources import Resource
+
         self.store = store
-        self.provider = TracerProvider()
+        self.otlp_endpoint: Optional[str] = None
+        exporter = None
+        if otlp_endpoint is not None:
+            from lightning_nb.export import live_otlp_exporter
+
+            exporter = live_otlp_exporter(otlp_endpoint, otlp_headers)  # raises before anything starts
+            self.otlp_endpoint = exporter.url
+        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
         self.provider.add_span_processor(StoreSpanProcessor(store))
+        if exporter is not None:
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+            self.provider.add_span_processor(BatchSpanProcessor(exporter))
         self.otel = self.provider.get_tracer("lightning_nb")
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Send the spans buffered for ``otlp_endpoint`` now; False if that did not finish in time."""
+        return self.provider.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        """Flush and stop the OTLP exporter's thread (also done at interpreter exit); spans ended later are dropped."""
+        self.provider.shutdown()
+
+    def __repr__(self) -> str:
+        live = f", otlp_endpoint={self.otlp_endpoint!r}" if self.otlp_endpoint else ""
+        return f"Tracer({self.store!r}{live})"
 
     @contextlib.contextmanager
     def trace_context(self, rollout_id: str, attempt_id: str, name: str = "agent") -> Iterator[OtelSpan]:

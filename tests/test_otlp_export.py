@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from lightning_nb import InMemoryStore, emit_reward, start_runners, tool_span
-from lightning_nb.errors import ConfigError, NotFoundError
-from lightning_nb.export import OTLPExportError, spans_to_otlp
+from lightning_nb.errors import ConfigError, MissingDependencyError, NotFoundError
+from lightning_nb.export import OTLPExportError, redact_attributes, spans_to_otlp
+from lightning_nb.tracer import Tracer
 from lightning_nb.types import LLMResource, Span
 
 trace_service_pb2 = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
@@ -21,12 +23,16 @@ class _Receiver:
     def __init__(self, status: int = 200) -> None:
         self.requests: list = []
         self.paths: list[str] = []
+        self.headers: list[dict[str, str]] = []
+        self.bodies: list[bytes] = []
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server naming)
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 receiver.paths.append(self.path)
+                receiver.headers.append({k.lower(): v for k, v in self.headers.items()})
+                receiver.bodies.append(body)
                 if self.path != "/v1/traces" or self.headers["Content-Type"] != "application/x-protobuf":
                     self.send_response(404)
                     self.end_headers()
@@ -146,3 +152,65 @@ def test_bad_arguments_name_the_field(kwargs, field):
     args = {"endpoint": "http://127.0.0.1:4318", **kwargs}
     with pytest.raises(ConfigError, match=field):
         spans_to_otlp(InMemoryStore(), **args)
+
+
+# ----- live export from the tracer --------------------------------------------------------------
+def test_tracer_sends_spans_live_with_credentials_redacted():
+    store = InMemoryStore()
+    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
+
+    def agent(task, llm):
+        with tool_span("calculator", "2 * 3") as span:
+            span.set_attribute("tool.output", "6")
+            span.set_attribute("llm.api_key", "sk-live-SECRET")  # what a careless instrumentation might record
+            span.set_attribute("http.request.header.authorization", "Bearer sk-live-SECRET")
+            span.set_attribute("gen_ai.usage.input_tokens", 12)
+        return 1.0
+
+    with _Receiver() as receiver:
+        tracer = Tracer(store, otlp_endpoint=receiver.url + "/v1/traces", service_name="live-test",
+                        otlp_headers={"authorization": "Bearer collector-token"})
+        assert "otlp_endpoint" in repr(tracer)
+        ids = [store.enqueue_rollout(i).rollout_id for i in range(2)]
+        with start_runners(agent, store, n=1, tracer=tracer):
+            assert len(store.wait_for_rollouts(ids, timeout=30)) == 2
+        assert tracer.force_flush(10_000)
+        tracer.shutdown()
+    assert set(receiver.paths) == {"/v1/traces"}
+    assert all(h["authorization"] == "Bearer collector-token" for h in receiver.headers)
+    assert not any(b"SECRET" in body or b"collector-token" in body for body in receiver.bodies)
+    got = receiver.spans()
+    stored = store.query_spans()
+    assert len(got) == len(stored) == 6  # agent, tool, reward per rollout
+    assert {span.span_id.hex() for _, span in got} == {s.span_id for s in stored}
+    for rs, span in got:
+        attrs = {kv.key: _value(kv.value) for kv in span.attributes}
+        assert attrs["lightning_nb.rollout_id"] in ids
+        assert {kv.key: _value(kv.value) for kv in rs.resource.attributes}["service.name"] == "live-test"
+        if span.name == "tool:calculator":
+            assert attrs["tool.output"] == "6" and attrs["openinference.span.kind"] == "TOOL"
+            assert attrs["llm.api_key"] == attrs["http.request.header.authorization"] == "[redacted]"
+            assert attrs["gen_ai.usage.input_tokens"] == 12
+        if span.name == "reward":
+            assert attrs["reward"] == 1.0 and attrs["openinference.span.kind"] == "EVALUATOR"
+    assert {span.name for _, span in got} == {"agent", "tool:calculator", "reward"}
+
+
+def test_live_otlp_errors_name_the_field_and_the_extra(monkeypatch):
+    with pytest.raises(ConfigError, match="endpoint"):
+        Tracer(InMemoryStore(), otlp_endpoint="127.0.0.1:4318")
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
+    with pytest.raises(MissingDependencyError, match=r"lightning-nb\[otlp\]"):
+        Tracer(InMemoryStore(), otlp_endpoint="http://127.0.0.1:4318")
+    assert repr(Tracer(InMemoryStore())).startswith("Tracer(")  # no endpoint: nothing to import
+
+
+def test_redact_attributes_keeps_token_counts():
+    attrs = {"api_key": "k", "OPENAI_API_KEY": "k", "x-api-key": "k", "llm.password": "p", "client_secret": "s",
+             "http.request.header.authorization": "a", "access_token": "t", "prompt_token_ids": [1],
+             "gen_ai.usage.output_tokens": 3, "tokenizer": "t", "keyword": "k", "secretary": "s"}
+    out = redact_attributes(attrs)
+    assert {k for k, v in out.items() if v == "[redacted]"} == {
+        "api_key", "OPENAI_API_KEY", "x-api-key", "llm.password", "client_secret",
+        "http.request.header.authorization", "access_token"}
+    assert attrs["api_key"] == "k"  # a copy

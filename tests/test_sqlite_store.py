@@ -164,6 +164,39 @@ def test_close_is_idempotent_and_later_calls_raise(tmp_path):
     assert "store.db" in repr(s)
 
 
+def test_synchronous_option_and_group_commit(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="synchronous"):
+        SqliteStore(tmp_path / "bad.db", synchronous="OFF")
+    with SqliteStore(tmp_path / "normal.db", synchronous="NORMAL") as s:
+        assert s.synchronous == "NORMAL" and "NORMAL" in repr(s)
+        s.enqueue_rollout("t")
+    fsyncs = []
+    real = sqlite_mod._fdatasync
+    monkeypatch.setattr(sqlite_mod, "_fdatasync", lambda fd: (fsyncs.append(fd), real(fd)))  # counts real fsyncs
+    path = tmp_path / "full.db"
+    with SqliteStore(path) as s:
+        assert s.synchronous == "FULL"
+        items = [s.start_rollout(i) for i in range(4)]
+        synced_after_return = []
+
+        def write(item):
+            for k in range(40):
+                s.add_span(_span(item.rollout.rollout_id, item.attempt.attempt_id, k=k))
+                synced_after_return.append(s._synced >= 1)
+
+        threads = [threading.Thread(target=write, args=(item,)) for item in items]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert s._synced == s._commits and all(synced_after_return)
+        commits = s._commits
+    # every commit was covered by an fsync before its call returned; threads shared some of them
+    assert 0 < len(fsyncs) <= commits
+    with SqliteStore(path) as s:
+        assert [len(s.query_spans(i.rollout.rollout_id)) for i in items] == [40] * 4
+
+
 # ----- crash recovery in a real process killed with SIGKILL -----------------------------------
 
 # A long-lived helper imports lightning_nb once (about a second) and forks one worker per trial, so
@@ -179,9 +212,9 @@ MAX_ATTEMPTS = [1, 2, 2, 1]
 def emit(*parts):
     os.write(1, (" ".join(map(str, parts)) + "\n").encode())  # one write(): a whole line or nothing
 
-def work(path):
+def work(path, synchronous):
     emit("PID", os.getpid())
-    store = SqliteStore(path)
+    store = SqliteStore(path, synchronous=synchronous)
     emit("RES", store.add_resources({"main_llm": {"endpoint": "http://127.0.0.1:9/v1", "model": "m"}}).resources_id)
     for i, n in enumerate(MAX_ATTEMPTS):
         emit("ENQ", store.enqueue_rollout({"i": i}, config=RolloutConfig(max_attempts=n)).rollout_id)
@@ -205,13 +238,14 @@ def work(path):
         k += 1
 
 while True:
-    path = sys.stdin.readline().strip()
-    if not path:
+    line = sys.stdin.readline().split()
+    if not line:
         break
+    path, synchronous = line
     pid = os.fork()
     if pid == 0:
         try:
-            work(path)
+            work(path, synchronous)
         except BaseException as exc:
             emit("ERR", repr(exc))
         finally:
@@ -242,7 +276,8 @@ class _Lines:
         return line
 
 
-def test_sigkill_keeps_every_acknowledged_write_and_recovers_in_flight_attempts(tmp_path):
+@pytest.mark.parametrize("synchronous", ["FULL", "NORMAL"])  # NORMAL only gives up on OS crashes, not kill -9
+def test_sigkill_keeps_every_acknowledged_write_and_recovers_in_flight_attempts(tmp_path, synchronous):
     script = tmp_path / "zygote.py"
     script.write_text(_ZYGOTE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -255,7 +290,7 @@ def test_sigkill_keeps_every_acknowledged_write_and_recovers_in_flight_attempts(
     try:
         for trial in range(20):
             path = tmp_path / f"trial{trial}.db"
-            proc.stdin.write(f"{path}\n")
+            proc.stdin.write(f"{path} {synchronous}\n")
             proc.stdin.flush()
             seen = [lines.next(timeout=30 if trial == 0 else 10)]
             pid = int(seen[0].split()[1])
