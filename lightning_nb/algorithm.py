@@ -30,15 +30,22 @@ class AlgorithmConfig:
     steps: int = field(default=10, metadata={"help": "Training steps run() performs by default."})
     tasks_per_step: int = field(default=4, metadata={"help": "Distinct training tasks per step."})
     group_size: int = field(default=4, metadata={"help": "Rollouts per task (the GRPO group)."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of training rollouts."})
+    temperature: float = field(default=0.7, metadata={
+        "help": "Sampling temperature of training rollouts (SmolLM2-135M at 1.0 solves ~6% of train tasks, "
+                "at 0.7 ~20%, greedy ~40%: 0.7 keeps both signal and exploration)."})
     max_tokens: int = field(default=48, metadata={"help": "Completion token limit per LLM call."})
     val_every: int = field(default=0, metadata={"help": "Evaluate on val every N steps (0: only when asked)."})
     rollout_timeout_s: float = field(default=300.0, metadata={"help": "Per-attempt timeout in seconds."})
     max_attempts: int = field(default=1, metadata={"help": "Attempts per rollout before it is marked failed."})
     seed: int = field(default=0, metadata={"help": "Seed of the task sampler."})
+    dynamic_sampling: bool = field(default=True, metadata={
+        "help": "DAPO dynamic sampling: when a group's rewards are all equal (no GRPO signal), sample more "
+                "tasks until tasks_per_step groups carry signal or max_sample_rounds is reached."})
+    max_sample_rounds: int = field(default=3, metadata={
+        "help": "Upper bound on collection rounds per step with dynamic_sampling (DAPO's max_num_gen_batches)."})
 
     def __post_init__(self) -> None:
-        for name in ("steps", "tasks_per_step", "group_size", "max_tokens", "max_attempts"):
+        for name in ("steps", "tasks_per_step", "group_size", "max_tokens", "max_attempts", "max_sample_rounds"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"AlgorithmConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.group_size < 2:
@@ -77,6 +84,8 @@ class LightningRL:
         self.on_step = on_step
         self._rng = random.Random(self.config.seed)
         self.val_history: list[tuple[int, float]] = []
+        self.last_sample_rounds = 0
+        self.last_groups_with_signal = 0
 
     def _rollout_config(self) -> RolloutConfig:
         return RolloutConfig(max_attempts=self.config.max_attempts, timeout_seconds=self.config.rollout_timeout_s)
@@ -109,20 +118,51 @@ class LightningRL:
                         pass  # already terminal
                 raise TrainerStopped("stopped while waiting for rollouts")
 
-    def collect(self) -> tuple[list, list[str]]:
-        """Enqueue one step's groups, wait, and return (triplets, rollout_ids)."""
+    def _enqueue_groups(self, n_tasks: int, round_: int) -> list[str]:
         cfg = self.config
-        tasks = [self.train_tasks[self._rng.randrange(len(self.train_tasks))] for _ in range(cfg.tasks_per_step)]
         sampling = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
         ids = []
-        for task in tasks:
-            group = f"{self.trainer.step + 1}:{task.get(self.id_key, id(task)) if isinstance(task, dict) else id(task)}"
+        for _ in range(n_tasks):
+            task = self.train_tasks[self._rng.randrange(len(self.train_tasks))]
+            key = task.get(self.id_key, id(task)) if isinstance(task, dict) else id(task)
+            group = f"{self.trainer.step + 1}.{round_}:{key}"
             for _ in range(cfg.group_size):
                 ids.append(self.store.enqueue_rollout(
                     task, mode="train", config=self._rollout_config(),
                     metadata={"group_id": group, "sampling_parameters": sampling}).rollout_id)
-        self._wait(ids)
-        return self.adapter.adapt(self.store, ids), ids
+        return ids
+
+    def collect(self) -> tuple[list, list[str]]:
+        """Enqueue one step's groups, wait, and return (triplets, rollout_ids).
+
+        With ``dynamic_sampling`` (DAPO, Yu et al. 2025, section 3.2), groups whose
+        rewards are all equal have zero advantage, so more tasks are sampled, up to
+        ``max_sample_rounds`` rounds, until ``tasks_per_step`` groups carry signal.
+        Unlike DAPO the all-equal groups are still returned: the trainer skips them
+        (advantage 0) but they count in the step's mean train reward, which so stays
+        an unbiased estimate of the policy's reward.
+        """
+        cfg = self.config
+        triplets: list = []
+        ids: list[str] = []
+        with_signal = 0
+        self.last_sample_rounds = 0
+        for round_ in range(cfg.max_sample_rounds if cfg.dynamic_sampling else 1):
+            new_ids = self._enqueue_groups(cfg.tasks_per_step - with_signal, round_)
+            self._wait(new_ids)
+            new = self.adapter.adapt(self.store, new_ids)
+            triplets += new
+            ids += new_ids
+            self.last_sample_rounds = round_ + 1
+            rewards: dict[str, set] = {}
+            for rollout in self.store.query_rollouts(rollout_ids=new_ids):
+                reward = self.store.final_reward(rollout.rollout_id)
+                rewards.setdefault(rollout.metadata.get("group_id"), set()).add(0.0 if reward is None else reward)
+            with_signal += sum(1 for r in rewards.values() if len(r) > 1)
+            if with_signal >= cfg.tasks_per_step:
+                break
+        self.last_groups_with_signal = with_signal
+        return triplets, ids
 
     def evaluate(self, tasks: Optional[Sequence[Any]] = None, progress: bool = True) -> float:
         """Mean final reward over ``tasks`` (default: val_tasks) with greedy decoding.
@@ -152,7 +192,9 @@ class LightningRL:
         metrics = self.trainer.update(triplets)
         step = metrics["step"]
         failed = sum(1 for r in self.store.query_rollouts(rollout_ids=ids) if r.status != "succeeded")
-        extra: dict[str, Any] = {"rollout_seconds": rollout_seconds, "rollouts_failed": failed}
+        extra: dict[str, Any] = {"rollout_seconds": rollout_seconds, "rollouts_failed": failed,
+                                 "rollouts": len(ids), "sample_rounds": self.last_sample_rounds,
+                                 "groups_with_signal": self.last_groups_with_signal}
         if self.config.val_every and step % self.config.val_every == 0 and self.val_tasks:
             extra["val_reward"] = self.evaluate(progress=False)  # runs on the trainer's thread
             self.val_history.append((step, extra["val_reward"]))

@@ -58,8 +58,8 @@ def _serving(runners: int) -> Iterator[tuple]:
 
 
 def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int = 4, val_size: int = 64,
-             runners: int = 16, learning_rate: float = 5e-5, temperature: float = 1.0, seed: int = 0,
-             max_tokens: int = 32) -> dict:
+             runners: int = 16, learning_rate: float = 2e-5, temperature: float = 0.7, seed: int = 0,
+             max_tokens: int = 32, kl_coef: float = 0.0, val_every: int = 0, sample_rounds: int = 3) -> dict:
     """Train the calculator agent on SmolLM2-135M and write metrics.csv, reward_curve.png, summary.json."""
     import torch
     from tqdm.auto import tqdm
@@ -71,9 +71,11 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     with _serving(runners) as (engine, store):
-        trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=learning_rate))
+        trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=learning_rate, kl_coef=kl_coef))
         config = AlgorithmConfig(steps=steps, tasks_per_step=tasks_per_step, group_size=group_size,
-                                 temperature=temperature, seed=seed, max_tokens=max_tokens)
+                                 temperature=temperature, seed=seed, max_tokens=max_tokens,
+                                 val_every=val_every, dynamic_sampling=sample_rounds > 1,
+                                 max_sample_rounds=sample_rounds)
         algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=val_size), config)
         print(f"[demo] evaluating on {val_size} held-out tasks (greedy) ...", flush=True)
         before = algo.evaluate()
@@ -83,9 +85,14 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
             row = algo.step()
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{row['loss']:.3f}", kl=f"{row['kl']:.4f}")
+            if "val_reward" in row:
+                bar.write(f"[demo] step {row['step']}: val reward {row['val_reward']:.3f}")
         bar.close()
-        after = algo.evaluate()
-        trainer.add_metrics(trainer.step, val_reward=after)
+        if trainer.metrics and "val_reward" in trainer.metrics[-1]:
+            after = trainer.metrics[-1]["val_reward"]  # val_every already evaluated the last step
+        else:
+            after = algo.evaluate()
+            trainer.add_metrics(trainer.step, val_reward=after)
         print(f"[demo] val reward after {steps} steps: {after:.3f}", flush=True)
     df = trainer.metrics_df()
     cols = ["step", "reward_mean", "val_reward", "loss", "kl", "step_seconds"]
@@ -129,9 +136,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     demo.add_argument("--group-size", type=int, default=4, help="rollouts per task, the GRPO group (default 4)")
     demo.add_argument("--val-size", type=int, default=64, help="held-out tasks evaluated before/after (default 64)")
     demo.add_argument("--runners", type=int, default=16, help="runner threads (default 16)")
-    demo.add_argument("--lr", type=float, default=5e-5, help="learning rate (default 5e-5)")
-    demo.add_argument("--temperature", type=float, default=1.0, help="training sampling temperature (default 1.0)")
+    demo.add_argument("--lr", type=float, default=2e-5, help="learning rate (default 2e-5)")
+    demo.add_argument("--temperature", type=float, default=0.7, help="training sampling temperature (default 0.7)")
     demo.add_argument("--max-tokens", type=int, default=32, help="completion token limit per LLM call (default 32)")
+    demo.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-initial-weights loss weight (default 0)")
+    demo.add_argument("--val-every", type=int, default=0,
+                      help="also evaluate on the val tasks every N steps (default 0: only before/after)")
+    demo.add_argument("--sample-rounds", type=int, default=3,
+                      help="DAPO dynamic sampling: up to N collection rounds per step while groups have no "
+                           "reward spread (default 3; 1 turns it off)")
     demo.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     ev = sub.add_parser("eval", help="held-out reward (greedy) of the default model or a checkpoint",
                         description="Evaluate the calc agent on the val split with greedy decoding.")
@@ -146,8 +159,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "demo":
         if args.steps < 1:
             parser.error("--steps must be >= 1")
+        if args.sample_rounds < 1:
+            parser.error("--sample-rounds must be >= 1 (1 turns dynamic sampling off)")
         run_demo(args.steps, args.out, tasks_per_step=args.tasks_per_step, group_size=args.group_size,
                  val_size=args.val_size, runners=args.runners, learning_rate=args.lr,
                  temperature=args.temperature, seed=args.seed,
-                 max_tokens=args.max_tokens)
+                 max_tokens=args.max_tokens, kl_coef=args.kl_coef, val_every=args.val_every,
+                 sample_rounds=args.sample_rounds)
     return 0

@@ -32,6 +32,7 @@ SMOKE = os.environ.get("LIGHTNING_NB_SMOKE") == "1"
 STEPS = 4 if SMOKE else 12          # training steps
 TASKS_PER_STEP = 2 if SMOKE else 4  # distinct tasks per step
 GROUP_SIZE = 3 if SMOKE else 4      # rollouts per task (the GRPO group)
+SAMPLE_ROUNDS = 1 if SMOKE else 3   # DAPO dynamic sampling: resample groups whose rewards are all equal
 MAX_TOKENS = 24 if SMOKE else 48    # completion tokens per LLM call
 N_RUNNERS = 6 if SMOKE else 8       # runner threads
 VAL_EVERY = 0 if SMOKE else 4       # evaluate on held-out tasks every N steps (0: never)"""),
@@ -48,10 +49,10 @@ store = InMemoryStore()
 proxy = LLMProxy(engine, store).start()
 store.add_resources({"main_llm": proxy.as_resource()})
 runners = start_runners(calc_agent, store, n=N_RUNNERS)
-trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=5e-5))
+trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=2e-5))
 algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=16),
                    AlgorithmConfig(tasks_per_step=TASKS_PER_STEP, group_size=GROUP_SIZE, max_tokens=MAX_TOKENS,
-                                   val_every=VAL_EVERY))"""),
+                                   val_every=VAL_EVERY, max_sample_rounds=SAMPLE_ROUNDS))"""),
     ("md", """## The dashboard
 
 `dashboard(store, runners, trainer)` shows every panel; each one also works alone

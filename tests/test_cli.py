@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_demo_writes_metrics_curve_and_summary(tmp_path):
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "lightning_nb", "demo", "--steps", "1", "--val-size", "4", "--tasks-per-step", "2",
-           "--group-size", "2", "--runners", "4", "--max-tokens", "24", "--out", str(out)]
+           "--group-size", "2", "--runners", "4", "--max-tokens", "24", "--sample-rounds", "1", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out reward: before" in proc.stdout
@@ -33,3 +33,6 @@ def test_demo_rejects_bad_steps():
     proc = subprocess.run([sys.executable, "-m", "lightning_nb", "demo", "--steps", "0"], capture_output=True,
                           text=True, cwd=ROOT)
     assert proc.returncode == 2 and "--steps must be >= 1" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "lightning_nb", "demo", "--sample-rounds", "0"], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "--sample-rounds must be >= 1" in proc.stderr

@@ -15,7 +15,7 @@ from lightning_nb.trainer import pack_episode
 
 pytestmark = pytest.mark.slow
 
-SMALL = dict(tasks_per_step=2, group_size=2, max_tokens=24, temperature=1.0)
+SMALL = dict(tasks_per_step=2, group_size=2, max_tokens=24, temperature=1.0, max_sample_rounds=1)
 
 
 @pytest.fixture
@@ -130,3 +130,31 @@ def test_config_errors_name_the_field(engine):
         AlgorithmConfig(group_size=1)
     with pytest.raises(ConfigError, match="no triplets"):
         GRPOTrainer(engine, GRPOConfig(track_reference_kl=False)).update([])
+
+
+def test_dynamic_sampling_resamples_groups_without_signal(engine):
+    """All-equal groups trigger more sampling rounds (DAPO); a group with signal ends the step's collection."""
+    import itertools
+
+    counter = itertools.count()
+
+    def agent(task, llm):  # no LLM call: the rewards alone decide the rounds
+        return 0.0 if task["id"] == "flat" else float(next(counter) % 2)
+
+    store = InMemoryStore()
+    store.add_resources({"main_llm": {"endpoint": "http://127.0.0.1:9/v1", "model": "none"}})
+    runners = start_runners(agent, store, n=2)
+    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+    try:
+        cfg = dict(tasks_per_step=1, group_size=4, max_sample_rounds=3)
+        flat = LightningRL(store, trainer, [{"id": "flat"}], config=AlgorithmConfig(**cfg))
+        _, ids = flat.collect()
+        assert len(ids) == 12 and flat.last_sample_rounds == 3 and flat.last_groups_with_signal == 0
+        mixed = LightningRL(store, trainer, [{"id": "mixed"}], config=AlgorithmConfig(**cfg))
+        _, ids = mixed.collect()
+        assert len(ids) == 4 and mixed.last_sample_rounds == 1 and mixed.last_groups_with_signal == 1
+        off = LightningRL(store, trainer, [{"id": "flat"}], config=AlgorithmConfig(**cfg, dynamic_sampling=False))
+        _, ids = off.collect()
+        assert len(ids) == 4 and off.last_sample_rounds == 1
+    finally:
+        runners.stop()
