@@ -139,8 +139,8 @@ class LightningRL:
         rewards are all equal have zero advantage, so more tasks are sampled, up to
         ``max_sample_rounds`` rounds, until ``tasks_per_step`` groups carry signal.
         Unlike DAPO the all-equal groups are still returned: the trainer skips them
-        (advantage 0) but they count in the step's mean train reward, which so stays
-        an unbiased estimate of the policy's reward.
+        (advantage 0) but they count in the step's mean train reward, so that reward
+        covers every sampled episode, not only the groups that were trained on.
         """
         cfg = self.config
         triplets: list = []
