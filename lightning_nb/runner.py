@@ -303,7 +303,28 @@ class Runner:
         return status
 
 
-class RunnerGroup:
+class GroupLifecycle:
+    """What every runner group handle shares: ``with`` stops or aborts it, and its HTML summary.
+
+    Subclasses provide ``stop()``, ``abort(reason)`` and ``status()``.
+    """
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.stop()  # the algorithm side finished: runners finish their attempts
+        else:  # failure or KeyboardInterrupt: both sides stop now
+            self.abort(f"{exc_type.__name__} in the algorithm side")
+
+    def _repr_html_(self) -> str:
+        from lightning_nb._repr import runner_group_html
+
+        return runner_group_html(self)
+
+
+class RunnerGroup(GroupLifecycle):
     """Handle on runner threads started by :func:`start_runners`."""
 
     def __init__(self, runners: list[Runner]) -> None:
@@ -363,20 +384,6 @@ class RunnerGroup:
              "heartbeat_age_s": round(now - r.stats.last_heartbeat, 1)}
             for r in self.runners
         ])
-
-    def __enter__(self) -> "RunnerGroup":
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.stop()  # the algorithm side finished: runners finish their attempts
-        else:  # failure or KeyboardInterrupt: both sides stop now
-            self.abort(f"{exc_type.__name__} in the algorithm side")
-
-    def _repr_html_(self) -> str:
-        from lightning_nb._repr import runner_group_html
-
-        return runner_group_html(self)
 
 
 def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Optional[Tracer] = None,

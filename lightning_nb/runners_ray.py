@@ -57,6 +57,7 @@ import pandas as pd
 
 from lightning_nb._net import is_loopback
 from lightning_nb.errors import ConfigError, LightningNbError, MissingDependencyError
+from lightning_nb.runner import GroupLifecycle
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.client import StoreClient
 from lightning_nb.store.server import StoreServer
@@ -127,7 +128,7 @@ class _RunnerActor:
         return {**self.status(), "abandoned_now": bool(abandoned)}
 
 
-class RayRunnerGroup:
+class RayRunnerGroup(GroupLifecycle):
     """Handle on runner actors started by :func:`start_ray_runners`; same surface as ``RunnerGroup``.
 
     ``stop()``, ``abort()`` and the ``with`` block behave as for threads (see
@@ -235,24 +236,8 @@ class RayRunnerGroup:
             out.append(row)
         return pd.DataFrame(out, columns=_STATUS_COLUMNS)
 
-    def __enter__(self) -> "RayRunnerGroup":
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.stop()  # the algorithm side finished: runners finish their attempts
-        else:  # failure or KeyboardInterrupt: both sides stop now
-            self.abort(f"{exc_type.__name__} in the algorithm side")
-
     def __len__(self) -> int:
         return len(self.actors)
-
-    def _repr_html_(self) -> str:
-        try:
-            from lightning_nb._repr import runner_group_html
-        except ImportError:
-            return f"<b>RayRunnerGroup</b> ({len(self.actors)} Ray actors)" + self.status().to_html(index=False)
-        return runner_group_html(self)
 
 
 def start_ray_runners(agent: Any, store: LightningStore, n: int = 2, *, default_timeout_s: Optional[float] = 300.0,
