@@ -6,14 +6,17 @@ from lightning_nb.engine import TransformersEngine, load_default_model
 from lightning_nb.errors import LightningNbError
 from lightning_nb.proxy import LLMProxy
 from lightning_nb.runner import start_runners
-from lightning_nb.store import InMemoryStore, LightningStore
-from lightning_nb.tracer import emit_reward, tool_span
+# lightning_nb.store already imports every backend (and the tracer module is imported above through the
+# runner), so exporting them here costs nothing at import time; torch is still imported lazily.
+from lightning_nb.store import InMemoryStore, LightningStore, SqliteStore, StoreClient, StoreServer
+from lightning_nb.tracer import Tracer, emit_reward, tool_span
 from lightning_nb.trainer import GRPOConfig, GRPOTrainer
-from lightning_nb.types import LLMResource, PromptTemplate, Rollout, Span, Triplet
+from lightning_nb.types import LLMResource, PromptTemplate, Rollout, RolloutConfig, Span, Triplet
 
 __all__ = [
     "AlgorithmConfig", "GRPOConfig", "GRPOTrainer", "InMemoryStore", "LightningNbError", "LightningRL",
-    "LightningStore", "LLMProxy", "LLMResource", "PromptTemplate", "Rollout", "Span", "TransformersEngine",
-    "Triplet", "TripletAdapter", "emit_reward", "load_default_model", "start_runners", "tool_span",
+    "LightningStore", "LLMProxy", "LLMResource", "PromptTemplate", "Rollout", "RolloutConfig", "Span",
+    "SqliteStore", "StoreClient", "StoreServer", "Tracer", "TransformersEngine", "Triplet", "TripletAdapter",
+    "emit_reward", "load_default_model", "start_runners", "tool_span",
 ]
 __version__ = "0.1.0"

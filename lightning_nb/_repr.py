@@ -14,6 +14,8 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
+from lightning_nb.store.rules import reward_or_zero
+
 if TYPE_CHECKING:
     from lightning_nb.runner import RunnerGroup
     from lightning_nb.store.base import LightningStore
@@ -26,7 +28,7 @@ __all__ = ["store_html", "runner_group_html", "trainer_html", "rollout_html", "s
 STATE_COLORS = {
     "running": "#1a7f37", "succeeded": "#1a7f37", "paused": "#9a6700", "preparing": "#9a6700",
     "queuing": "#57606a", "requeuing": "#9a6700", "idle": "#57606a", "finished": "#0969da",
-    "stopping": "#9a6700", "stopped": "#57606a", "failed": "#cf222e", "cancelled": "#57606a",
+    "stopping": "#9a6700", "pausing": "#9a6700", "stopped": "#57606a", "failed": "#cf222e", "cancelled": "#57606a",
     "timeout": "#cf222e", "unresponsive": "#cf222e",
 }
 _BOX = "font-family:var(--jp-ui-font-family,sans-serif);font-size:13px;line-height:1.4"
@@ -71,14 +73,14 @@ class _Html(str):
 
 
 def store_html(store: "LightningStore", latest: int = 5) -> str:
-    """Rollouts by status and mode, span count, mean final reward per mode, and the latest rollouts."""
+    """Rollouts by status and mode, span count, mean final reward per mode (finished rollouts, failed = 0), latest rollouts."""
     rollouts = store.query_rollouts()
-    rewards = store._final_rewards()
+    rewards = store.final_rewards()
     by_status = Counter(r.status for r in rollouts)
     by_mode: dict[str, list[float]] = {}
-    for r in rollouts:
-        if r.rollout_id in rewards:
-            by_mode.setdefault(r.mode, []).append(rewards[r.rollout_id])
+    for r in rollouts:  # finished, not cancelled: a failed one or one without a reward counts 0 (rules.final_reward)
+        if r.status in ("succeeded", "failed"):
+            by_mode.setdefault(r.mode, []).append(reward_or_zero(rewards[r.rollout_id]))
     status = " ".join(f"{badge(s)} {n}" for s, n in sorted(by_status.items())) or "none yet"
     mean_reward = ", ".join(f"{m} {sum(v) / len(v):.3f} (n={len(v)})" for m, v in sorted(by_mode.items())) or "–"
     items = [("rollouts", len(rollouts)), ("by status", _Html(status)), ("spans", len(store.query_spans())),

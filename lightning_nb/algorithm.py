@@ -9,14 +9,16 @@ adapts the spans with :class:`~lightning_nb.adapter.TripletAdapter` and calls
 
 from __future__ import annotations
 
+import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from lightning_nb.adapter import TripletAdapter
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.store.base import LightningStore
+from lightning_nb.store.rules import reward_or_zero
 from lightning_nb.trainer import GRPOTrainer, TrainerStopped
 from lightning_nb.types import RolloutConfig
 
@@ -45,6 +47,10 @@ class AlgorithmConfig:
         "help": "Upper bound on collection rounds per step with dynamic_sampling (DAPO's max_num_gen_batches)."})
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first field out of range (also run by ``trainer.resume()``)."""
         for name in ("steps", "tasks_per_step", "group_size", "max_tokens", "max_attempts", "max_sample_rounds"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"AlgorithmConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -86,6 +92,21 @@ class LightningRL:
         self.val_history: list[tuple[int, float]] = []
         self.last_sample_rounds = 0
         self.last_groups_with_signal = 0
+        self.last_skipped: dict[str, int] = {}
+        self._applied_config = asdict(self.config)
+        trainer.attach(self)
+
+    # ----- checkpoint state -------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs from the algorithm: the task sampler's RNG state, ``val_history``, the config."""
+        return {"rng": self._rng.getstate(), "val_history": [list(v) for v in self.val_history],
+                "config": asdict(self.config)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the config is not changed: edits since are yours)."""
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        self.val_history = [(int(s), float(v)) for s, v in state["val_history"]]
 
     def _rollout_config(self) -> RolloutConfig:
         return RolloutConfig(max_attempts=self.config.max_attempts, timeout_seconds=self.config.rollout_timeout_s)
@@ -135,40 +156,59 @@ class LightningRL:
     def collect(self) -> tuple[list, list[str]]:
         """Enqueue one step's groups, wait, and return (triplets, rollout_ids).
 
-        With ``dynamic_sampling`` (DAPO, Yu et al. 2025, section 3.2), groups whose
-        rewards are all equal have zero advantage, so more tasks are sampled, up to
-        ``max_sample_rounds`` rounds, until ``tasks_per_step`` groups carry signal.
-        Unlike DAPO the all-equal groups are still returned: the trainer skips them
-        (advantage 0) but they count in the step's mean train reward, so that reward
-        covers every sampled episode, not only the groups that were trained on.
+        With ``dynamic_sampling`` (DAPO, Yu et al. 2025, section 3.2), groups the trainer
+        cannot learn from (:meth:`GRPOTrainer.signal_groups`: all rewards equal, or fewer
+        than ``min_group_size`` episodes left) add nothing, so more tasks are sampled, up to
+        ``max_sample_rounds`` rounds, until ``tasks_per_step`` groups carry signal. Unlike
+        DAPO the groups without signal are still returned: the trainer skips them, but they
+        count in the step's mean train reward. Between rounds the loop passes a step
+        boundary (:meth:`GRPOTrainer.at_boundary`), where a pause parks it. Adapter skips of
+        every round are summed in :attr:`last_skipped`.
         """
         cfg = self.config
         triplets: list = []
         ids: list[str] = []
         with_signal = 0
+        skipped: dict[str, int] = {}
         self.last_sample_rounds = 0
         for round_ in range(cfg.max_sample_rounds if cfg.dynamic_sampling else 1):
+            if round_ > 0:
+                self.trainer.at_boundary("between sample rounds")
             new_ids = self._enqueue_groups(cfg.tasks_per_step - with_signal, round_)
             self._wait(new_ids)
             new = self.adapter.adapt(self.store, new_ids)
+            for k, v in self.adapter.last_skipped.items():
+                skipped[k] = skipped.get(k, 0) + v
             triplets += new
             ids += new_ids
             self.last_sample_rounds = round_ + 1
-            rewards: dict[str, set] = {}
-            for rollout in self.store.query_rollouts(rollout_ids=new_ids):
-                reward = self.store.final_reward(rollout.rollout_id)
-                rewards.setdefault(rollout.metadata.get("group_id"), set()).add(0.0 if reward is None else reward)
-            with_signal += sum(1 for r in rewards.values() if len(r) > 1)
+            with_signal += len(self.trainer.signal_groups(new)) if new else 0
             if with_signal >= cfg.tasks_per_step:
                 break
         self.last_groups_with_signal = with_signal
+        self.last_skipped = skipped
         return triplets, ids
+
+    def rollout_rewards(self, rollout_ids: Sequence[str]) -> list[float]:
+        """Final rewards of the finished, not cancelled ``rollout_ids``, a failed one (or one without reward) as 0.
+
+        The rule is :func:`lightning_nb.store.rules.final_reward`; ``evaluate()`` and the
+        step's ``reward_mean`` both use this.
+        """
+        rewards = self.store.final_rewards(list(rollout_ids))
+        status = {r.rollout_id: r.status for r in self.store.query_rollouts(rollout_ids=list(rollout_ids))}
+        return [reward_or_zero(rewards[rid]) for rid in rollout_ids if status[rid] in ("succeeded", "failed")]
 
     def evaluate(self, tasks: Optional[Sequence[Any]] = None, progress: bool = True) -> float:
         """Mean final reward over ``tasks`` (default: val_tasks) with greedy decoding.
 
-        Rollouts that fail or time out count as reward 0. ``progress`` shows a
-        tqdm.auto bar of finished rollouts (a widget in a notebook).
+        Rollouts that fail (including timeouts) count as reward 0
+        (:meth:`rollout_rewards`). ``progress`` shows a tqdm.auto bar of finished
+        rollouts (a widget in a notebook).
+
+        Raises:
+            ConfigError: no tasks.
+            TrainerStopped: the trainer was stopped while waiting (the rollouts are cancelled).
         """
         tasks = list(self.val_tasks if tasks is None else tasks)
         if not tasks:
@@ -177,28 +217,60 @@ class LightningRL:
         ids = [self.store.enqueue_rollout(t, mode="val", config=self._rollout_config(),
                                           metadata={"sampling_parameters": sampling}).rollout_id for t in tasks]
         self._wait(ids, desc="evaluating" if progress else None)
-        rewards = [self.store.final_reward(rid) for rid in ids]
-        return sum(r if r is not None else 0.0 for r in rewards) / len(rewards)
+        rewards = self.rollout_rewards(ids)
+        return sum(rewards) / len(rewards) if rewards else math.nan
+
+    def _config_edits(self) -> list[str]:
+        """Edits of :attr:`config` since the last step, as text (validated first)."""
+        self.config.validate()
+        now = asdict(self.config)
+        changed = [f"{k} {self._applied_config.get(k)!r} → {now[k]!r}" for k in now if now[k] != self._applied_config.get(k)]
+        self._applied_config = now
+        return changed
 
     def step(self) -> dict[str, Any]:
-        """One full step: collect → update (→ evaluate when due). Returns the metrics row."""
-        t0 = time.perf_counter()
+        """One full step: collect → update (→ evaluate when due). Returns the metrics row.
+
+        Step boundaries (where ``trainer.pause()`` parks the loop and ``trainer.stop()``
+        ends it): before the step collects, between sample rounds, before the update and
+        before an evaluation. Columns added to the trainer's row: ``reward_mean`` (mean
+        final reward of every rollout of the step, failed ones as 0: the train reward),
+        ``rollouts``, ``rollouts_failed``, ``sample_rounds``, ``skipped_<reason>`` (rollouts
+        the adapter could not use, see :class:`TripletAdapter`), ``rollout_seconds``,
+        ``step_seconds`` (paused time excluded), ``val_reward`` when evaluated, and
+        ``config_changes`` (edits of either config applied at this step).
+
+        Raises:
+            LightningNbError: no rollout of the step gave a triplet.
+        """
+        self.trainer.at_boundary("before collect")
+        edits = self._config_edits()
+        t0, paused0 = time.perf_counter(), self.trainer.paused_seconds
         triplets, ids = self.collect()
-        rollout_seconds = time.perf_counter() - t0
+        rollout_seconds = time.perf_counter() - t0 - (self.trainer.paused_seconds - paused0)
         if not triplets:
             raise LightningNbError(
-                f"no triplets from {len(ids)} rollouts (skipped: {self.adapter.skipped}); "
+                f"no triplets from {len(ids)} rollouts (skipped: {self.last_skipped}); "
                 "inspect store.attempts_df() for agent errors")
+        self.trainer.at_boundary("before update")
         metrics = self.trainer.update(triplets)
         step = metrics["step"]
-        failed = sum(1 for r in self.store.query_rollouts(rollout_ids=ids) if r.status != "succeeded")
-        extra: dict[str, Any] = {"rollout_seconds": rollout_seconds, "rollouts_failed": failed,
-                                 "rollouts": len(ids), "sample_rounds": self.last_sample_rounds,
-                                 "groups_with_signal": self.last_groups_with_signal}
+        rollouts = self.store.query_rollouts(rollout_ids=ids)
+        rewards = self.rollout_rewards(ids)
+        extra: dict[str, Any] = {
+            "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
+            "batch_reward_mean": metrics["reward_mean"], "rollout_seconds": rollout_seconds,
+            "rollouts_failed": sum(1 for r in rollouts if r.status != "succeeded"), "rollouts": len(ids),
+            "sample_rounds": self.last_sample_rounds,
+            **{f"skipped_{k}": v for k, v in self.last_skipped.items()},
+        }
+        if edits:
+            extra["config_changes"] = "; ".join(filter(None, [metrics.get("config_changes", ""), *edits]))
         if self.config.val_every and step % self.config.val_every == 0 and self.val_tasks:
+            self.trainer.at_boundary("before evaluate")
             extra["val_reward"] = self.evaluate(progress=False)  # runs on the trainer's thread
             self.val_history.append((step, extra["val_reward"]))
-        extra["step_seconds"] = time.perf_counter() - t0
+        extra["step_seconds"] = time.perf_counter() - t0 - (self.trainer.paused_seconds - paused0)
         self.trainer.add_metrics(step, **extra)
         row = self.trainer.metrics[-1]
         if self.on_step:

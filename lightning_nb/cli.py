@@ -59,8 +59,14 @@ def _serving(runners: int) -> Iterator[tuple]:
 
 def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int = 4, val_size: int = 64,
              runners: int = 16, learning_rate: float = 2e-5, temperature: float = 0.7, seed: int = 0,
-             max_tokens: int = 32, kl_coef: float = 0.0, val_every: int = 0, sample_rounds: int = 3) -> dict:
-    """Train the calculator agent on SmolLM2-135M and write metrics.csv, reward_curve.png, summary.json."""
+             max_tokens: int = 32, kl_coef: float = 0.0, val_every: int = 0, sample_rounds: int = 3,
+             checkpoint_every: int = 0, resume: Optional[Path] = None) -> dict:
+    """Train the calculator agent on SmolLM2-135M and write metrics.csv, reward_curve.png, summary.json.
+
+    The final checkpoint is written to ``out/checkpoint.pt`` (also every ``checkpoint_every``
+    steps when > 0, overwritten); ``resume`` continues a run from such a checkpoint up to
+    ``steps`` steps in all (the same run that an uninterrupted one would have been).
+    """
     import torch
     from tqdm.auto import tqdm
 
@@ -77,16 +83,23 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
                                  val_every=val_every, dynamic_sampling=sample_rounds > 1,
                                  max_sample_rounds=sample_rounds)
         algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=val_size), config)
+        checkpoint = out / "checkpoint.pt"
+        if resume is not None:
+            trainer.load(resume)
+            print(f"[demo] resumed from {resume} at step {trainer.step}", flush=True)
         print(f"[demo] evaluating on {val_size} held-out tasks (greedy) ...", flush=True)
         before = algo.evaluate()
         print(f"[demo] val reward before training: {before:.3f}", flush=True)
-        bar = tqdm(total=steps, desc="training", unit="step", file=sys.stdout, mininterval=0)
-        for _ in range(steps):
+        bar = tqdm(total=steps, initial=trainer.step, desc="training", unit="step", file=sys.stdout, mininterval=0)
+        while trainer.step < steps:
             row = algo.step()
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{row['loss']:.3f}", kl=f"{row['kl']:.4f}")
             if "val_reward" in row:
                 bar.write(f"[demo] step {row['step']}: val reward {row['val_reward']:.3f}")
+            if checkpoint_every and trainer.step % checkpoint_every == 0 and trainer.step < steps:
+                trainer.save(checkpoint)
+                bar.write(f"[demo] step {trainer.step}: checkpoint {checkpoint}")
         bar.close()
         if trainer.metrics and "val_reward" in trainer.metrics[-1]:
             after = trainer.metrics[-1]["val_reward"]  # val_every already evaluated the last step
@@ -94,13 +107,16 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
             after = algo.evaluate()
             trainer.add_metrics(trainer.step, val_reward=after)
         print(f"[demo] val reward after {steps} steps: {after:.3f}", flush=True)
+        trainer.save(checkpoint)
+        print(f"[demo] final checkpoint {checkpoint} ({checkpoint.stat().st_size / 1e9:.2f} GB; "
+              f"evaluate it with: python -m lightning_nb eval --checkpoint {checkpoint})", flush=True)
     df = trainer.metrics_df()
     cols = ["step", "reward_mean", "val_reward", "loss", "kl", "step_seconds"]
     df = df.reindex(columns=cols + [c for c in df.columns if c not in cols])
     df.to_csv(out / "metrics.csv", index=False)
     _plot(out / "metrics.csv", out / "reward_curve.png", before, after)
     summary = {"val_reward_before": before, "val_reward_after": after, "steps": steps, "val_size": val_size,
-               "minutes": (time.time() - t_start) / 60, "out": str(out)}
+               "minutes": (time.time() - t_start) / 60, "out": str(out), "checkpoint": str(checkpoint)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"[demo] wrote {out / 'metrics.csv'}, {out / 'reward_curve.png'}, {out / 'summary.json'}")
     print(f"[demo] held-out reward: before {before:.3f} -> after {after:.3f} "
@@ -146,6 +162,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="DAPO dynamic sampling: up to N collection rounds per step while groups have no "
                            "reward spread (default 3; 1 turns it off)")
     demo.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    demo.add_argument("--checkpoint-every", type=int, default=0,
+                      help="also save OUT/checkpoint.pt every K steps (default 0: only the final one)")
+    demo.add_argument("--resume", type=Path, default=None,
+                      help="continue from a checkpoint.pt up to --steps steps in all")
     ev = sub.add_parser("eval", help="held-out reward (greedy) of the default model or a checkpoint",
                         description="Evaluate the calc agent on the val split with greedy decoding.")
     ev.add_argument("--val-size", type=int, default=200, help="val tasks to evaluate (default 200, all)")
@@ -161,9 +181,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error("--steps must be >= 1")
         if args.sample_rounds < 1:
             parser.error("--sample-rounds must be >= 1 (1 turns dynamic sampling off)")
+        if args.checkpoint_every < 0:
+            parser.error("--checkpoint-every must be >= 0 (0: only the final checkpoint)")
+        if args.resume is not None and not args.resume.is_file():
+            parser.error(f"--resume {args.resume}: no such checkpoint file (the demo writes OUT/checkpoint.pt)")
         run_demo(args.steps, args.out, tasks_per_step=args.tasks_per_step, group_size=args.group_size,
                  val_size=args.val_size, runners=args.runners, learning_rate=args.lr,
                  temperature=args.temperature, seed=args.seed,
                  max_tokens=args.max_tokens, kl_coef=args.kl_coef, val_every=args.val_every,
-                 sample_rounds=args.sample_rounds)
+                 sample_rounds=args.sample_rounds, checkpoint_every=args.checkpoint_every, resume=args.resume)
     return 0

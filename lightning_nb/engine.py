@@ -132,6 +132,7 @@ class TransformersEngine:
         self.lock = threading.RLock()
         self.weight_version = 0
         self.tokens_generated = 0
+        self.model_source: Optional[str] = None  # "default": the weights came from load_default_model()
         self._queue: "queue.Queue[Optional[_Request]]" = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="lightning_nb-engine", daemon=True)
         self._thread.start()
@@ -140,7 +141,9 @@ class TransformersEngine:
     def from_default(cls, **kwargs: Any) -> "TransformersEngine":
         """Load the default model (see :func:`load_default_model`) and serve it."""
         model, tokenizer = load_default_model()
-        return cls(model, tokenizer, **kwargs)
+        engine = cls(model, tokenizer, **kwargs)
+        engine.model_source = "default"  # a trainer checkpoint can rebuild the initial weights from it
+        return engine
 
     # ----- public API -----------------------------------------------------------------
     def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:

@@ -242,6 +242,7 @@ class LLMProxy:
                 "gen_ai.system": _PROVIDER,
                 "gen_ai.request.model": req.model,
                 "gen_ai.request.temperature": req.temperature,
+                "gen_ai.request.top_p": req.top_p,
                 "gen_ai.request.max_tokens": max_tokens,
                 "gen_ai.prompt": json.dumps(messages),
             })
@@ -267,6 +268,7 @@ class LLMProxy:
                 "completion_token_ids": gen.completion_ids,
                 "logprobs": gen.logprobs,
                 "temperature": gen.temperature,
+                "top_p": req.top_p,
                 "weight_version": gen.weight_version,
             })
             span.end()

@@ -8,6 +8,41 @@ the rollout input, ``llm`` an :class:`~lightning_nb.types.LLMResource` whose
 Returning a number records it as the final reward; returning None means the
 agent called :func:`~lightning_nb.tracer.emit_reward` itself.
 
+When an attempt succeeds, and when it fails
+-------------------------------------------
+An attempt ends ``succeeded`` only when the agent returned, every span of the
+attempt reached the store, and it has a reward. Otherwise it ends ``failed`` (and
+is retried per the rollout's ``retry_condition``/``max_attempts``), with an error:
+
+* the agent raised: its traceback. When the exception chain shows a failed connect
+  to the LLM endpoint of the store's resources (``openai.APIConnectionError`` over
+  ``httpx.ConnectError`` over ``ConnectionRefusedError``, ...), the error starts with
+  one line naming the endpoint and how to publish a restarted proxy again
+  (see :func:`unreachable_endpoint_hint`); a stale endpoint is typical after a
+  kernel restart with a reopened ``SqliteStore``. The endpoint is not probed before
+  the agent runs: agents that never call the LLM must keep working, and a probe
+  would add its own ways to fail.
+* a span could not be stored (after the tracer's retries of transient errors, see
+  :mod:`lightning_nb.tracer`): one line per span, e.g. ``span 'reward' could not be
+  stored after 3 tries: ...``, so a lost reward is never passed off as a success.
+* the agent returned None and no reward span of the attempt was stored (a forgotten
+  ``return``): ``NO_REWARD_ERROR``, which says how to return or emit a reward.
+
+The first failed attempt of each kind (exception type, ``"unreachable LLM
+endpoint"``, ``"lost span"``, ``"no reward"``, ``"timeout"``) in a runner group also
+raises a ``RuntimeWarning`` with the one-line error and a pointer to
+``store.attempts_df()``, so mistakes show in the notebook; later ones of that kind
+are only recorded on their attempts (:class:`FailureNotices`).
+
+Re-running ``start_runners``
+----------------------------
+``start_runners(agent, store)`` stops the runner threads still running on the same
+``store`` object before starting the new ones (they finish their current attempt,
+for at most ``REPLACE_STOP_TIMEOUT_S`` seconds) and says so in a ``UserWarning``: re-running
+the cell no longer leaves the old group, with the old agent, pulling from the
+same queue. ``replace=False`` keeps both. Runner threads are tracked per store
+with weak references only.
+
 Heartbeats and the watchdog
 ---------------------------
 While an agent runs, its runner thread (not the agent thread) sends a heartbeat
@@ -49,21 +84,28 @@ import logging
 import threading
 import time
 import traceback
+import warnings
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
+from urllib.parse import urlsplit
 
 import pandas as pd
 
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.store.base import LightningStore
-from lightning_nb.tracer import Tracer, emit_reward
+from lightning_nb.tracer import AttemptSpans, Tracer, emit_reward
 from lightning_nb.types import ATTEMPT_TERMINAL, AttemptedRollout, LLMResource, Rollout
 
-__all__ = ["Agent", "Runner", "RunnerGroup", "start_runners", "attributed_llm"]
+__all__ = ["Agent", "Runner", "RunnerGroup", "FailureNotices", "start_runners", "attributed_llm",
+           "unreachable_endpoint_hint", "REPLACE_STOP_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 Agent = Callable[[Any, LLMResource], Any]
 _RUNNER_IDS = itertools.count()
+REPLACE_STOP_TIMEOUT_S = 10.0  # start_runners(replace=True): how long the previous group may finish its attempts
+NO_REWARD_ERROR = ("the agent returned None and emitted no reward span; return a float reward from the agent, "
+                   "or call lightning_nb.emit_reward(value) inside it")
 
 
 def attributed_llm(resource: LLMResource, rollout_id: str, attempt_id: str, overrides: Optional[dict] = None) -> LLMResource:
@@ -78,6 +120,149 @@ def attributed_llm(resource: LLMResource, rollout_id: str, attempt_id: str, over
         endpoint = f"{base[:-3]}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
     sampling = {**resource.sampling_parameters, **(overrides or {})}
     return resource.model_copy(update={"endpoint": endpoint, "sampling_parameters": sampling})
+
+
+# ----- failure notices ----------------------------------------------------------------------
+class FailureNotices:
+    """Warns (``RuntimeWarning``) on the first failed attempt of each kind; shared by the runners of one group.
+
+    The kind is the exception type name for an agent that raised, or one of
+    ``"unreachable LLM endpoint"``, ``"no reward"``, ``"lost span"``, ``"timeout"``,
+    ``"ConfigError"`` (no LLM resource). Later failures of a kind already warned about
+    are only recorded on their attempts (``store.attempts_df()``).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.kinds: set[str] = set()
+
+    def first(self, kind: str) -> bool:
+        """True exactly once per ``kind`` (thread-safe)."""
+        with self._lock:
+            if kind in self.kinds:
+                return False
+            self.kinds.add(kind)
+            return True
+
+    def notify(self, kind: str, worker_id: str, rollout_id: str, summary: str) -> None:
+        if not self.first(kind):
+            return
+        message = (f"lightning_nb {worker_id}: rollout {rollout_id} failed: {summary} (see store.attempts_df() "
+                   f"for the full traceback; later {kind!r} failures of this runner group are not warned about)")
+        try:  # the message names the rollout, so Python's once-per-location filter never hides it
+            warnings.warn(message, RuntimeWarning, stacklevel=1)
+        except Exception:  # warnings turned into errors: never crash the runner over a notice
+            log.warning("%s", message)
+
+
+def _chain(exc: Optional[BaseException]) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _host_port(url: str) -> tuple[str, Optional[int]]:
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return (parts.hostname or "").lower(), port or {"http": 80, "https": 443}.get(parts.scheme)
+
+
+def unreachable_endpoint_hint(exc: BaseException, endpoint: str, llm_resource: str = "main_llm") -> Optional[str]:
+    """One line saying the LLM ``endpoint`` is unreachable, when ``exc`` came from failing to connect to it; else None.
+
+    Looks down the exception chain (``__cause__`` / ``__context__``) for a failed connect:
+    ``ConnectionRefusedError``, ``socket.gaierror``, or httpx/httpcore ``ConnectError`` /
+    ``ConnectTimeout`` (what ``openai.APIConnectionError`` wraps). A failed connect to another
+    host (a tool's web service, a remote store) gets no hint: the URL of the failed request,
+    where the chain carries one, must have the endpoint's host and port. A read timeout is
+    not a failed connect.
+    """
+    import socket
+
+    chain = list(_chain(exc))
+    names = [{c.__name__ for c in type(e).__mro__} for e in chain]
+    connect = [e for e, n in zip(chain, names)
+               if isinstance(e, (ConnectionRefusedError, socket.gaierror)) or n & {"ConnectError", "ConnectTimeout"}]
+    if not connect:
+        return None
+    for e in chain:  # the request that failed, if the chain says (openai and httpx errors carry it)
+        try:
+            request = getattr(e, "request", None)
+        except Exception:  # httpx raises when the request is not set
+            request = None
+        url = getattr(request, "url", None)
+        if url is not None:
+            if _host_port(str(url)) != _host_port(endpoint):
+                return None
+            break
+    if any(isinstance(e, ConnectionRefusedError) or "connection refused" in str(e).lower() for e in connect):
+        reason = "connection refused"
+    elif any("ConnectTimeout" in n for n in names):
+        reason = "no answer to the connect (timed out)"
+    elif any(isinstance(e, socket.gaierror) for e in chain):
+        reason = "host name not resolved"
+    else:
+        reason = f"{type(connect[-1]).__name__}: {_first_line(connect[-1])}"
+    return (f"the LLM endpoint {endpoint} in the store's resources is unreachable ({reason}); if the proxy was "
+            f"restarted (e.g. after a kernel restart), publish it again with "
+            f"store.add_resources({{'{llm_resource}': proxy.as_resource()}})")
+
+
+# ----- live runners per store ---------------------------------------------------------------
+class _LiveRunners:
+    """The runner threads started on each store, for ``start_runners(replace=True)``.
+
+    Held weakly both ways: the store by a weak reference (its entry goes when it is
+    collected; a store that cannot be weakly referenced is not tracked) and the runners
+    in a ``WeakSet`` (a running thread keeps its runner alive, a finished one is dropped).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_store: dict[int, tuple[weakref.ref, "weakref.WeakSet[Runner]"]] = {}
+
+    def add(self, runner: "Runner") -> None:
+        store, key = runner.store, id(runner.store)
+        with self._lock:
+            entry = self._by_store.get(key)
+            if entry is None or entry[0]() is not store:
+                try:
+                    ref = weakref.ref(store, lambda r, key=key: self._drop(key, r))
+                except TypeError:
+                    return
+                entry = self._by_store[key] = (ref, weakref.WeakSet())
+            entry[1].add(runner)
+
+    def _drop(self, key: int, ref: weakref.ref) -> None:
+        with self._lock:
+            if key in self._by_store and self._by_store[key][0] is ref:
+                del self._by_store[key]
+
+    def running(self, store: LightningStore) -> list["Runner"]:
+        """Runners on ``store`` whose thread runs and was not asked to stop, oldest first."""
+        with self._lock:
+            entry = self._by_store.get(id(store))
+            if entry is None or entry[0]() is not store:
+                return []
+            runners = list(entry[1])
+        return sorted((r for r in runners if r.alive and not r._stop.is_set()), key=lambda r: r._seq)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_store)
+
+
+_LIVE = _LiveRunners()
 
 
 @dataclass
@@ -101,11 +286,14 @@ class Runner:
         default_timeout_s: per-attempt limit when the rollout sets none.
         llm_resource: name of the LLMResource in the resources set.
         heartbeat_interval_s: seconds between heartbeats to the store (see the module docstring).
+        notices: warns on the first failure of each kind; :func:`start_runners` shares one
+            among the runners of a group (a new one per runner when None).
     """
 
     def __init__(self, agent: Agent, store: LightningStore, tracer: Tracer, *,
                  default_timeout_s: Optional[float] = 300.0, llm_resource: str = "main_llm",
-                 poll_interval_s: float = 0.2, heartbeat_interval_s: float = 5.0) -> None:
+                 poll_interval_s: float = 0.2, heartbeat_interval_s: float = 5.0,
+                 notices: Optional[FailureNotices] = None) -> None:
         if not callable(agent):
             raise ConfigError(f"agent must be callable (task, llm) -> reward, got {type(agent).__name__}")
         if not heartbeat_interval_s > 0:
@@ -118,13 +306,16 @@ class Runner:
         self.default_timeout_s = default_timeout_s
         self.llm_resource = llm_resource
         self.poll_interval_s = poll_interval_s
-        self.worker_id = f"runner-{next(_RUNNER_IDS)}"
+        self._seq = next(_RUNNER_IDS)
+        self.worker_id = f"runner-{self._seq}"
+        self.notices = notices if notices is not None else FailureNotices()
         self.stats = RunnerStats()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"lightning_nb-{self.worker_id}", daemon=True)
 
     def start(self) -> "Runner":
         self._thread.start()
+        _LIVE.add(self)  # so that a later start_runners on this store can replace it
         return self
 
     def stop(self) -> None:
@@ -210,7 +401,12 @@ class Runner:
         return self.store.get_rollout_by_id(item.rollout.rollout_id)
 
     def run_attempt(self, item: AttemptedRollout) -> str:
-        """Run the agent on one attempt and record its outcome; returns the attempt's final status."""
+        """Run the agent on one attempt and record its outcome; returns the attempt's final status.
+
+        ``succeeded`` needs all of: the agent returned (no exception), every span of the
+        attempt reached the store, and a reward was returned or emitted. Otherwise the
+        attempt ends ``failed`` with an error saying which (see the module docstring).
+        """
         rollout, attempt = item.rollout, item.attempt
         rid, aid = rollout.rollout_id, attempt.attempt_id
         self.stats.state, self.stats.current_rollout = "running", rid
@@ -220,10 +416,12 @@ class Runner:
             if resources is None or self.llm_resource not in resources.resources:
                 raise ConfigError(f"no {self.llm_resource!r} resource in the store; call store.add_resources("
                                   f"{{'{self.llm_resource}': proxy.as_resource()}}) before enqueuing rollouts")
-            llm = attributed_llm(resources.resources[self.llm_resource], rid, aid,
-                                 rollout.metadata.get("sampling_parameters"))
+            resource = resources.resources[self.llm_resource]
+            llm = attributed_llm(resource, rid, aid, rollout.metadata.get("sampling_parameters"))
         except LightningNbError as exc:
-            return self._finish(rid, aid, "failed", f"{type(exc).__name__}: {exc}")
+            summary = f"{type(exc).__name__}: {exc}"
+            self.notices.notify(type(exc).__name__, self.worker_id, rid, summary)
+            return self._finish(rid, aid, "failed", summary)
         try:
             self.store.update_attempt(rid, aid, status="running", worker_id=self.worker_id, heartbeat=True)
         except LightningNbError as exc:  # e.g. cancelled meanwhile, or a remote store unreachable
@@ -235,6 +433,7 @@ class Runner:
         worker = threading.Thread(target=ctx.run, args=(self._call_agent, rollout.input, llm, rid, aid, outcome),
                                   name=f"{self.worker_id}-agent", daemon=True)
         self.current = (rid, aid)
+        self.tracer.open_attempt(rid, aid)  # counts its reward spans and records spans the store lost
         worker.start()
         timeout = rollout.config.timeout_seconds or self.default_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -255,7 +454,9 @@ class Runner:
                 if deadline is not None and time.monotonic() >= deadline:
                     # Threads cannot be killed: the agent thread is abandoned (daemon) and whatever it
                     # records later stays attached to this timed-out attempt.
-                    return self._finish(rid, aid, "timeout", f"agent ran past timeout_seconds={timeout}")
+                    error = f"agent ran past timeout_seconds={timeout}"
+                    self.notices.notify("timeout", self.worker_id, rid, error)
+                    return self._finish(rid, aid, "timeout", error)
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + beat
                     ended = self._heartbeat(rid, aid)
@@ -268,9 +469,37 @@ class Runner:
             raise
         finally:
             self.current = None
+            spans = self.tracer.close_attempt(rid, aid)  # also on the early returns: nothing is left open
+        status, error, kind, summary = self._verdict(outcome, spans, rid, aid, resource.endpoint)
+        if kind is not None:
+            self.notices.notify(kind, self.worker_id, rid, summary)
+        return self._finish(rid, aid, status, error)
+
+    def _verdict(self, outcome: dict[str, Any], spans: AttemptSpans, rid: str, aid: str,
+                 endpoint: str) -> tuple[str, Optional[str], Optional[str], str]:
+        """``(status, error, failure kind or None, one-line summary)`` of an attempt whose agent returned."""
+        lost = "\n".join(spans.lost)
         if "error" in outcome:
-            return self._finish(rid, aid, "failed", outcome["error"])
-        return self._finish(rid, aid, "succeeded", None)
+            exc = outcome.get("exc")
+            hint = unreachable_endpoint_hint(exc, endpoint, self.llm_resource) if exc is not None else None
+            kind = "unreachable LLM endpoint" if hint else type(exc).__name__ if exc is not None else "agent error"
+            summary = hint or (f"{type(exc).__name__}: {_first_line(exc)}" if exc is not None
+                               else outcome["error"].strip().splitlines()[-1])
+            error = "\n".join(part for part in (hint, outcome["error"].rstrip(), lost) if part)
+            return "failed", error, kind, summary
+        if spans.lost:  # the attempt's record is incomplete (its reward, maybe): do not pass it off as succeeded
+            return "failed", lost, "lost span", spans.lost[0]
+        if outcome.get("returned_none") and spans.rewards_stored == 0 and not self._reward_in_store(rid, aid):
+            return "failed", NO_REWARD_ERROR, "no reward", NO_REWARD_ERROR
+        return "succeeded", None, None, ""
+
+    def _reward_in_store(self, rid: str, aid: str) -> bool:
+        """Whether the store has a reward span of the attempt written by other means than this runner's tracer."""
+        try:
+            return any(s.name == "reward" for s in self.store.query_spans(rid, aid))
+        except Exception as exc:  # cannot tell: the tracer counted none
+            log.warning("%s: could not look up the reward spans of %s: %s", self.worker_id, aid, exc)
+            return False
 
     def _call_agent(self, task: Any, llm: LLMResource, rid: str, aid: str, outcome: dict) -> None:
         try:
@@ -280,8 +509,11 @@ class Runner:
                     result = asyncio.run(result)
                 if result is not None:
                     emit_reward(result)
-        except BaseException:  # the traceback is kept on the attempt
+                else:
+                    outcome["returned_none"] = True
+        except BaseException as exc:  # the traceback is kept on the attempt
             outcome["error"] = traceback.format_exc()
+            outcome["exc"] = exc
 
     def _heartbeat(self, rid: str, aid: str) -> Optional[str]:
         """Send one attempt heartbeat; the attempt's terminal status if it was ended elsewhere, else None."""
@@ -388,13 +620,23 @@ class RunnerGroup(GroupLifecycle):
 
 def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Optional[Tracer] = None,
                   default_timeout_s: Optional[float] = 300.0, llm_resource: str = "main_llm",
-                  backend: str = "threads", heartbeat_interval_s: float = 5.0,
+                  backend: str = "threads", heartbeat_interval_s: float = 5.0, replace: bool = True,
                   **backend_options: Any) -> RunnerGroup:
     """Start ``n`` runner threads and return at once. Stop them with ``group.stop()``.
 
     Use it as ``with start_runners(...) as group:`` around the algorithm side to get the
     abort semantics of the module docstring; ``heartbeat_interval_s`` (seconds) is the
     threads' heartbeat period.
+
+    ``replace=True`` (the default): runner threads still running on this same ``store``
+    object (typically the group of an earlier run of the same notebook cell, whose handle
+    was overwritten) are stopped first, so no rollout is run by an outdated agent or
+    reward function: they finish their current attempt (up to ``REPLACE_STOP_TIMEOUT_S``
+    seconds, then they are aborted as by ``group.stop``) and a ``UserWarning`` names
+    them. ``replace=False`` keeps them running beside the new group, both pulling from the
+    same queue. Re-run the ``start_runners`` cell after redefining the agent or its reward
+    function: running runners keep the function they were given. With ``backend="ray"``
+    ``replace`` does not apply; stop the previous group yourself (``group.stop()``).
 
     ``backend="ray"`` starts ``n`` Ray actors instead (see :mod:`lightning_nb.runners_ray`:
     the store is served over HTTP; ``backend_options`` such as ``num_cpus``, ``address``,
@@ -421,8 +663,29 @@ def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Op
     if n < 1:
         raise ConfigError(f"n must be >= 1 runner, got {n}")
     tracer = tracer or Tracer(store)
+    notices = FailureNotices()  # first failure of each kind warns once per group
     runners = [Runner(agent, store, tracer, default_timeout_s=default_timeout_s, llm_resource=llm_resource,
-                      heartbeat_interval_s=heartbeat_interval_s) for _ in range(n)]
+                      heartbeat_interval_s=heartbeat_interval_s, notices=notices) for _ in range(n)]
+    if replace:
+        _replace_running(store, n)
     for r in runners:
         r.start()
     return RunnerGroup(runners)
+
+
+def _replace_running(store: LightningStore, n_new: int) -> None:
+    """Stop the runner threads running on ``store`` (see ``start_runners(replace=True)``) and warn once."""
+    previous = _LIVE.running(store)
+    if not previous:
+        return
+    ids = [r.worker_id for r in previous]
+    t0 = time.monotonic()
+    abandoned = RunnerGroup(previous).stop(timeout=REPLACE_STOP_TIMEOUT_S)
+    late = [r.worker_id for r in previous if r._abort.is_set()]
+    note = (f"; {len(late)} did not finish their attempt within {REPLACE_STOP_TIMEOUT_S:g} s and were aborted "
+            f"(their rollouts are requeued per retry policy)" if late else "")
+    if abandoned:
+        note += f"; {len(abandoned)} could not be stopped and were abandoned: {', '.join(abandoned)}"
+    warnings.warn(f"start_runners: stopped the previous group of {len(previous)} runner(s) on this store "
+                  f"({', '.join(ids)}) in {time.monotonic() - t0:.1f} s and replaced it with {n_new} new one(s)"
+                  f"{note}; pass replace=False to keep both", UserWarning, stacklevel=3)

@@ -5,6 +5,18 @@ agent opens inside it (``tool_span``, ``emit_reward``, or any OpenTelemetry
 instrumentation using this tracer's provider) is tagged with the rollout and
 attempt ids and written to the store by :class:`StoreSpanProcessor` when it ends.
 The LLM proxy opens its spans with explicit ids (it serves other threads).
+
+Lost spans
+----------
+A span the store refuses with a transient error (a ``StoreClient`` whose server is
+briefly unreachable, a locked database, ...) is written again, ``span_tries`` times in
+all with a short backoff; errors that cannot heal (``NotFoundError``, ``ConfigError``)
+are not retried. A span still not stored is never raised into the agent: it is
+logged and, if its attempt is open in the tracer's :class:`SpanLedger` (the runner
+opens each attempt it runs with :meth:`Tracer.open_attempt`), recorded there, so the
+runner ends that attempt ``failed`` with the span's name and the reason instead of
+``succeeded`` with data missing. The ledger also counts the reward spans stored per
+open attempt (how the runner tells an agent that forgot its reward).
 """
 
 from __future__ import annotations
@@ -15,7 +27,9 @@ import json
 import logging
 import math
 import numbers
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from opentelemetry.context import Context
@@ -23,11 +37,12 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.trace import Span as OtelSpan
 from opentelemetry.trace import StatusCode
 
-from lightning_nb.errors import InvalidRewardError, LightningNbError
+from lightning_nb.errors import ConfigError, InvalidRewardError, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.types import Span
 
-__all__ = ["Tracer", "StoreSpanProcessor", "emit_reward", "tool_span", "ROLLOUT_ID", "ATTEMPT_ID"]
+__all__ = ["Tracer", "StoreSpanProcessor", "SpanLedger", "AttemptSpans", "emit_reward", "tool_span", "ROLLOUT_ID",
+           "ATTEMPT_ID"]
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +60,79 @@ class _Active:
 _ACTIVE: contextvars.ContextVar[Optional[_Active]] = contextvars.ContextVar("lightning_nb_active", default=None)
 
 
-class StoreSpanProcessor(SpanProcessor):
-    """Tags spans with the active rollout/attempt on start and stores them on end."""
+@dataclass
+class AttemptSpans:
+    """What the tracer saw of one attempt's spans (:meth:`SpanLedger.close`).
 
-    def __init__(self, store: LightningStore) -> None:
+    Attributes:
+        rewards_stored: reward spans (named ``"reward"``) written to the store.
+        lost: one line per span that could not be stored, naming the span and the reason.
+    """
+
+    rewards_stored: int = 0
+    lost: list[str] = field(default_factory=list)
+
+
+class SpanLedger:
+    """Thread-safe record of the spans of the attempts a runner has open: ``(rollout_id, attempt_id) -> AttemptSpans``.
+
+    Only open attempts are recorded (:meth:`open` ... :meth:`close`), so spans written
+    for anything else (the LLM proxy's, an abandoned agent's late ones) never pile up here.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[tuple[str, str], AttemptSpans] = {}
+
+    def open(self, rollout_id: str, attempt_id: str) -> None:
+        with self._lock:
+            self._open.setdefault((rollout_id, attempt_id), AttemptSpans())
+
+    def close(self, rollout_id: str, attempt_id: str) -> AttemptSpans:
+        """Stop recording the attempt and return what was recorded (empty if it was not open)."""
+        with self._lock:
+            return self._open.pop((rollout_id, attempt_id), None) or AttemptSpans()
+
+    def stored(self, rollout_id: str, attempt_id: str, name: str) -> None:
+        with self._lock:
+            rec = self._open.get((rollout_id, attempt_id))
+            if rec is not None and name == "reward":
+                rec.rewards_stored += 1
+
+    def lost(self, rollout_id: str, attempt_id: str, reason: str) -> bool:
+        """Record a lost span; False when the attempt is not open (nobody will look)."""
+        with self._lock:
+            rec = self._open.get((rollout_id, attempt_id))
+            if rec is not None:
+                rec.lost.append(reason)
+            return rec is not None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+
+# Errors a retry cannot heal: the attempt is gone, or the span itself is invalid.
+_PERMANENT = (NotFoundError, ConfigError)
+
+
+class StoreSpanProcessor(SpanProcessor):
+    """Tags spans with the active rollout/attempt on start and stores them on end.
+
+    Args:
+        store: where spans go.
+        ledger: where stored reward spans and lost spans of open attempts are recorded.
+        span_tries: writes per span before it counts as lost (transient errors only).
+        retry_backoff_s: seconds before the second write, doubled before each later one.
+    """
+
+    def __init__(self, store: LightningStore, ledger: Optional[SpanLedger] = None, *, span_tries: int = 3,
+                 retry_backoff_s: float = 0.1) -> None:
+        if not (isinstance(span_tries, int) and span_tries >= 1):
+            raise ConfigError(f"span_tries must be an int >= 1, got {span_tries!r}")
         self.store = store
+        self.ledger = ledger if ledger is not None else SpanLedger()
+        self.span_tries, self.retry_backoff_s = span_tries, float(retry_backoff_s)
 
     def on_start(self, span: OtelSpan, parent_context: Optional[Context] = None) -> None:
         active = _ACTIVE.get()
@@ -63,29 +146,58 @@ class StoreSpanProcessor(SpanProcessor):
         rollout_id, attempt_id = attrs.pop(ROLLOUT_ID, None), attrs.pop(ATTEMPT_ID, None)
         if rollout_id is None or attempt_id is None:
             return  # not part of a rollout
-        ctx = span.get_span_context()
-        record = Span(
-            rollout_id=str(rollout_id),
-            attempt_id=str(attempt_id),
-            trace_id=format(ctx.trace_id, "032x"),
-            span_id=format(ctx.span_id, "016x"),
-            parent_id=format(span.parent.span_id, "016x") if span.parent else None,
-            name=span.name,
-            start_time=(span.start_time or 0) / 1e9,
-            end_time=(span.end_time or 0) / 1e9,
-            status={StatusCode.OK: "ok", StatusCode.ERROR: "error"}.get(span.status.status_code, "unset"),
-            attributes={k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()},
-        )
+        rollout_id, attempt_id = str(rollout_id), str(attempt_id)
         try:
-            self.store.add_span(record)
-        except LightningNbError as exc:  # e.g. the attempt vanished; never crash the agent
-            log.warning("span %s of rollout %s not stored: %s", span.name, rollout_id, exc)
+            ctx = span.get_span_context()
+            record = Span(
+                rollout_id=rollout_id,
+                attempt_id=attempt_id,
+                trace_id=format(ctx.trace_id, "032x"),
+                span_id=format(ctx.span_id, "016x"),
+                parent_id=format(span.parent.span_id, "016x") if span.parent else None,
+                name=span.name,
+                start_time=(span.start_time or 0) / 1e9,
+                end_time=(span.end_time or 0) / 1e9,
+                status={StatusCode.OK: "ok", StatusCode.ERROR: "error"}.get(span.status.status_code, "unset"),
+                attributes={k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()},
+            )
+        except Exception as exc:  # an attribute the store cannot hold: never crash the agent
+            self._lose(span.name, rollout_id, attempt_id, f"span {span.name!r} could not be recorded: "
+                                                          f"{type(exc).__name__}: {exc}")
+            return
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                self.store.add_span(record)
+            except Exception as exc:  # never crash the agent; transient errors are retried
+                if tries < self.span_tries and not isinstance(exc, _PERMANENT):
+                    time.sleep(self.retry_backoff_s * 2 ** (tries - 1))
+                    continue
+                self._lose(span.name, rollout_id, attempt_id,
+                           f"span {span.name!r} could not be stored after {tries} {'try' if tries == 1 else 'tries'}: "
+                           f"{type(exc).__name__}: {_first_line(exc)}")
+                return
+            self.ledger.stored(rollout_id, attempt_id, span.name)
+            if tries > 1:
+                log.info("span %s of rollout %s stored at try %d", span.name, rollout_id, tries)
+            return
+
+    def _lose(self, name: str, rollout_id: str, attempt_id: str, reason: str) -> None:
+        tracked = self.ledger.lost(rollout_id, attempt_id, reason)
+        log.warning("rollout %s attempt %s: %s%s", rollout_id, attempt_id, reason,
+                    "" if tracked else " (the attempt is not run by this tracer's runners; nothing else records it)")
 
     def shutdown(self) -> None:  # nothing buffered
         pass
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 class Tracer:
@@ -104,6 +216,10 @@ class Tracer:
         otlp_headers: extra HTTP headers for the collector, e.g. ``{"authorization": "Bearer ..."}``;
             they go on the requests only, never into span attributes.
         service_name: the OpenTelemetry ``service.name`` resource attribute the collector shows.
+        span_tries: writes per span before it counts as lost (see "Lost spans" in the module docstring).
+
+    Attributes:
+        ledger: the :class:`SpanLedger` of the attempts open in this tracer (runners read it).
 
     Raises:
         ConfigError: ``otlp_endpoint`` is not an http(s) URL.
@@ -112,10 +228,12 @@ class Tracer:
     """
 
     def __init__(self, store: LightningStore, *, otlp_endpoint: Optional[str] = None,
-                 otlp_headers: Optional[dict[str, str]] = None, service_name: str = "lightning-nb") -> None:
+                 otlp_headers: Optional[dict[str, str]] = None, service_name: str = "lightning-nb",
+                 span_tries: int = 3) -> None:
         from opentelemetry.sdk.resources import Resource
 
         self.store = store
+        self.ledger = SpanLedger()
         self.otlp_endpoint: Optional[str] = None
         exporter = None
         if otlp_endpoint is not None:
@@ -123,13 +241,24 @@ class Tracer:
 
             exporter = live_otlp_exporter(otlp_endpoint, otlp_headers)  # raises before anything starts
             self.otlp_endpoint = exporter.url
-        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-        self.provider.add_span_processor(StoreSpanProcessor(store))
+        # Only a live exporter has anything to flush at exit; an atexit hook would also keep this
+        # tracer, and so its store with every span, alive until the interpreter ends.
+        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}),
+                                       shutdown_on_exit=exporter is not None)
+        self.provider.add_span_processor(StoreSpanProcessor(store, self.ledger, span_tries=span_tries))
         if exporter is not None:
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
             self.provider.add_span_processor(BatchSpanProcessor(exporter))
         self.otel = self.provider.get_tracer("lightning_nb")
+
+    def open_attempt(self, rollout_id: str, attempt_id: str) -> None:
+        """Start recording the attempt's stored reward spans and lost spans (see :class:`SpanLedger`)."""
+        self.ledger.open(rollout_id, attempt_id)
+
+    def close_attempt(self, rollout_id: str, attempt_id: str) -> AttemptSpans:
+        """Stop recording the attempt; what was recorded since :meth:`open_attempt` (empty if never opened)."""
+        return self.ledger.close(rollout_id, attempt_id)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """Send the spans buffered for ``otlp_endpoint`` now; False if that did not finish in time."""

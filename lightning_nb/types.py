@@ -234,6 +234,7 @@ class Triplet(_Model):
     logprobs: Optional[list[float]] = None
     reward: float
     temperature: float = 1.0
+    top_p: float = Field(1.0, description="Nucleus sampling cut of the call; the GRPO trainer refuses < 1.")
     prompt_text: str = ""
     response_text: str = ""
 

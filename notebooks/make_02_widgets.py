@@ -25,8 +25,14 @@ One call shows everything while GRPO trains in the background:
 * **span browser**: the latest spans as a table; click a row to see that rollout's span tree (agent → LLM calls → tools → reward) with prompt, completion and token counts.
 
 The panels poll the store and the trainer on background threads: cells never block, and `dash.close()` stops them.
-Set `LIGHTNING_NB_SMOKE=1` for small parameters (the tests do)."""),
-    ("code", """import os
+
+Every cell returns within seconds (loading the model takes about 30 s); training then runs in the background.
+On a 2-core CPU the default 12 steps take about 15 minutes (each step 1 to 2 minutes, plus a 16-task held-out
+evaluation every 4 steps). For a smoke run with small sizes (4 short steps, a few minutes; the tests use it), set
+`LIGHTNING_NB_SMOKE=1` before the first code cell runs: uncomment its `%env LIGHTNING_NB_SMOKE=1` line, or start
+Jupyter with `LIGHTNING_NB_SMOKE=1 jupyter lab`."""),
+    ("code", """# %env LIGHTNING_NB_SMOKE=1      # uncomment for a smoke run with small sizes
+import os
 
 SMOKE = os.environ.get("LIGHTNING_NB_SMOKE") == "1"
 STEPS = 4 if SMOKE else 12          # training steps

@@ -52,8 +52,27 @@ def engine():
     from lightning_nb.engine import TransformersEngine
 
     eng = TransformersEngine.from_default(max_batch_size=8)
+    eng.initial_state = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
     yield eng
     eng.stop()
+
+
+@pytest.fixture
+def pristine(engine):
+    """The session engine with its initial (untrained) weights during the test, and again after it.
+
+    Tests that train the shared engine use this, so no test depends on what ran before it.
+    """
+    import torch
+
+    def reset():
+        with engine.lock, torch.no_grad():
+            engine.model.load_state_dict(engine.initial_state)
+            engine.weight_version = 0
+
+    reset()
+    yield engine
+    reset()
 
 
 @pytest.fixture

@@ -27,6 +27,19 @@ def test_demo_writes_metrics_curve_and_summary(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert 0.0 <= summary["val_reward_before"] <= 1.0 and df["val_reward"].iloc[0] == summary["val_reward_after"]
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the final checkpoint is in the output folder; --resume continues from it, eval --checkpoint reads it
+    ckpt = out / "checkpoint.pt"
+    assert summary["checkpoint"] == str(ckpt) and ckpt.stat().st_size > 100_000_000
+    proc = subprocess.run([*cmd, "--steps", "2", "--resume", str(ckpt), "--val-size", "2"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {ckpt} at step 1" in proc.stdout
+    assert pd.read_csv(out / "metrics.csv")["step"].tolist() == [1, 2]
+    proc = subprocess.run([sys.executable, "-m", "lightning_nb", "eval", "--checkpoint", str(ckpt), "--val-size", "2",
+                           "--runners", "2"], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "held-out reward on 2 val tasks (greedy, step 2)" in proc.stdout
+    ckpt.unlink()
 
 
 def test_demo_rejects_bad_steps():
@@ -36,3 +49,6 @@ def test_demo_rejects_bad_steps():
     proc = subprocess.run([sys.executable, "-m", "lightning_nb", "demo", "--sample-rounds", "0"], capture_output=True,
                           text=True, cwd=ROOT)
     assert proc.returncode == 2 and "--sample-rounds must be >= 1" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "lightning_nb", "demo", "--resume", "/nonexistent/ck.pt"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "no such checkpoint file" in proc.stderr

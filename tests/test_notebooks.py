@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import shutil
 from pathlib import Path
 
 import nbformat
@@ -13,22 +16,48 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # what each notebook's outputs must contain (text, or a MIME type among the outputs' data)
 EXPECTED = {
     "01_quickstart.ipynb": ["held-out reward before training", "held-out reward after training",
-                            "'paused'"],  # trainer.state shown after pause()
+                            "'paused'",  # trainer.state shown after pause()
+                            "checkpoint.pt ("],  # the save cell printed the checkpoint's path and size
     "02_widgets.ipynb": ["application/vnd.jupyter.widget-view+json",  # the dashboard
                          "'running'", "InMemoryStore</b>", "RunnerGroup</b>"],  # trainer.state and the HTML reprs
 }
+BIG_FILE = 10_000_000  # bytes: a smoke run may leave small temp files, never a checkpoint (~1.6 GB)
 
 
 def test_every_notebook_has_expectations():
     assert sorted(EXPECTED) == [p.name for p in NOTEBOOKS]
 
 
+def test_widgets_notebook_is_what_its_generator_writes():
+    """02_widgets.ipynb is generated: edit notebooks/make_02_widgets.py and rerun it, never the .ipynb."""
+    spec = importlib.util.spec_from_file_location("make_02_widgets", ROOT / "notebooks" / "make_02_widgets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    committed = json.loads((ROOT / "notebooks" / "02_widgets.ipynb").read_text())
+    assert committed == json.loads(nbformat.writes(module.build())), \
+        "run `python notebooks/make_02_widgets.py` to regenerate notebooks/02_widgets.ipynb"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_executes(path, monkeypatch):
+def test_notebook_executes(path, monkeypatch, tmp_path):
     monkeypatch.setenv("LIGHTNING_NB_SMOKE", "1")
+    # The kernel's tempfile.mkdtemp() lands here (the quickstart saves its smoke checkpoint to one), so this test
+    # can check that the notebook removed what it wrote, and removes it itself whatever happened.
+    kernel_tmp = tmp_path / "kernel_tmp"
+    kernel_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(kernel_tmp))
+    full_run_checkpoint = ROOT / "runs" / "quickstart" / "checkpoint.pt"  # where a full (not smoke) run saves
+    before = full_run_checkpoint.stat().st_mtime_ns if full_run_checkpoint.exists() else None
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    try:
+        NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+        left = [p for p in kernel_tmp.rglob("*") if p.is_file() and p.stat().st_size > BIG_FILE]
+        assert not left, f"{path.name} left large files behind: {left}"
+    finally:
+        shutil.rmtree(kernel_tmp, ignore_errors=True)
+    after = full_run_checkpoint.stat().st_mtime_ns if full_run_checkpoint.exists() else None
+    assert after == before, f"{path.name} wrote {full_run_checkpoint} in a smoke run"
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     text = "\n".join(str(o.get("text", "")) + "".join(f"{k}\n{v}" for k, v in o.get("data", {}).items())

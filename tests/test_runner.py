@@ -122,3 +122,19 @@ def test_attributed_llm_rewrites_proxy_endpoint_only():
     assert out.sampling_parameters == {"temperature": 0.0}
     other = LLMResource(endpoint="https://example.invalid/api", model="m")
     assert attributed_llm(other, "ro-1", "at-1").endpoint == "https://example.invalid/api"
+
+
+def test_tracer_keeps_no_store_alive():
+    """A Tracer without a live exporter registers no atexit hook, which would keep its store (and spans) forever."""
+    import gc
+    import weakref
+
+    from lightning_nb.store import InMemoryStore
+    from lightning_nb.tracer import Tracer
+
+    store = InMemoryStore()
+    tracer = Tracer(store)
+    ref = weakref.ref(store)
+    del store, tracer
+    gc.collect()
+    assert ref() is None

@@ -58,7 +58,9 @@ def test_reopen_restores_everything_and_queue_order(tmp_path):
         llm = s.query_spans(rid, aid)[0]
         assert llm.attributes["prompt_ids"] == [1, 2, 3] and all(type(x) is int for x in llm.attributes["prompt_ids"])
         assert llm.attributes["logprobs"] == [-0.5, -0.25] and llm.attributes["ok"] is True
-        assert s.final_reward(rid) == 0.5  # until the retry is dequeued
+        # requeuing is not terminal: no final reward yet (rules.final_reward), though its reward span is kept
+        assert s.final_reward(rid) is None and s.get_rollout_by_id(rid).status == "requeuing"
+        assert [x.attributes["reward"] for x in s.query_spans(rid, aid) if x.name == "reward"] == [0.5]
         assert [s.dequeue_rollout().rollout.rollout_id for _ in range(3)] == [ids[1], ids[3], ids[0]]
         assert s.dequeue_rollout() is None
         assert s.query_attempts(ids[0])[-1].sequence_id == 2
@@ -342,3 +344,108 @@ def _check_recovered(path: Path, seen: list[str]) -> None:
         while (item := s.dequeue_rollout()) is not None:
             order.append(item.rollout.rollout_id)
         assert order == [enq[3], *stored[4:], enq[1], enq[2]]
+
+
+# ----- one writer per file ---------------------------------------------------------------------
+def _open_in_subprocess(path: Path) -> subprocess.CompletedProcess:
+    """Open the store in a fresh Python process; print the statuses of its attempts."""
+    code = ("import sys\nfrom lightning_nb.store import SqliteStore\n"
+            "with SqliteStore(sys.argv[1]) as s:\n    print([a.status for a in s.query_attempts()])\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
+                          timeout=60)
+
+
+def _running_store(path: Path) -> tuple[SqliteStore, str, str]:
+    s = SqliteStore(path)
+    item = s.dequeue_rollout("w0") if s.enqueue_rollout("t") else None
+    s.update_attempt(item.rollout.rollout_id, item.attempt.attempt_id, status="running", heartbeat=True)
+    return s, item.rollout.rollout_id, item.attempt.attempt_id
+
+
+def test_a_second_store_on_the_same_file_is_refused_and_changes_nothing(tmp_path):
+    path = tmp_path / "store.db"
+    first, rid, aid = _running_store(path)
+    before = _dump(path)
+    (tmp_path / "alias.db").symlink_to(path)
+    for name in (path, str(path), tmp_path / "alias.db"):  # another name of the same file is the same file
+        with pytest.raises(ConfigError) as err:
+            SqliteStore(name)
+        message = str(err.value)
+        assert str(name) in message and "this process" in message
+        assert "store.close()" in message and "StoreServer" in message and "StoreClient" in message
+    assert isinstance(err.value, ValueError)
+    assert _dump(path) == before  # no recovery ran: the first store's attempt is still running
+    assert first.query_attempts(rid)[0].status == "running"
+    first.add_span(_span(rid, aid))  # the first store is unharmed
+    first.close()
+    with SqliteStore(path) as again:  # closed: the file opens, and recovery now runs
+        assert again.query_attempts(rid)[0].status == "unresponsive"
+    third = SqliteStore(path)  # a store dropped without close() releases the file when collected
+    del third
+    import gc
+
+    gc.collect()
+    SqliteStore(path).close()
+
+
+def test_a_second_process_cannot_open_a_file_in_use(tmp_path):
+    path = tmp_path / "store.db"
+    first, rid, _ = _running_store(path)
+    before = _dump(path)
+    refused = _open_in_subprocess(path)
+    assert refused.returncode != 0, refused.stdout
+    assert "ConfigError" in refused.stderr and f"by process {os.getpid()}" in refused.stderr
+    assert str(path) in refused.stderr and "store.close()" in refused.stderr
+    assert _dump(path) == before and first.query_attempts(rid)[0].status == "running"
+    first.close()
+    opened = _open_in_subprocess(path)  # released on close: the other process opens it and recovers
+    assert opened.returncode == 0, opened.stderr
+    assert opened.stdout.strip() == "['unresponsive']"
+    # a process killed with SIGKILL while holding the file releases it too: see
+    # test_sigkill_keeps_every_acknowledged_write_and_recovers_in_flight_attempts, which reopens after each kill
+
+
+# ----- workers after a restart -----------------------------------------------------------------
+def test_reopen_marks_dead_workers_stopped_and_keeps_their_last_heartbeat(tmp_path):
+    path = tmp_path / "store.db"
+    with SqliteStore(path) as s:
+        rid = s.enqueue_rollout("t").rollout_id
+        aid = s.dequeue_rollout("w-dead").attempt.attempt_id
+        s.update_attempt(rid, aid, status="running", heartbeat=True)
+        s.update_worker("w-idle", status="idle")
+        before = {w.worker_id: w for w in s.query_workers()}
+    time.sleep(0.3)  # the "kernel restart"
+    with SqliteStore(path) as s:
+        after = {w.worker_id: w for w in s.query_workers()}
+        dead = after["w-dead"]
+        assert (dead.status, dead.current_rollout_id, dead.current_attempt_id) == ("stopped", None, None)
+        assert dead.last_heartbeat_time == before["w-dead"].last_heartbeat_time  # not stamped by the recovery
+        assert after["w-idle"] == before["w-idle"]  # no attempt of it was recovered: untouched
+        ages = s.workers_df().set_index("worker_id")["heartbeat_age_s"]
+        assert ages["w-dead"] >= 0.3 and ages["w-idle"] >= 0.3
+        assert s.query_attempts(rid)[0].status == "unresponsive"
+
+
+def test_reward_fast_path_agrees_with_the_generic_one(tmp_path):
+    from lightning_nb.store.base import LightningStore
+
+    with SqliteStore(tmp_path / "store.db") as s:
+        retried = s.enqueue_rollout("r", config=RolloutConfig(max_attempts=2)).rollout_id
+        a1 = s.dequeue_rollout().attempt.attempt_id
+        s.add_span(_span(retried, a1, "reward", reward=0.9))  # an earlier attempt's reward never counts
+        s.update_attempt(retried, a1, status="failed")
+        a2 = s.dequeue_rollout().attempt.attempt_id
+        for value in (0.2, None, 0.7):
+            s.add_span(_span(retried, a2, "reward", reward=value))
+        s.add_span(_span(retried, a2, "llm"))
+        s.update_attempt(retried, a2, status="succeeded")
+        plain = s.start_rollout("no reward")
+        s.update_attempt(plain.rollout.rollout_id, plain.attempt.attempt_id, status="succeeded")
+        running = s.start_rollout("running").rollout.rollout_id
+        s.enqueue_rollout("queued")
+        ids = [r.rollout_id for r in s.query_rollouts()]
+        assert s._latest_attempt_rewards(ids) == LightningStore._latest_attempt_rewards(s, ids)
+        assert s._latest_attempt_rewards(ids)[retried] == [0.2, None, 0.7]
+        assert s.final_rewards() == {ids[0]: 0.7, ids[1]: None, running: None, ids[3]: None}
+        assert s._latest_attempt_rewards([]) == {}

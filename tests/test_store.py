@@ -202,3 +202,162 @@ def test_completed_since_returns_only_rollouts_finished_after(store):
     store.cancel_rollout(queued)
     assert [r.rollout_id for r in store.completed_since(second.end_time)] == [queued]
     assert running not in {r.rollout_id for r in store.completed_since(0.0)}
+
+
+# ----- views: rollouts_df, episodes_df, workers; returned objects are copies --------------
+def _llm_span(rollout_id, attempt_id, text):
+    from lightning_nb.proxy import LLM_SPAN_NAME
+
+    return Span(rollout_id=rollout_id, attempt_id=attempt_id, trace_id="t" * 32, span_id="l" * 16,
+                name=LLM_SPAN_NAME, start_time=1.0, end_time=2.0,
+                attributes={"gen_ai.completion": text, "completion_token_ids": [1, 2]})
+
+
+def test_rollouts_df_times_are_datetimes_and_numbers_are_never_none(store):
+    empty = store.rollouts_df()
+    assert [str(empty[c].dtype)[:10] for c in ("enqueue_time", "start_time", "end_time")] == ["datetime64"] * 3
+    queued = store.enqueue_rollout("queued")
+    cancelled = store.enqueue_rollout("cancelled")
+    store.cancel_rollout(cancelled.rollout_id)  # ended without ever starting
+    done = store.start_rollout("done")
+    store.add_span(_span(done.rollout.rollout_id, done.attempt.attempt_id, "reward", reward=0.5))
+    store.update_attempt(done.rollout.rollout_id, done.attempt.attempt_id, status="succeeded")
+    failed = store.start_rollout("failed")
+    store.update_attempt(failed.rollout.rollout_id, failed.attempt.attempt_id, status="failed", error="boom")
+    running = store.start_rollout("running")
+    df = store.rollouts_df().set_index("rollout_id")
+    assert list(store.rollouts_df().columns) == ["rollout_id", "input", "mode", "status", "resources_id",
+                                                 "enqueue_time", "start_time", "end_time", "num_attempts", "reward",
+                                                 "duration_s"]
+    for col in ("enqueue_time", "start_time", "end_time"):
+        assert str(df[col].dtype).startswith("datetime64"), (col, df[col].dtype)
+    assert df["reward"].dtype == "float64" and df["duration_s"].dtype == "float64"
+    assert df["num_attempts"].dtype == "int64"
+    for rollout in store.query_rollouts():  # the datetimes are the stored epoch seconds, in UTC
+        got = df.loc[rollout.rollout_id, "enqueue_time"]
+        assert abs((got - pd.Timestamp(rollout.enqueue_time, unit="s")).total_seconds()) < 1e-3
+    assert pd.isna(df.loc[queued.rollout_id, "start_time"]) and pd.isna(df.loc[queued.rollout_id, "end_time"])
+    assert pd.isna(df.loc[cancelled.rollout_id, "start_time"]) and not pd.isna(df.loc[cancelled.rollout_id, "end_time"])
+    assert pd.isna(df.loc[running.rollout.rollout_id, "end_time"])
+    assert df.loc[done.rollout.rollout_id, "end_time"] >= df.loc[done.rollout.rollout_id, "start_time"]
+    rewards = df["reward"].to_dict()
+    assert rewards[done.rollout.rollout_id] == 0.5 and rewards[failed.rollout.rollout_id] == 0.0
+    assert all(pd.isna(rewards[r]) for r in (queued.rollout_id, cancelled.rollout_id, running.rollout.rollout_id))
+    assert df.loc[done.rollout.rollout_id, "duration_s"] >= 0 and pd.isna(df.loc[queued.rollout_id, "duration_s"])
+    assert df["reward"].map(type).eq(float).all() and df["duration_s"].map(type).eq(float).all()  # NaN, never None
+
+
+def test_episodes_df_shows_input_completions_and_reward_side_by_side(store):
+    ok = store.start_rollout({"q": "2+2"}, metadata={"group_id": "g1"})
+    rid, aid = ok.rollout.rollout_id, ok.attempt.attempt_id
+    store.add_span(_llm_span(rid, aid, "let me think"))
+    store.add_span(_span(rid, aid, "tool"))
+    store.add_span(_llm_span(rid, aid, "4"))
+    store.add_span(_span(rid, aid, "reward", reward=0.75))
+    store.update_attempt(rid, aid, status="succeeded")
+    retried = store.enqueue_rollout("retried", config=RolloutConfig(max_attempts=2), metadata={"group_id": "g1"})
+    first = store.dequeue_rollout("w")
+    store.add_span(_llm_span(retried.rollout_id, first.attempt.attempt_id, "old try"))
+    store.update_attempt(retried.rollout_id, first.attempt.attempt_id, status="failed", error="first crash")
+    second = store.dequeue_rollout("w")
+    store.add_span(_llm_span(retried.rollout_id, second.attempt.attempt_id, "new try"))
+    store.add_span(_span(retried.rollout_id, second.attempt.attempt_id, "reward", reward=1.0))
+    store.update_attempt(retried.rollout_id, second.attempt.attempt_id, status="succeeded")
+    bad = store.start_rollout("bad")
+    store.add_span(_llm_span(bad.rollout.rollout_id, bad.attempt.attempt_id, "oops"))
+    store.update_attempt(bad.rollout.rollout_id, bad.attempt.attempt_id, status="failed", error="boom")
+    val = store.start_rollout("v" * 300, mode="val")  # succeeded without a reward span
+    store.update_attempt(val.rollout.rollout_id, val.attempt.attempt_id, status="succeeded")
+    store.cancel_rollout(store.enqueue_rollout("cancelled").rollout_id)
+    store.start_rollout("running")
+
+    df = store.episodes_df()
+    assert list(df.columns) == ["rollout_id", "mode", "status", "group_id", "input", "completions", "llm_calls",
+                                "reward", "attempts", "duration_s", "error"]
+    assert df["rollout_id"].tolist() == [rid, retried.rollout_id, bad.rollout.rollout_id, val.rollout.rollout_id]
+    rows = df.set_index("rollout_id").to_dict("index")
+    assert rows[rid]["completions"] == "let me think\n---\n4" and rows[rid]["llm_calls"] == 2
+    assert rows[rid]["reward"] == 0.75 and rows[rid]["group_id"] == "g1" and rows[rid]["input"] == '{"q": "2+2"}'
+    assert pd.isna(rows[rid]["error"]) and rows[rid]["duration_s"] >= 0 and rows[rid]["status"] == "succeeded"
+    again = rows[retried.rollout_id]  # only the latest attempt counts
+    assert (again["completions"], again["llm_calls"], again["reward"], again["attempts"]) == ("new try", 1, 1.0, 2)
+    assert pd.isna(again["error"])
+    failed = rows[bad.rollout.rollout_id]
+    assert (failed["status"], failed["reward"], failed["error"]) == ("failed", 0.0, "boom")
+    assert failed["completions"] == "oops"
+    assert pd.isna(failed["group_id"])
+    v = rows[val.rollout.rollout_id]
+    assert v["mode"] == "val" and pd.isna(v["reward"]) and v["llm_calls"] == 0 and v["completions"] == ""
+    assert len(v["input"]) == 120 and v["input"].endswith("…")
+    assert df["llm_calls"].dtype == "int64" and df["reward"].dtype == "float64" and df["attempts"].dtype == "int64"
+    assert store.episodes_df(mode="val")["rollout_id"].tolist() == [val.rollout.rollout_id]
+    assert store.episodes_df(mode="test").empty and list(store.episodes_df(mode="test").columns) == list(df.columns)
+    with pytest.raises(ConfigError, match="mode"):
+        store.episodes_df(mode="eval")
+
+
+def test_episodes_df_reads_the_spans_once():
+    from lightning_nb.store import InMemoryStore
+
+    class Counting(InMemoryStore):
+        calls = 0
+
+        def query_spans(self, *args, **kwargs):
+            Counting.calls += 1
+            return super().query_spans(*args, **kwargs)
+
+    store = Counting()
+    for i in range(50):
+        it = store.start_rollout(i)
+        store.add_span(_llm_span(it.rollout.rollout_id, it.attempt.attempt_id, str(i)))
+        store.add_span(_span(it.rollout.rollout_id, it.attempt.attempt_id, "reward", reward=float(i % 2)))
+        store.update_attempt(it.rollout.rollout_id, it.attempt.attempt_id, status="succeeded")
+    df = store.episodes_df()
+    assert Counting.calls == 1 and len(df) == 50 and df["reward"].tolist() == [float(i % 2) for i in range(50)]
+
+
+def test_watchdog_leaves_a_silent_workers_last_heartbeat_alone(store):
+    rid = store.enqueue_rollout("x", config=RolloutConfig(unresponsive_seconds=0.2)).rollout_id
+    store.dequeue_rollout("w-silent")
+    (before,) = store.query_workers()
+    time.sleep(0.3)
+    (ended,) = store.sweep_attempts()
+    assert ended.rollout_id == rid and ended.status == "unresponsive"
+    (after,) = store.query_workers()
+    assert after.status == "unresponsive" and after.current_attempt_id is None
+    assert after.last_heartbeat_time == before.last_heartbeat_time  # the watchdog is not a sign of life
+    assert store.workers_df()["heartbeat_age_s"].iloc[0] >= 0.3
+
+
+def test_returned_and_given_objects_are_never_shared_with_the_store(store):
+    task = {"q": [1, 2]}
+    meta = {"group_id": "g", "sampling": {"temperature": 0.7}}
+    llm = LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")
+    res = store.add_resources({"main_llm": llm})
+    r = store.enqueue_rollout(task, metadata=meta, resources_id=res.resources_id)
+    task["q"].append(3)  # the caller changes what it passed
+    meta["sampling"]["temperature"] = 0.0
+    llm.model = "changed"
+    r.metadata["sampling"]["temperature"] = 2.0  # ... and what it got back
+    r.input["q"].append(4)
+    item = store.dequeue_rollout("w")
+    item.rollout.metadata["group_id"] = "mutated"
+    store.query_rollouts()[0].metadata["extra"] = 1
+    store.get_rollout_by_id(r.rollout_id).input["q"].clear()
+    got = store.get_rollout_by_id(r.rollout_id)
+    assert got.input == {"q": [1, 2]} and got.metadata == {"group_id": "g", "sampling": {"temperature": 0.7}}
+    store.get_latest_resources().resources["main_llm"].model = "mutated"
+    store.get_resources_by_id(res.resources_id).resources.clear()
+    assert store.get_latest_resources().resources["main_llm"].model == "m"
+    stats = {"counts": {"ok": 1}}
+    w = store.update_worker("w", heartbeat_stats=stats)
+    stats["counts"]["ok"] = 97
+    w.heartbeat_stats["counts"]["ok"] = 99
+    store.query_workers()[0].heartbeat_stats["counts"]["ok"] = 98
+    assert store.query_workers()[0].heartbeat_stats == {"counts": {"ok": 1}}
+    span = _span(r.rollout_id, item.attempt.attempt_id, "llm", token_ids=[1, 2])
+    stored = store.add_span(span)
+    span.attributes["token_ids"].append(3)
+    stored.attributes["token_ids"].append(4)
+    store.query_spans(r.rollout_id)[0].attributes["token_ids"].append(5)
+    assert store.query_spans()[0].attributes["token_ids"] == [1, 2]

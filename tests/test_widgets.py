@@ -171,7 +171,15 @@ def test_runner_panel_counts_and_start_stop_buttons():
 
 # ----- trainer panel (real engine and trainer) ------------------------------------------------------
 def test_trainer_panel_buttons_drive_the_trainer(engine, tmp_path):
-    store = InMemoryStore()  # no runners: the loop waits for its first rollouts, so it stays alive
+    store = InMemoryStore()
+    gate = threading.Event()
+
+    def held_agent(task, llm):  # the step's rollouts run until the test opens the gate
+        gate.wait(120)
+        return 1.0
+
+    store.add_resources({"main_llm": {"endpoint": "http://127.0.0.1:9/v1", "model": "none"}})  # never called
+    runners = start_runners(held_agent, store, n=2)
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
     algo = LightningRL(store, trainer, [{"id": "t", "question": "1 + 1?", "answer": 2}],
                        config=AlgorithmConfig(tasks_per_step=1, group_size=2))
@@ -179,12 +187,18 @@ def test_trainer_panel_buttons_drive_the_trainer(engine, tmp_path):
                          checkpoint_path=str(tmp_path / "ckpt-step-{step}.pt"))
     trainer.start(algo, steps=1)
     try:
+        _until(lambda: len(store.query_rollouts()) == 2)
         panel.refresh()
         assert 'data-state="running"' in panel.summary.value
         assert not panel.pause_button.disabled and panel.resume_button.disabled and panel.chat_button.disabled
 
-        panel.pause_button.click()
-        assert trainer.state == "paused" and 'data-state="paused"' in panel.summary.value
+        panel.pause_button.click()  # the step's rollouts are still running: the loop parks once they finish
+        assert trainer.state == "pausing" and 'data-state="pausing"' in panel.summary.value
+        assert panel.pause_button.disabled and panel.chat_button.disabled
+        gate.set()
+        _until(lambda: trainer.state == "paused")
+        panel.refresh()
+        assert 'data-state="paused"' in panel.summary.value
         assert panel.pause_button.disabled and not panel.resume_button.disabled and not panel.chat_button.disabled
 
         panel.chat_input.value = "What is 2 + 2?"
@@ -199,10 +213,13 @@ def test_trainer_panel_buttons_drive_the_trainer(engine, tmp_path):
         assert panel.last_checkpoint == tmp_path / "ckpt-step-0.pt" and panel.last_checkpoint.stat().st_size > 10**8
         assert "saved" in panel.status_line.value
 
+        gate.clear()  # hold the next round's rollouts, so the loop is still running when we look
         panel.resume_button.click()
         assert trainer.state == "running" and 'data-state="running"' in panel.summary.value
     finally:
-        trainer.stop(timeout=30)
+        trainer.stop(timeout=30)  # cancels the held rollouts
+        gate.set()
+        runners.stop()
         panel.close()
     panel.refresh()  # a closed panel ignores refreshes
     assert trainer.state == "stopped"

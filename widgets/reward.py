@@ -19,6 +19,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from lightning_nb.store.base import LightningStore
+from lightning_nb.store.rules import final_reward, reward_or_zero
 from widgets._live import LivePanel
 
 __all__ = ["RewardCurve", "rollout_point"]
@@ -29,14 +30,15 @@ def rollout_point(store: LightningStore, rollout: Any) -> Optional[tuple[str, Op
 
     ``x`` is the training step for ``train`` rollouts (None without a step-prefixed
     ``group_id``) and the weight version for the others (None without LLM spans).
-    ``reward`` is the last reward span of the latest attempt; a failed rollout without
-    one counts 0.0 (as :meth:`LightningRL.evaluate` does); cancelled rollouts are skipped.
+    ``reward`` is the rollout's final reward as the store defines it
+    (:func:`lightning_nb.store.rules.final_reward`): a failed rollout counts 0.0, as in
+    :meth:`LightningRL.evaluate`; cancelled and unfinished rollouts are skipped.
     """
-    if rollout.status == "cancelled":
+    if rollout.status not in ("succeeded", "failed"):
         return None
     spans = store.query_spans(rollout.rollout_id, "latest")
-    rewards = [s.attributes.get("reward") for s in spans if s.name == "reward"]
-    reward = float(rewards[-1]) if rewards and rewards[-1] is not None else 0.0
+    reward = reward_or_zero(final_reward(rollout.status, [s.attributes.get("reward") for s in spans
+                                                          if s.name == "reward"]))
     x: Optional[int] = None
     if rollout.mode == "train":
         group = str(rollout.metadata.get("group_id", ""))

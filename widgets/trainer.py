@@ -20,8 +20,10 @@ __all__ = ["TrainerPanel"]
 class TrainerPanel(LivePanel):
     """Live view of a :class:`~lightning_nb.trainer.GRPOTrainer` with control buttons.
 
-    Pause calls ``trainer.pause(wait=False)`` (the loop holds before its next update;
-    an update in progress finishes), Resume ``trainer.resume()``, Save
+    Pause calls ``trainer.pause(wait=False)`` (the state reads ``pausing`` until the loop
+    parks at its next step boundary: the rollouts it already enqueued finish and no update
+    runs; then ``paused``), Resume ``trainer.resume()`` (a config edited while paused is
+    validated first; an invalid one is shown and the loop stays paused), Save
     ``trainer.save(path)`` in a helper thread (``{step}`` in the path is replaced by
     the step). The chat box asks the current policy (``trainer.engine.chat``, greedy)
     and is enabled whenever the loop is not running (paused, idle, finished, stopped).
@@ -71,13 +73,18 @@ class TrainerPanel(LivePanel):
     # ----- actions (what the buttons call) ------------------------------------------------
     def pause(self) -> None:
         """Pause at the next step boundary without blocking the kernel."""
-        self.trainer.pause(wait=False)
-        self.notify("paused: the loop holds before its next update")
+        parked = self.trainer.pause(wait=False)
+        self.notify("paused" if parked else "pausing: the loop parks at its next step boundary "
+                    "(the rollouts it enqueued finish first)")
         self.refresh()
 
     def resume(self) -> None:
-        self.trainer.resume()
-        self.notify("resumed")
+        try:
+            self.trainer.resume()
+        except ValueError as exc:  # ConfigError: an invalid edit made while paused
+            self.notify(f"not resumed: {exc}")
+        else:
+            self.notify("resumed")
         self.refresh()
 
     def save(self, wait: bool = False) -> None:
@@ -101,7 +108,7 @@ class TrainerPanel(LivePanel):
         message = message.strip()
         if not message:
             return
-        if self.trainer.state == "running":
+        if self.trainer.state in ("running", "pausing"):
             self.notify("pause training first: chat answers with the weights of a paused (or idle) trainer")
             return
         self.chat_button.disabled = True
@@ -147,6 +154,6 @@ class TrainerPanel(LivePanel):
         state = self.trainer.state
         busy = self._worker is not None and self._worker.is_alive()
         self.pause_button.disabled = state != "running"
-        self.resume_button.disabled = state != "paused"
-        self.chat_button.disabled = state == "running" or busy
-        self.chat_input.disabled = state == "running"
+        self.resume_button.disabled = state not in ("paused", "pausing")
+        self.chat_button.disabled = state in ("running", "pausing") or busy
+        self.chat_input.disabled = state in ("running", "pausing")

@@ -33,10 +33,12 @@ import json
 import math
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, get_args
 
 import pandas as pd
 
+from lightning_nb.errors import ConfigError, NotFoundError
+from lightning_nb.store.rules import final_reward
 from lightning_nb.types import (
     ROLLOUT_TERMINAL,
     Attempt,
@@ -220,27 +222,108 @@ class LightningStore(ABC):
 
     # ----- DataFrame views (shared by all backends) -------------------------------------
     def rollouts_df(self) -> pd.DataFrame:
-        """One row per rollout: id, mode, status, attempts, times, reward (latest attempt's last reward span)."""
-        rewards = self._final_rewards()
+        """One row per rollout, in enqueue order.
+
+        Columns: rollout_id, input (short text), mode, status, resources_id,
+        enqueue_time, start_time, end_time (pandas datetimes in UTC, timezone-naive like
+        :meth:`spans_df`; NaT when not reached yet), num_attempts, reward (its final
+        reward, :meth:`final_rewards`; NaN when None, so always for a rollout not yet
+        finished) and duration_s (float seconds from start to end; NaN until it ended).
+        """
+        rollouts = self.query_rollouts()
+        rewards = self.final_rewards()  # after the rollouts: every finished one above has its reward
         rows = []
-        for r in self.query_rollouts():
+        for r in rollouts:
             row = r.model_dump(exclude={"config", "metadata", "input"})
             row["input"] = _short(r.input)
-            row["reward"] = rewards.get(r.rollout_id, math.nan)
-            row["duration_s"] = (r.end_time - r.start_time) if r.end_time and r.start_time else math.nan
+            reward = rewards.get(r.rollout_id) if r.status in ROLLOUT_TERMINAL else None
+            row["reward"] = math.nan if reward is None else reward
+            row["duration_s"] = _duration(r)
             rows.append(row)
-        return pd.DataFrame(rows, columns=_ROLLOUT_COLUMNS)
+        df = pd.DataFrame(rows, columns=_ROLLOUT_COLUMNS)
+        for col in ("enqueue_time", "start_time", "end_time"):
+            df[col] = _epoch_to_datetime(df[col])
+        df["num_attempts"] = df["num_attempts"].astype("int64")
+        for col in ("reward", "duration_s"):
+            df[col] = df[col].astype("float64")
+        return df
 
     def attempts_df(self) -> pd.DataFrame:
         """One row per attempt."""
         return pd.DataFrame([a.model_dump() for a in self.query_attempts()], columns=list(Attempt.model_fields))
 
     def workers_df(self) -> pd.DataFrame:
-        """One row per worker, with ``heartbeat_age_s`` (seconds since its last heartbeat)."""
+        """One row per worker (:class:`~lightning_nb.types.Worker` fields), first seen first, plus ``heartbeat_age_s``.
+
+        ``heartbeat_age_s`` is float seconds since the worker's last heartbeat (NaN if it
+        never sent one). Only the worker itself stamps its heartbeat: the watchdog ending
+        its attempt (status ``unresponsive``) or a ``SqliteStore`` reopened after its
+        process died (status ``stopped``) leave it alone, so the age of a dead worker
+        keeps growing.
+        """
         now = time.time()
-        rows = [{**w.model_dump(), "heartbeat_age_s": (now - w.last_heartbeat_time) if w.last_heartbeat_time
-                 else math.nan} for w in self.query_workers()]
-        return pd.DataFrame(rows, columns=[*Worker.model_fields, "heartbeat_age_s"])
+        rows = [{**w.model_dump(), "heartbeat_age_s": (now - w.last_heartbeat_time)
+                 if w.last_heartbeat_time is not None else math.nan} for w in self.query_workers()]
+        df = pd.DataFrame(rows, columns=[*Worker.model_fields, "heartbeat_age_s"])
+        df["heartbeat_age_s"] = df["heartbeat_age_s"].astype("float64")
+        return df
+
+    def episodes_df(self, mode: Optional[str] = None) -> pd.DataFrame:
+        """One row per finished rollout (succeeded or failed): its input, completions and reward side by side.
+
+        Args:
+            mode: only rollouts of this mode (``'train'``, ``'val'`` or ``'test'``); None: every mode.
+
+        Returns:
+            A DataFrame in enqueue order with columns rollout_id, mode, status, group_id
+            (the rollout's ``metadata['group_id']``, missing if absent), input (short text),
+            completions (the ``gen_ai.completion`` text of each LLM call of the latest
+            attempt, in turn order, joined with ``"\n---\n"``; ``""`` without calls),
+            llm_calls (how many LLM calls the latest attempt made), reward (the final
+            reward, :meth:`final_rewards`: 0.0 for failed, NaN when None), attempts
+            (``num_attempts``), duration_s (float seconds from start to end) and error
+            (the latest attempt's error if the rollout failed, else missing). Cancelled and
+            unfinished rollouts are left out. Spans no longer in the store (evicted by an
+            ``InMemoryStore`` with ``max_spans``) count as no calls.
+
+        Reads every span once (:meth:`query_spans`), not one query per rollout.
+
+        Raises:
+            ConfigError: ``mode`` is not a rollout mode.
+        """
+        if mode is not None and mode not in _MODES:
+            raise ConfigError(f"mode={mode!r} is not a rollout mode; use one of {list(_MODES)} or None (all)")
+        from lightning_nb.proxy import LLM_SPAN_NAME  # here: the proxy module imports this one
+
+        rollouts = [r for r in self.query_rollouts(status=["succeeded", "failed"]) if mode is None or r.mode == mode]
+        rewards = self.final_rewards()  # after the rollouts, which are finished: each has its final reward
+        latest: dict[str, Attempt] = {}
+        for a in self.query_attempts():
+            latest[a.rollout_id] = a  # oldest first: the last one seen is the latest
+        wanted = {r.rollout_id for r in rollouts}
+        completions: dict[str, list[str]] = {rid: [] for rid in wanted}
+        for s in self.query_spans():  # in (rollout, attempt, sequence) order: turn order within an attempt
+            if s.name == LLM_SPAN_NAME and s.rollout_id in wanted and s.attempt_id == getattr(
+                    latest.get(s.rollout_id), "attempt_id", None):
+                completions[s.rollout_id].append(str(s.attributes.get("gen_ai.completion", "")))
+        rows = []
+        for r in rollouts:
+            reward = rewards.get(r.rollout_id)
+            attempt = latest.get(r.rollout_id)
+            rows.append({
+                "rollout_id": r.rollout_id, "mode": r.mode, "status": r.status,
+                "group_id": r.metadata.get("group_id"), "input": _short(r.input),
+                "completions": "\n---\n".join(completions[r.rollout_id]),
+                "llm_calls": len(completions[r.rollout_id]),
+                "reward": math.nan if reward is None else reward, "attempts": r.num_attempts,
+                "duration_s": _duration(r),
+                "error": attempt.error if r.status == "failed" and attempt is not None else None,
+            })
+        df = pd.DataFrame(rows, columns=_EPISODE_COLUMNS)
+        for col, dtype in (("llm_calls", "int64"), ("attempts", "int64"), ("reward", "float64"),
+                           ("duration_s", "float64")):
+            df[col] = df[col].astype(dtype)
+        return df
 
     def spans_df(self, rollout_id: Optional[str] = None) -> pd.DataFrame:
         """One row per span.
@@ -279,21 +362,32 @@ class LightningStore(ABC):
         ]
         return pd.DataFrame(rows, columns=["rollout_id", "attempt_id", "mode", "reward", "time"])
 
-    def _final_rewards(self) -> dict[str, float]:
-        """rollout_id -> value of the last reward span of its latest attempt."""
-        latest: dict[str, str] = {}
-        for a in self.query_attempts():
-            latest[a.rollout_id] = a.attempt_id
-        out: dict[str, float] = {}
-        for s in self.query_spans():
-            if s.name == "reward" and latest.get(s.rollout_id) == s.attempt_id:
-                out[s.rollout_id] = float(s.attributes.get("reward", math.nan))
+    def final_rewards(self, rollout_ids: Optional[Sequence[str]] = None) -> dict[str, Optional[float]]:
+        """rollout_id -> final reward (:func:`lightning_nb.store.rules.final_reward`) of every rollout, or of ``rollout_ids``.
+
+        None means no final reward (cancelled, not yet finished, or succeeded without a
+        reward span); ``failed`` rollouts are 0.0. Raises NotFoundError for an unknown id.
+        """
+        rollouts = self.query_rollouts(rollout_ids=None if rollout_ids is None else list(rollout_ids))
+        if rollout_ids is not None and len(rollouts) != len(set(rollout_ids)):
+            missing = sorted(set(rollout_ids) - {r.rollout_id for r in rollouts})
+            raise NotFoundError(f"rollout_id {missing[0]!r} is not in the store; list ids with store.rollouts_df()")
+        values = self._latest_attempt_rewards([r.rollout_id for r in rollouts if r.status == "succeeded"])
+        return {r.rollout_id: final_reward(r.status, values.get(r.rollout_id, [])) for r in rollouts}
+
+    def _latest_attempt_rewards(self, rollout_ids: Sequence[str]) -> dict[str, list[Any]]:
+        """rollout_id -> ``reward`` attributes of the reward spans of its latest attempt, in span order.
+
+        Backends may override this for speed; the rule applied to it stays :func:`final_reward`.
+        """
+        out: dict[str, list[Any]] = {}
+        for rid in rollout_ids:
+            out[rid] = [s.attributes.get("reward") for s in self.query_spans(rid, "latest") if s.name == "reward"]
         return out
 
     def final_reward(self, rollout_id: str) -> Optional[float]:
-        """Reward of the rollout's latest attempt (its last reward span), or None."""
-        spans = [s for s in self.query_spans(rollout_id, "latest") if s.name == "reward"]
-        return float(spans[-1].attributes["reward"]) if spans else None
+        """Final reward of one rollout (see :meth:`final_rewards`). Raises NotFoundError for an unknown id."""
+        return self.final_rewards([rollout_id])[rollout_id]
 
     def completed_since(self, after_end_time: float) -> list[Rollout]:
         """Terminal rollouts (succeeded, failed, cancelled) whose ``end_time`` is after ``after_end_time``.
@@ -345,6 +439,18 @@ def span_summary(span: Span) -> dict[str, Any]:
     }
 
 
+def _duration(rollout: Rollout) -> float:
+    """Float seconds from the rollout's start to its end; NaN until both are known."""
+    if rollout.end_time is None or rollout.start_time is None:
+        return math.nan
+    return rollout.end_time - rollout.start_time
+
+
+def _epoch_to_datetime(values: pd.Series) -> pd.Series:
+    """Epoch seconds (None/NaN allowed) as datetime64 in UTC, timezone-naive (NaT where missing)."""
+    return pd.to_datetime(values.astype("float64"), unit="s")
+
+
 def _short(value: Any, limit: int = 120) -> str:
     text = value if isinstance(value, str) else json.dumps(value, default=str)
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -354,6 +460,11 @@ _ROLLOUT_COLUMNS = [
     "rollout_id", "input", "mode", "status", "resources_id", "enqueue_time",
     "start_time", "end_time", "num_attempts", "reward", "duration_s",
 ]
+_EPISODE_COLUMNS = [
+    "rollout_id", "mode", "status", "group_id", "input", "completions", "llm_calls", "reward", "attempts",
+    "duration_s", "error",
+]
+_MODES = get_args(RolloutMode)
 _SPAN_BASE_COLUMNS = [
     "rollout_id", "attempt_id", "sequence_id", "name", "start_time", "end_time", "status",
     "trace_id", "span_id", "parent_id",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from lightning_nb.errors import ConfigError, InvalidStatusTransition
 from lightning_nb.types import (
@@ -18,7 +18,7 @@ from lightning_nb.types import (
 
 __all__ = ["ATTEMPT_NEXT", "ACTIVE", "new_rollout", "start_attempt", "apply_attempt_update", "follow_attempt",
            "coerce_resources", "overdue", "SweepClock", "worker_update", "worker_on_dequeue",
-           "worker_on_attempt", "DEFAULT_WATCHDOG_INTERVAL_S"]
+           "worker_on_attempt", "DEFAULT_WATCHDOG_INTERVAL_S", "final_reward", "reward_or_zero"]
 
 ACTIVE = ("preparing", "running")  # attempt statuses the watchdog looks at
 DEFAULT_WATCHDOG_INTERVAL_S = 0.5
@@ -217,3 +217,37 @@ def worker_on_attempt(worker: Optional[Worker], attempt: Attempt, now: float, *,
         worker.current_rollout_id, worker.current_attempt_id = attempt.rollout_id, attempt.attempt_id
         return worker
     return None
+
+
+def final_reward(rollout_status: str, latest_attempt_rewards: Sequence[Any]) -> Optional[float]:
+    """The one definition of a rollout's final reward; every view, metric and adapter calls this.
+
+    Args:
+        rollout_status: the rollout's status.
+        latest_attempt_rewards: the ``reward`` attribute of each reward span of the
+            rollout's *latest* attempt, in span order (spans of earlier attempts, for
+            example ones an abandoned agent thread wrote late, never count).
+
+    Returns:
+        * ``succeeded``: the last reward span's value (a float), or None when the
+          attempt has no reward span (the adapter skips such a rollout as ``no_reward``);
+        * ``failed`` (including attempts that ended ``timeout``/``unresponsive`` or were
+          aborted, with no retry left): ``0.0``, even if a reward span was written before
+          the crash;
+        * ``cancelled`` or not yet terminal: None (no final reward).
+
+    Aggregates over finished rollouts (``evaluate()``, the step's ``reward_mean``, the
+    store's HTML summary, the widgets) use :func:`reward_or_zero`, so a rollout without a
+    final reward counts as 0, and skip ``cancelled`` rollouts.
+    """
+    if rollout_status == "failed":
+        return 0.0
+    if rollout_status != "succeeded":
+        return None
+    values = [v for v in latest_attempt_rewards if v is not None]
+    return float(values[-1]) if values else None
+
+
+def reward_or_zero(reward: Optional[float]) -> float:
+    """A :func:`final_reward` as counted in means over finished rollouts: None counts 0.0."""
+    return 0.0 if reward is None else float(reward)

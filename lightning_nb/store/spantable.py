@@ -23,9 +23,10 @@ from typing import Any, Iterable, Optional
 import numpy as np
 import pandas as pd
 
+from lightning_nb.errors import LightningNbError
 from lightning_nb.types import Span
 
-__all__ = ["SpanTable", "SpanSpill", "frame_from_spans"]
+__all__ = ["SpanTable", "SpanSpill", "frame_from_spans", "copy_attributes"]
 
 _BASE = ("rollout_id", "attempt_id", "sequence_id", "name", "start_time", "end_time", "status",
          "trace_id", "span_id", "parent_id")
@@ -34,8 +35,21 @@ _SUMMARY = {"prompt_tokens": "gen_ai.usage.input_tokens", "completion_tokens": "
             "reward": "reward"}
 
 
+def copy_attributes(attributes: dict[str, Any]) -> dict[str, Any]:
+    """A copy of span attributes that shares no list with ``attributes``.
+
+    Attribute values are scalars or flat lists of scalars (OpenTelemetry), so copying
+    the lists one level deep is a full copy, and much cheaper than ``copy.deepcopy``.
+    """
+    return {k: (list(v) if isinstance(v, list) else v) for k, v in attributes.items()}
+
+
 class SpanTable:
-    """Spans as columns; rows are appended and removed in batches (``drop``)."""
+    """Spans as columns; rows are appended and removed in batches (``drop``).
+
+    ``append`` stores a copy of the span's attributes and ``span`` hands out a copy
+    (:func:`copy_attributes`), so callers never share a list with the table.
+    """
 
     def __init__(self) -> None:
         self.codes: dict[str, array] = {c: array("i") for c in _CODED}  # -1 is None
@@ -67,7 +81,7 @@ class SpanTable:
         self.rank.append(rank)
         self.aseq.append(aseq)
         self.seq.append(span.sequence_id)
-        attrs = dict(span.attributes)
+        attrs = copy_attributes(span.attributes)
         self.attrs.append(attrs)
         for key, value in attrs.items():
             col = self.attr_cols.get(key)
@@ -106,7 +120,7 @@ class SpanTable:
             rollout_id=v("rollout_id", row), attempt_id=v("attempt_id", row), sequence_id=self.seq[row],
             trace_id=v("trace_id", row), span_id=self.span_ids[row], parent_id=v("parent_id", row),
             name=v("name", row), start_time=self.start[row], end_time=self.end[row], status=v("status", row),
-            attributes=dict(self.attrs[row]))
+            attributes=copy_attributes(self.attrs[row]))
 
     def rows(self, attempt_ids: Iterable[str]) -> list[int]:
         return [r for aid in attempt_ids for r in self.by_attempt.get(aid, ())]
@@ -252,14 +266,18 @@ class SpanSpill:
 
     Written with ``synchronous=OFF`` (the in-memory store it extends dies with the
     process anyway); NaN and infinities survive (JSON with Python's extension).
-    The file is created fresh (an existing one is replaced).
+    The file is created fresh (an existing one is replaced). :meth:`close` checkpoints
+    and closes it, leaving no ``-wal``/``-shm`` file; later reads and writes raise
+    :class:`~lightning_nb.errors.LightningNbError`.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.unlink(missing_ok=True)
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+        for suffix in ("", "-wal", "-shm"):  # a stale WAL of an older file must not be replayed into the new one
+            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+        self._db: Optional[sqlite3.Connection] = sqlite3.connect(str(self.path), check_same_thread=False,
+                                                                 isolation_level=None)
         self._db.execute("PRAGMA synchronous=OFF")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("CREATE TABLE spans (rank INTEGER NOT NULL, aseq INTEGER NOT NULL, seq INTEGER NOT NULL, "
@@ -267,20 +285,33 @@ class SpanSpill:
         self._db.execute("CREATE INDEX spans_rollout ON spans(rollout_id)")
         self.count = 0
 
+    @property
+    def closed(self) -> bool:
+        return self._db is None
+
+    def check_open(self) -> sqlite3.Connection:
+        """The connection; raise LightningNbError if :meth:`close` was called."""
+        if self._db is None:
+            raise LightningNbError(f"the span spill file {str(self.path)!r} was closed (store.close()); spilled spans "
+                                   f"can no longer be read and no span can be added. Make a new store to go on")
+        return self._db
+
     def write(self, items: list[tuple[int, int, Span]]) -> None:
+        db = self.check_open()
         rows = [(rank, aseq, s.sequence_id, s.rollout_id, s.name,
                  json.dumps(s.model_dump(), allow_nan=True, default=repr)) for rank, aseq, s in items]
-        self._db.execute("BEGIN")
+        db.execute("BEGIN")
         try:
-            self._db.executemany("INSERT INTO spans VALUES (?, ?, ?, ?, ?, ?)", rows)
-            self._db.execute("COMMIT")
+            db.executemany("INSERT INTO spans VALUES (?, ?, ?, ?, ?, ?)", rows)
+            db.execute("COMMIT")
         except BaseException:
-            self._db.execute("ROLLBACK")
+            db.execute("ROLLBACK")
             raise
         self.count += len(rows)
 
     def read(self, rollout_id: Optional[str] = None, name: Optional[str] = None) -> list[tuple[int, int, Span]]:
         """Spilled spans as ``(rank, aseq, span)``, optionally of one rollout / one span name."""
+        db = self.check_open()
         where, params = [], []
         if rollout_id is not None:
             where.append("rollout_id = ?")
@@ -290,7 +321,15 @@ class SpanSpill:
             params.append(name)
         sql = "SELECT rank, aseq, data FROM spans" + (" WHERE " + " AND ".join(where) if where else "")
         return [(rank, aseq, Span.model_construct(**json.loads(data)))
-                for rank, aseq, data in self._db.execute(sql + " ORDER BY rank, aseq, seq", params)]
+                for rank, aseq, data in db.execute(sql + " ORDER BY rank, aseq, seq", params)]
 
     def close(self) -> None:
-        self._db.close()
+        """Checkpoint the WAL into the file and close it (idempotent); no ``-wal``/``-shm`` file remains."""
+        if self._db is None:
+            return
+        db, self._db = self._db, None
+        try:
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            db.execute("PRAGMA journal_mode=DELETE")  # removes the -wal file; close() removes the -shm one
+        finally:
+            db.close()

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import sqlite3
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from pydantic_core import PydanticSerializationError
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
 
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
@@ -79,10 +87,25 @@ class SqliteStore(LightningStore):
     FULL stays the default: a notebook that trains for hours should not lose finished
     rollouts to a host reboot, and group commit keeps its cost low with several runners.
 
-    Recovery: opening an existing file marks every attempt still ``preparing`` or
-    ``running`` as ``unresponsive`` (its process died), which requeues its rollout
-    while ``num_attempts < config.max_attempts`` and fails it otherwise, exactly as
-    a ``timeout`` would. So open a file from one process at a time.
+    One writer per file: opening takes an exclusive lock on ``<file>.lock`` (a tiny
+    file left next to the database, holding the holder's process id; ``flock`` on
+    POSIX, ``msvcrt.locking`` on Windows), held until :meth:`close`, or
+    until the store object is garbage-collected or its process dies (the operating
+    system releases it, so a ``kill -9`` never leaves the file locked; a child made by
+    ``os.fork`` without ``exec``, e.g. by multiprocessing's fork start method, shares
+    the lock until it exits too). A second
+    ``SqliteStore`` on the same file, in this process or another one, raises
+    :class:`~lightning_nb.errors.ConfigError` naming the file, and changes nothing
+    in it. To use one file from several places, share one store object, or serve it
+    with :class:`~lightning_nb.store.server.StoreServer` and connect with
+    :class:`~lightning_nb.store.client.StoreClient`.
+
+    Recovery: opening an existing file (the lock proves no live store has it) marks
+    every attempt still ``preparing`` or ``running`` as ``unresponsive`` (the process
+    running it died), which requeues its rollout while ``num_attempts <
+    config.max_attempts`` and fails it otherwise, exactly as a ``timeout`` would. The
+    workers of those attempts are marked ``stopped``; their ``last_heartbeat_time``
+    stays the last one they sent.
 
     Watchdog: callers waiting in ``dequeue_rollout``/``wait_for_rollouts`` run
     :meth:`sweep_attempts` every ``watchdog_interval_s`` seconds (see the contract).
@@ -92,6 +115,10 @@ class SqliteStore(LightningStore):
     Rollout inputs, metadata and span attributes must be JSON-serializable (NaN and
     infinities come back as None).
     Use as a context manager, or call :meth:`close`.
+
+    Raises:
+        ConfigError: a bad ``synchronous``, or the file is already open in another
+            ``SqliteStore`` (this process or another one).
     """
 
     def __init__(self, path: str | Path, *, synchronous: str = "FULL",
@@ -107,11 +134,13 @@ class SqliteStore(LightningStore):
         self._commits = self._synced = 0
         self._sync_lock = threading.Lock()
         self._wal_fd: Optional[int] = None
+        self._db: Optional[sqlite3.Connection] = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # one writer per file, before anything reads or writes it (a refused open changes nothing)
+        self._unlock = weakref.finalize(self, os.close, _lock_file(self.path))
         # isolation_level=None: no implicit transactions; _tx() issues BEGIN IMMEDIATE / COMMIT itself
-        self._db: Optional[sqlite3.Connection] = sqlite3.connect(
-            str(path), check_same_thread=False, isolation_level=None, timeout=30.0)
         try:
+            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30.0)
             with self._locked():
                 # SQLite's NORMAL in both modes; FULL adds our own WAL fsync per commit (see _locked)
                 for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON"):
@@ -125,7 +154,7 @@ class SqliteStore(LightningStore):
             raise
 
     def close(self) -> None:
-        """Close the file (idempotent); later calls raise LightningNbError."""
+        """Close the file and release its lock (idempotent); later calls raise LightningNbError."""
         with self._cond, self._sync_lock:  # no fsync of the WAL is running while its fd closes
             if self._wal_fd is not None:
                 if self._synced < self._commits:
@@ -136,6 +165,7 @@ class SqliteStore(LightningStore):
             if self._db is not None:
                 self._db.close()
                 self._db = None
+            self._unlock()  # after the connection closed: the next opener finds the file at rest
             self._cond.notify_all()
 
     def __enter__(self) -> SqliteStore:
@@ -262,15 +292,21 @@ class SqliteStore(LightningStore):
             return attempt
 
     def _update(self, attempt: Attempt, *, status: Optional[str], worker_id: Optional[str], error: Optional[str],
-                heartbeat: bool, now: float) -> None:
-        """Apply one attempt update; the rollout and worker follow (lock and transaction held)."""
+                heartbeat: bool, now: float, by_worker: bool = True) -> None:
+        """Apply one attempt update; the rollout and worker follow (lock and transaction held).
+
+        A status change counts as a sign of life of the attempt's worker only when the
+        worker made it (``by_worker``); the watchdog and recovery pass False, so a dead
+        worker keeps its real ``last_heartbeat_time``.
+        """
         changed = apply_attempt_update(attempt, status=status, worker_id=worker_id, error=error,
                                        heartbeat=heartbeat, now=now)
         self._save_attempt(attempt)
         if changed:
             self._follow(attempt, now)
         if attempt.worker_id:
-            worker = worker_on_attempt(self._worker(attempt.worker_id), attempt, now, heartbeat=heartbeat or changed)
+            worker = worker_on_attempt(self._worker(attempt.worker_id), attempt, now,
+                                       heartbeat=heartbeat or (changed and by_worker))
             if worker is not None:
                 self._save_worker(worker)
         self._cond.notify_all()
@@ -297,7 +333,8 @@ class SqliteStore(LightningStore):
                 continue
             with self._tx():
                 attempt = Attempt.model_validate_json(attempt_data)
-                self._update(attempt, status=verdict[0], worker_id=None, error=verdict[1], heartbeat=False, now=now)
+                self._update(attempt, status=verdict[0], worker_id=None, error=verdict[1], heartbeat=False, now=now,
+                             by_worker=False)
             ended.append(attempt)
         return ended
 
@@ -371,6 +408,22 @@ class SqliteStore(LightningStore):
                 rows = self._rows(sql + " WHERE a.attempt_id = ?" + order, attempt_id) if attempt_id else []
             return [Span.model_validate_json(data) for (data,) in rows]
 
+    def _latest_attempt_rewards(self, rollout_ids: Sequence[str]) -> dict[str, list[Any]]:
+        """One query instead of one per rollout (:meth:`LightningStore._latest_attempt_rewards`, same result)."""
+        out: dict[str, list[Any]] = {rid: [] for rid in rollout_ids}
+        if not out:
+            return out
+        with self._locked():
+            rows = self._rows(
+                "SELECT s.rollout_id, s.data FROM spans s JOIN attempts a ON a.attempt_id = s.attempt_id "
+                "WHERE s.name = 'reward' AND a.sequence_id = "
+                "(SELECT MAX(sequence_id) FROM attempts WHERE rollout_id = a.rollout_id) "
+                "ORDER BY s.rollout_id, s.sequence_id")
+        for rid, data in rows:
+            if rid in out:
+                out[rid].append(json.loads(data)["attributes"].get("reward"))
+        return out
+
     # ----- resources ------------------------------------------------------------------
     def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
         update = ResourcesUpdate(resources_id=resources_id or new_id("res"), resources=coerce_resources(resources))
@@ -405,16 +458,28 @@ class SqliteStore(LightningStore):
                     self._rows("INSERT INTO _migrations (name, applied_at) VALUES (?, ?)", name, time.time())
 
     def _recover(self) -> None:
-        """Mark attempts left in flight by a dead process ``unresponsive`` (one transaction)."""
+        """Mark attempts left in flight by a dead process ``unresponsive``, their workers ``stopped`` (one transaction).
+
+        The workers keep their ``last_heartbeat_time`` (the last one they sent).
+        """
         with self._tx():
             rows = self._rows("SELECT a.data FROM attempts a JOIN rollouts r ON r.rollout_id = a.rollout_id "
                               "WHERE a.status IN ('preparing', 'running') ORDER BY r.seq, a.sequence_id")
             now = time.time()
+            dead: dict[str, None] = {}
             for (data,) in rows:
                 attempt = Attempt.model_validate_json(data)
                 error = (f"the store {str(self.path)!r} was reopened while this attempt was "
                          f"{attempt.status!r}: the process running it died or was killed")
-                self._update(attempt, status="unresponsive", worker_id=None, error=error, heartbeat=False, now=now)
+                self._update(attempt, status="unresponsive", worker_id=None, error=error, heartbeat=False, now=now,
+                             by_worker=False)
+                if attempt.worker_id:
+                    dead[attempt.worker_id] = None
+            for worker_id in dead:
+                worker = self._worker(worker_id)
+                if worker is not None:
+                    self._save_worker(worker.model_copy(update={
+                        "status": "stopped", "current_rollout_id": None, "current_attempt_id": None}))
 
     def _rows(self, sql: str, *params: Any) -> list[Any]:
         """Run one statement; its result rows."""
@@ -525,6 +590,67 @@ def _statements(script: str) -> Iterator[str]:
 
 
 _fdatasync = getattr(os, "fdatasync", os.fsync)  # data (and size) only, as SQLite does on Linux
+
+
+def _lock_file(path: Path) -> int:
+    """Take the exclusive writer lock of the database ``path`` (on ``<path>.lock``); the open lock fd.
+
+    Closing the fd (or the death of the process) releases it. The lock file sits next to the
+    real file (symlinks resolved), so two names of one database share one lock.
+
+    Raises:
+        ConfigError: another store holds the lock (its process id is named when known).
+    """
+    real = Path(os.path.realpath(path))
+    lock_path = real.with_name(real.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by exec'd children (PEP 446)
+    try:
+        _try_lock(fd)
+    except OSError as exc:
+        holder = _lock_holder(fd)
+        os.close(fd)
+        if not isinstance(exc, BlockingIOError) and exc.errno not in _LOCK_HELD_ERRNOS:
+            raise
+        if holder == str(os.getpid()):
+            who = "by another SqliteStore object in this process"
+        elif holder.isdigit():
+            who = f"by process {holder}"
+        else:
+            who = "by another SqliteStore"
+        raise ConfigError(
+            f"{str(path)!r} is already open {who}; SqliteStore allows one writer per file (the lock is "
+            f"{str(lock_path)!r}). Close the other store first (store.close(), or a `with SqliteStore(...)` "
+            f"block), or use one store object per file and share it, or serve it with "
+            f"StoreServer(store).start() and connect other processes with StoreClient(url)") from None
+    try:  # who holds it, for the message above; best effort
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, str(os.getpid()).encode())
+    except OSError:
+        pass
+    return fd
+
+
+def _lock_holder(fd: int) -> str:
+    """The process id written in a lock file by its holder ('' if unreadable)."""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        return os.read(fd, 32).decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+_LOCK_HELD_ERRNOS = {errno.EACCES, errno.EAGAIN, getattr(errno, "EDEADLOCK", errno.EDEADLK)}
+
+
+def _try_lock(fd: int) -> None:
+    """Lock ``fd`` exclusively without waiting; OSError (BlockingIOError on POSIX) if it is held elsewhere."""
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    else:  # Windows: a byte-range lock on the first byte, released when the fd closes
+        import msvcrt
+
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
 
 
 def _json(model: Any, what: str) -> str:

@@ -1,0 +1,60 @@
+"""Exact resume: a run saved at step N and continued in a new process is the run that would have happened.
+
+Each run is its own process (``tests/_resume_run.py``) on the real SmolLM2-135M, with one
+runner so the engine decodes one request at a time: sampling then draws from the torch
+RNG in a fixed order, and on CPU every number is reproducible bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).with_name("_resume_run.py")
+N = 2
+
+
+def _run(tmp_path: Path, name: str, *args: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, str(WORKER), str(out), *args], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """2N steps in one process, saving a checkpoint after step N (saving must not change the run)."""
+    tmp = tmp_path_factory.mktemp("resume")
+    ckpt = tmp / "ckpt.pt"
+    result = _run(tmp, "straight", "--steps", str(2 * N), "--save-at", str(N), "--checkpoint", str(ckpt))
+    yield result, ckpt
+    ckpt.unlink(missing_ok=True)
+
+
+def test_save_load_in_a_new_process_continues_bit_for_bit(straight, tmp_path):
+    result, ckpt = straight
+    assert [r["step"] for r in result["rows"]] == list(range(1, 2 * N + 1))
+    assert any(r["tokens_trained"] for r in result["rows"]), "no step trained anything: the test would be vacuous"
+    resumed = _run(tmp_path, "resumed", "--steps", str(2 * N), "--load", str(ckpt))
+    # the same per-step losses, gradient norms and rewards (bitwise on CPU), so the same tasks were
+    # sampled (task sampler state), the same completions drawn (torch RNG state) and the same update made
+    # (weights + AdamW state), and the same final weights
+    assert resumed["rows"] == result["rows"][N:]
+    assert resumed["weights"] == result["weights"]
+    assert resumed["weight_version"] == result["weight_version"]
+
+
+def test_pause_and_resume_at_step_boundaries_equal_an_uninterrupted_run(straight, tmp_path):
+    result, _ = straight
+    paused = _run(tmp_path, "paused", "--steps", str(2 * N), "--pauses")
+    assert len(paused["pauses"]) >= 2, paused["pauses"]
+    assert all(p["at"] and p["chat"] for p in paused["pauses"]), paused["pauses"]
+    assert paused["rows"] == result["rows"]
+    assert paused["weights"] == result["weights"]

@@ -1,0 +1,384 @@
+"""Runner guards against silent failures (issue 8, items 11, 14, 15, 16).
+
+Real stores (InMemoryStore, SqliteStore, StoreServer + StoreClient), real OpenTelemetry,
+real threads, the real ``openai`` client; faults are injected (a store whose
+``add_span`` raises, a closed port, a socket that never answers), nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import socket
+import threading
+import time
+import warnings
+import weakref
+
+import httpx
+import openai
+import pytest
+
+from lightning_nb import emit_reward, start_runners
+from lightning_nb.runner import NO_REWARD_ERROR, _LIVE, unreachable_endpoint_hint
+from lightning_nb.store import InMemoryStore, SqliteStore, StoreClient, StoreServer
+from lightning_nb.tracer import Tracer
+from lightning_nb.types import LLMResource, RolloutConfig
+
+
+def _resources(store, endpoint="http://127.0.0.1:9/v1"):
+    store.add_resources({"main_llm": LLMResource(endpoint=endpoint, model="m")})
+    return store
+
+
+@pytest.fixture
+def resourced(store):
+    return _resources(store)
+
+
+def _runner_warnings(record):
+    return [str(w.message) for w in record if "see store.attempts_df()" in str(w.message)]
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+# ----- item 11: a span the store cannot take fails the attempt --------------------------------
+def _flaky(base):
+    """``base`` whose add_span raises OSError for the first ``fail_rewards`` reward spans."""
+
+    class Flaky(base):
+        fail_rewards = 0
+        reward_calls = 0
+
+        def add_span(self, span):
+            if span.name == "reward":
+                self.reward_calls += 1
+                if self.reward_calls <= self.fail_rewards:
+                    raise OSError(f"injected: span store briefly down (call {self.reward_calls})")
+            return super().add_span(span)
+
+    return Flaky
+
+
+@pytest.fixture(params=["memory", "sqlite", "http"])
+def flaky(request, tmp_path):
+    """``(store the runners use, the flaky store underneath)``: memory, sqlite, or memory behind HTTP."""
+    if request.param == "sqlite":
+        inner = _flaky(SqliteStore)(tmp_path / "flaky.db")
+        yield inner, inner
+        inner.close()
+    elif request.param == "memory":
+        inner = _flaky(InMemoryStore)()
+        yield inner, inner
+    else:
+        inner = _flaky(InMemoryStore)()
+        server = StoreServer(inner, host="127.0.0.1", port=0).start()
+        client = StoreClient(server.url)
+        yield client, inner
+        client.close()
+        server.stop()
+
+
+def test_lost_reward_span_fails_the_attempt_naming_span_and_reason(flaky):
+    store, inner = flaky
+    _resources(store)
+    inner.fail_rewards = 10**6  # the store never takes a reward span
+    tracer = Tracer(store)
+    rid = store.enqueue_rollout("t", config=RolloutConfig(max_attempts=1)).rollout_id
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with start_runners(lambda task, llm: 1.0, store, n=1, tracer=tracer):
+            assert store.wait_for_rollouts([rid], timeout=30)
+    (attempt,) = store.query_attempts(rid)
+    assert attempt.status == "failed", "a lost reward must not pass for a success"
+    assert attempt.error.startswith("span 'reward' could not be stored after 3 tries: ")
+    assert "injected: span store briefly down" in attempt.error
+    assert inner.reward_calls == 3  # retried, then given up
+    assert store.final_reward(rid) == 0.0
+    assert [s.name for s in store.query_spans(rid)] == ["agent"]  # the rest of the attempt is stored
+    assert any("span 'reward' could not be stored" in m for m in _runner_warnings(record))
+    assert len(tracer.ledger) == 0  # nothing left open in the tracer
+
+
+def test_transient_span_store_error_is_retried_and_the_attempt_succeeds(flaky):
+    store, inner = flaky
+    _resources(store)
+    inner.fail_rewards = 2  # fails twice, then works: within the 3 tries
+
+    def agent(task, llm):
+        emit_reward(0.75)
+
+    rid = store.enqueue_rollout("t", config=RolloutConfig(max_attempts=1)).rollout_id
+    with start_runners(agent, store, n=1):
+        assert store.wait_for_rollouts([rid], timeout=30)
+    (attempt,) = store.query_attempts(rid)
+    assert attempt.status == "succeeded", attempt.error
+    assert inner.reward_calls == 3
+    assert store.final_reward(rid) == 0.75
+
+
+def test_lost_span_then_retry_attempt_succeeds():
+    """A failed attempt for a lost span is retried per the rollout's policy, like any failure."""
+    store = _resources(_flaky(InMemoryStore)())
+    store.fail_rewards = 3  # the first attempt's three tries
+    rid = store.enqueue_rollout("t", config=RolloutConfig(max_attempts=2)).rollout_id
+    with start_runners(lambda task, llm: 0.5, store, n=1):
+        assert store.wait_for_rollouts([rid], timeout=30)
+    assert [a.status for a in store.query_attempts(rid)] == ["failed", "succeeded"]
+    assert store.final_reward(rid) == 0.5
+
+
+# ----- item 14: re-running start_runners replaces the group on the same store -----------------
+def test_rerunning_start_runners_replaces_the_previous_group(resourced):
+    store = resourced
+    group_a = start_runners(lambda task, llm: 1.0, store, n=2)
+    try:
+        with pytest.warns(UserWarning, match=r"stopped the previous group of 2 runner\(s\) on this store") as rec:
+            group_b = start_runners(lambda task, llm: 2.0, store, n=2)
+        (message,) = [str(w.message) for w in rec if "previous group" in str(w.message)]
+        assert all(r.worker_id in message for r in group_a.runners) and "replace=False" in message
+        try:
+            assert not any(r.alive for r in group_a.runners)
+            assert all(r.stats.state == "stopped" for r in group_a.runners)
+            ids = [store.enqueue_rollout(i).rollout_id for i in range(8)]
+            assert len(store.wait_for_rollouts(ids, timeout=30)) == 8
+            assert [store.final_reward(i) for i in ids] == [2.0] * 8
+            b_ids = {r.worker_id for r in group_b.runners}
+            assert {a.worker_id for i in ids for a in store.query_attempts(i)} <= b_ids
+        finally:
+            group_b.stop()
+    finally:
+        group_a.stop()
+
+
+def test_replace_lets_the_old_runner_finish_its_attempt():
+    store = _resources(InMemoryStore())
+    started = threading.Event()
+
+    def old_agent(task, llm):
+        started.set()
+        time.sleep(0.5)
+        return 1.0
+
+    first = store.enqueue_rollout("in flight").rollout_id
+    group_a = start_runners(old_agent, store, n=1)
+    assert started.wait(10)
+    with pytest.warns(UserWarning, match="stopped the previous group of 1 runner"):
+        group_b = start_runners(lambda task, llm: 2.0, store, n=1)
+    try:
+        assert store.get_rollout_by_id(first).status == "succeeded"  # finished before start_runners returned
+        assert store.final_reward(first) == 1.0
+        assert not group_a.runners[0].alive
+    finally:
+        group_b.stop()
+
+
+def test_replace_false_keeps_both_groups_and_other_stores_are_untouched():
+    store, other = _resources(InMemoryStore()), _resources(InMemoryStore())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no replacement warning anywhere below
+        on_other = start_runners(lambda task, llm: 3.0, other, n=1)
+        group_a = start_runners(lambda task, llm: 1.0, store, n=1)
+        group_b = start_runners(lambda task, llm: 2.0, store, n=1, replace=False)
+        try:
+            assert all(r.alive for r in group_a.runners + group_b.runners + on_other.runners)
+            group_a.stop()
+            group_b.stop()
+            group_c = start_runners(lambda task, llm: 2.0, store, n=1)  # the old ones stopped: nothing to replace
+            group_c.stop()
+            assert on_other.runners[0].alive  # another store's runners are never touched
+        finally:
+            on_other.stop()
+
+
+def test_runner_registry_keeps_no_store_alive():
+    store = _resources(InMemoryStore())
+    group = start_runners(lambda task, llm: 1.0, store, n=2)
+    assert len(_LIVE.running(store)) == 2
+    group.stop()
+    assert _LIVE.running(store) == []
+    ref = weakref.ref(store)
+    del group, store
+    gc.collect()
+    assert ref() is None
+
+
+# ----- item 15: a dead LLM endpoint says so in one line ---------------------------------------
+def _openai_agent(task, llm):
+    client = openai.OpenAI(base_url=llm.endpoint, api_key="none", max_retries=0, timeout=2.0)
+    reply = client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": str(task)}])
+    return float(len(reply.choices))
+
+
+def _expected_hint(endpoint: str) -> str:
+    return (f"the LLM endpoint {endpoint} in the store's resources is unreachable (connection refused); if the "
+            f"proxy was restarted (e.g. after a kernel restart), publish it again with "
+            f"store.add_resources({{'main_llm': proxy.as_resource()}})")
+
+
+def test_dead_llm_endpoint_error_starts_with_one_clear_line(store):
+    endpoint = f"http://127.0.0.1:{_closed_port()}/v1"
+    _resources(store, endpoint)
+    ids = [store.enqueue_rollout(f"task {i}", config=RolloutConfig(max_attempts=1)).rollout_id for i in range(2)]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with start_runners(_openai_agent, store, n=1):
+            assert len(store.wait_for_rollouts(ids, timeout=30)) == 2
+    for rid in ids:
+        (attempt,) = store.query_attempts(rid)
+        assert attempt.status == "failed"
+        first, rest = attempt.error.split("\n", 1)
+        assert first == _expected_hint(endpoint)
+        assert rest.startswith("Traceback") and "APIConnectionError" in rest  # the full traceback follows
+    notes = _runner_warnings(record)
+    assert len(notes) == 1 and _expected_hint(endpoint) in notes[0]  # the first one only
+
+
+def test_reopened_sqlite_store_with_a_dead_proxy_says_publish_again(tmp_path):
+    endpoint = f"http://127.0.0.1:{_closed_port()}/v1"
+    before = SqliteStore(tmp_path / "run.db")
+    _resources(before, endpoint)  # the proxy of the previous kernel
+    before.close()
+    store = SqliteStore(tmp_path / "run.db")  # kernel restarted: reopened, resources still point at it
+    try:
+        rid = store.enqueue_rollout("t", config=RolloutConfig(max_attempts=1)).rollout_id
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with start_runners(_openai_agent, store, n=1):
+                assert store.wait_for_rollouts([rid], timeout=30)
+        assert store.query_attempts(rid)[0].error.splitlines()[0] == _expected_hint(endpoint)
+    finally:
+        store.close()
+
+
+def test_connect_error_to_another_host_gets_no_llm_hint():
+    store = _resources(InMemoryStore(), f"http://127.0.0.1:{_closed_port()}/v1")
+    tool_url = f"http://127.0.0.1:{_closed_port()}/search"  # the agent's own tool service, also down
+
+    def agent(task, llm):
+        httpx.get(tool_url, timeout=2.0)
+        return 1.0
+
+    rid = store.enqueue_rollout("t", config=RolloutConfig(max_attempts=1)).rollout_id
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with start_runners(agent, store, n=1):
+            assert store.wait_for_rollouts([rid], timeout=30)
+    error = store.query_attempts(rid)[0].error
+    assert error.startswith("Traceback") and "ConnectError" in error
+    assert "LLM endpoint" not in error
+
+
+def test_read_timeout_is_not_called_unreachable():
+    listener = socket.socket()  # accepts connections (the kernel's backlog) but never answers
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    try:
+        client = openai.OpenAI(base_url=endpoint, api_key="none", max_retries=0, timeout=0.3)
+        with pytest.raises(openai.APITimeoutError) as info:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert unreachable_endpoint_hint(info.value, endpoint) is None
+        refused = openai.OpenAI(base_url=f"http://127.0.0.1:{_closed_port()}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.APIConnectionError) as info:
+            refused.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        other = str(refused.base_url)
+        assert "connection refused" in unreachable_endpoint_hint(info.value, other)
+        assert unreachable_endpoint_hint(info.value, endpoint) is None  # a different port: not the LLM endpoint
+    finally:
+        listener.close()
+
+
+# ----- item 16: silent agent mistakes ---------------------------------------------------------
+def test_agent_returning_none_without_reward_fails_with_how_to(resourced):
+    store = resourced
+
+    def agent(task, llm):
+        if task == "emits":
+            emit_reward(0.25)
+        # forgot `return` for task "forgot"
+
+    forgot = store.enqueue_rollout("forgot", config=RolloutConfig(max_attempts=1)).rollout_id
+    emits = store.enqueue_rollout("emits", config=RolloutConfig(max_attempts=1)).rollout_id
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with start_runners(agent, store, n=1):
+            assert len(store.wait_for_rollouts([forgot, emits], timeout=30)) == 2
+    (attempt,) = store.query_attempts(forgot)
+    assert attempt.status == "failed" and attempt.error == NO_REWARD_ERROR
+    assert "return a float reward" in attempt.error and "lightning_nb.emit_reward(value)" in attempt.error
+    assert store.get_rollout_by_id(emits).status == "succeeded" and store.final_reward(emits) == 0.25
+
+
+def test_reward_span_written_by_another_tracer_counts(resourced):
+    store = resourced
+
+    def agent(task, llm):  # records its reward through a tracer of its own, with explicit ids
+        parts = llm.endpoint.split("/")
+        rid, aid = parts[parts.index("rollout") + 1], parts[parts.index("attempt") + 1]
+        Tracer(store).start_span("reward", rid, aid, {"reward": 0.5}).end()
+
+    rid = store.enqueue_rollout("t", config=RolloutConfig(max_attempts=1)).rollout_id
+    with start_runners(agent, store, n=1):
+        assert store.wait_for_rollouts([rid], timeout=30)
+    assert store.get_rollout_by_id(rid).status == "succeeded" and store.final_reward(rid) == 0.5
+
+
+def test_first_failure_of_each_kind_warns_once_per_group():
+    store = _resources(InMemoryStore())
+
+    def agent(task, llm):
+        if task.startswith("crash"):
+            raise RuntimeError(f"tool exploded on {task}")
+        if task == "bad input":
+            raise ValueError("cannot parse the task")
+        if task.startswith("forgot"):
+            return None
+        return 1.0
+
+    tasks = ["crash 1", "crash 2", "crash 3", "bad input", "forgot 1", "forgot 2", "fine"]
+    ids = [store.enqueue_rollout(t, config=RolloutConfig(max_attempts=1)).rollout_id for t in tasks]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with start_runners(agent, store, n=2):
+            assert len(store.wait_for_rollouts(ids, timeout=30)) == len(tasks)
+    notes = _runner_warnings(record)
+    assert all(w.category is RuntimeWarning for w in record if str(w.message) in notes)
+    assert sorted(re.search(r"later '(.+?)' failures", n).group(1) for n in notes) == [
+        "RuntimeError", "ValueError", "no reward"]
+    assert any(NO_REWARD_ERROR in n for n in notes)
+    crash = next(n for n in notes if "RuntimeError" in n)
+    assert "RuntimeError: tool exploded on crash" in crash  # the one-line error
+    assert [a.status for i in ids for a in store.query_attempts(i)] == ["failed"] * 6 + ["succeeded"]
+
+    # a new group warns again, once
+    again = store.enqueue_rollout("crash 4", config=RolloutConfig(max_attempts=1)).rollout_id
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with start_runners(agent, store, n=1):
+            assert store.wait_for_rollouts([again], timeout=30)
+    assert len(_runner_warnings(record)) == 1
+
+
+def test_span_for_an_unknown_attempt_is_tried_once_and_never_raised():
+    store = _flaky(InMemoryStore)()
+    calls = []
+    original = store.add_span
+
+    def counting(span):
+        calls.append(span.name)
+        return original(span)
+
+    store.add_span = counting  # count the writes; the real store answers (NotFoundError: no such attempt)
+    tracer = Tracer(store)
+    tracer.open_attempt("ro-nope", "at-nope")
+    tracer.start_span("reward", "ro-nope", "at-nope", {"reward": 1.0}).end()  # does not raise
+    assert calls == ["reward"]  # a retry cannot make the attempt exist
+    (reason,) = tracer.close_attempt("ro-nope", "at-nope").lost
+    assert reason.startswith("span 'reward' could not be stored after 1 try: NotFoundError")

@@ -1,0 +1,188 @@
+"""Pause is a pause, under load; interrupting ``trainer.wait()`` in a real Jupyter kernel leaves the trainer truthful."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy, start_runners
+from lightning_nb.calc import calc_agent, load_tasks
+from lightning_nb.errors import LightningNbError
+
+pytestmark = pytest.mark.slow
+
+
+def _checksum(model) -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def test_pause_returns_only_at_a_step_boundary_under_load(engine, pristine):
+    store = InMemoryStore()
+    proxy = LLMProxy(engine, store).start()
+    store.add_resources({"main_llm": proxy.as_resource()})
+    runners = start_runners(calc_agent, store, n=4)
+    trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=1e-5, track_reference_kl=False))
+    algo = LightningRL(store, trainer, load_tasks("train"), config=AlgorithmConfig(
+        tasks_per_step=2, group_size=2, max_tokens=16, temperature=1.0, max_sample_rounds=2))
+    try:
+        trainer.start(algo, steps=100)
+        seen = set()
+        for delay in (0.5, 3.0, 6.0, 2.0):
+            time.sleep(delay)
+            assert trainer.pause(timeout=300), trainer.state
+            assert trainer.state == "paused" and trainer.paused_at, (trainer.state, trainer.paused_at)
+            seen.add(trainer.paused_at)
+            # nothing in flight: no rollout queued or running, no update, the engine free at once
+            active = [r.status for r in store.query_rollouts() if r.status not in ("succeeded", "failed", "cancelled")]
+            assert active == []
+            assert not trainer._updating.locked()
+            assert engine.lock.acquire(timeout=0)
+            engine.lock.release()
+            n, step, weights = len(store.query_rollouts()), trainer.step, _checksum(engine.model)
+            assert engine.chat("What is 3 + 4?", max_tokens=8)
+            time.sleep(3)  # a loop that was not really parked would enqueue or update by now
+            assert (len(store.query_rollouts()), trainer.step, _checksum(engine.model)) == (n, step, weights)
+            assert trainer.state == "paused"
+            trainer.resume()
+            assert trainer.state in ("running", "finished")
+        assert seen <= {"before collect", "between sample rounds", "before update", "before evaluate"}
+        assert trainer.stop(timeout=300) and trainer.state == "stopped"
+        assert trainer.error is None
+    finally:
+        trainer.stop(timeout=60)
+        runners.stop()
+        proxy.stop()
+
+
+def test_start_refuses_a_second_loop_and_state_follows_the_loop(engine):
+    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+
+    class Sleeper:  # an algorithm whose steps only sleep: the control surface alone
+        def __init__(self):
+            self.trainer = trainer
+
+        def run(self, steps):
+            for _ in range(steps):
+                trainer.at_boundary("before collect")
+                time.sleep(0.1)
+
+    assert trainer.state == "idle"
+    trainer.start(Sleeper(), steps=10_000)
+    assert trainer.state == "running"
+    with pytest.raises(LightningNbError, match="already running"):
+        trainer.start(Sleeper(), steps=1)
+    assert trainer.wait(timeout=0.3) is False and trainer.state == "running"
+    assert trainer.pause(timeout=10) and trainer.state == "paused" and trainer.paused_at == "before collect"
+    assert trainer.stop(timeout=10) and trainer.state == "stopped"
+
+
+KERNEL_SETUP = """
+import time
+from lightning_nb import GRPOConfig, GRPOTrainer, TransformersEngine
+engine = TransformersEngine.from_default()
+trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+class Sleeper:
+    trainer = trainer
+    def run(self, steps):
+        for _ in range(steps):
+            trainer.at_boundary("before collect")
+            time.sleep(0.1)
+            trainer.step += 1
+"""
+
+
+def _run_cell(kc, code: str, timeout: float = 180) -> str:
+    out: list[str] = []
+
+    def hook(msg):
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            out.append(f"{msg['content']['ename']}: {msg['content']['evalue']}")
+
+    reply = kc.execute_interactive(code, output_hook=hook, timeout=timeout)
+    assert reply["content"]["status"] == "ok", "".join(out)
+    return "".join(out)
+
+
+def test_interrupting_wait_in_a_real_kernel_keeps_state_true():
+    """Kernel ▸ Interrupt during ``trainer.wait()`` (cpython#90882 would mark the live thread dead)."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        _run_cell(kc, KERNEL_SETUP)
+        msg_id = kc.execute("trainer.start(Sleeper(), steps=100_000)\ntrainer.wait()")
+        time.sleep(3)
+        km.interrupt_kernel()
+        deadline = time.monotonic() + 60
+        while True:
+            reply = kc.get_shell_msg(timeout=max(1, deadline - time.monotonic()))
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+        out = _run_cell(kc, "s0 = trainer.step; time.sleep(1.5)\n"
+                            "print(trainer.state, trainer.running, trainer.step > s0)")
+        assert out.split() == ["running", "True", "True"], out
+        out = _run_cell(kc, "try:\n    trainer.start(Sleeper(), steps=5)\nexcept Exception as e:\n"
+                            "    print('refused:', type(e).__name__)")
+        assert out.strip() == "refused: LightningNbError", out
+        out = _run_cell(kc, "print(trainer.pause(timeout=30), trainer.state)")
+        assert out.split() == ["True", "paused"], out
+        out = _run_cell(kc, "s = trainer.step; time.sleep(1); print(trainer.step == s)")
+        assert out.strip() == "True", out
+        out = _run_cell(kc, "print(trainer.stop(timeout=30), trainer.state, trainer.running)")
+        assert out.split() == ["True", "stopped", "False"], out
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def _agent_with_reward(values):
+    """An agent that makes one short LLM call and then returns values[i % len(values)] for its i-th rollout."""
+    import itertools
+
+    from openai import OpenAI
+
+    counter = itertools.count()
+
+    def agent(task, llm):
+        OpenAI(base_url=llm.endpoint, api_key="x", max_retries=0).chat.completions.create(
+            model=llm.model, messages=[{"role": "user", "content": "Say hi."}], **llm.sampling_parameters)
+        return values[next(counter) % len(values)]
+
+    return agent
+
+
+def test_a_new_reward_function_set_while_paused_takes_effect_on_resume(engine, pristine):
+    store = InMemoryStore()
+    proxy = LLMProxy(engine, store).start()
+    store.add_resources({"main_llm": proxy.as_resource()})
+    runners = start_runners(_agent_with_reward([0.0, 1.0]), store, n=2)
+    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+    algo = LightningRL(store, trainer, load_tasks("train"), config=AlgorithmConfig(
+        tasks_per_step=1, group_size=2, max_tokens=4, max_sample_rounds=1))
+    try:
+        trainer.start(algo, steps=3)  # the pause may park after step 2's rollouts ran: step 3 is after it
+        deadline = time.monotonic() + 300
+        while trainer.step < 1:
+            assert time.monotonic() < deadline and trainer.state != "failed", trainer.error
+            time.sleep(0.2)
+        assert trainer.pause(timeout=300)
+        first = {r.rollout_id for r in store.query_rollouts()}
+        with pytest.warns(UserWarning, match="stopped"):  # the cell re-run: the old runners are replaced
+            runners = start_runners(_agent_with_reward([0.25, 0.75]), store, n=2)
+        trainer.config.learning_rate = 1e-5
+        trainer.resume()
+        assert trainer.wait(timeout=300) and trainer.step == 3
+    finally:
+        trainer.stop(timeout=60)
+        runners.stop()
+        proxy.stop()
+    rewards = store.final_rewards()
+    later = {rid: rw for rid, rw in rewards.items() if rid not in first}
+    assert later and set(later.values()) <= {0.25, 0.75}, later
+    changed = [m["step"] for m in trainer.metrics if "learning_rate 2e-05 → 1e-05" in m["config_changes"]]
+    assert len(changed) == 1 and changed[0] >= 2 and trainer.metrics[-1]["lr"] == 1e-5
