@@ -132,20 +132,25 @@ def test_config_errors_name_the_field(engine):
 
 
 def test_dynamic_sampling_resamples_groups_without_signal(engine):
-    """All-equal groups trigger more sampling rounds (DAPO); a group with signal ends the step's collection."""
+    """Groups the trainer cannot learn from trigger more sampling rounds (DAPO); a group with signal ends them."""
     import itertools
+
+    from openai import OpenAI
 
     counter = itertools.count()
 
-    def agent(task, llm):  # no LLM call: the rewards alone decide the rounds
+    def agent(task, llm):  # one short LLM call (so there are triplets); the rewards alone decide the rounds
+        OpenAI(base_url=llm.endpoint, api_key="x", max_retries=0).chat.completions.create(
+            model=llm.model, messages=[{"role": "user", "content": "Hi"}], **llm.sampling_parameters)
         return 0.0 if task["id"] == "flat" else float(next(counter) % 2)
 
     store = InMemoryStore()
-    store.add_resources({"main_llm": {"endpoint": "http://127.0.0.1:9/v1", "model": "none"}})
+    proxy = LLMProxy(engine, store).start()
+    store.add_resources({"main_llm": proxy.as_resource()})
     runners = start_runners(agent, store, n=2)
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
     try:
-        cfg = dict(tasks_per_step=1, group_size=4, max_sample_rounds=3)
+        cfg = dict(tasks_per_step=1, group_size=4, max_sample_rounds=3, max_tokens=2)
         flat = LightningRL(store, trainer, [{"id": "flat"}], config=AlgorithmConfig(**cfg))
         _, ids = flat.collect()
         assert len(ids) == 12 and flat.last_sample_rounds == 3 and flat.last_groups_with_signal == 0
@@ -157,3 +162,4 @@ def test_dynamic_sampling_resamples_groups_without_signal(engine):
         assert len(ids) == 4 and off.last_sample_rounds == 1
     finally:
         runners.stop()
+        proxy.stop()
