@@ -42,12 +42,18 @@ _RESULTS: dict[str, Generation] = {}
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="'developer' (OpenAI's newer name for system instructions) is rendered as 'system'.")
     content: Union[str, list[dict[str, Any]], None] = None
 
 
 class ChatCompletionRequest(BaseModel):
-    """The subset of the OpenAI chat request the engine honours (other fields are ignored)."""
+    """The subset of the OpenAI chat request the engine honours (other fields are ignored).
+
+    ``logprobs=true`` returns ``choices[0].logprobs`` in the OpenAI shape (``token``,
+    ``bytes``, ``logprob``, ``top_logprobs``); without it the field is null, as OpenAI
+    does. Token IDs are always in ``prompt_token_ids`` and ``choices[0].token_ids``.
+    """
 
     model_config = ConfigDict(extra="allow")
     model: str = Field(min_length=1)
@@ -58,6 +64,8 @@ class ChatCompletionRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
     stream: bool = Field(False, description="streaming is not supported")
+    logprobs: Optional[bool] = Field(False, description="return choices[0].logprobs in the OpenAI shape")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="only 0 is supported")
 
 
 def _custom_llm_class() -> type:
@@ -211,6 +219,9 @@ class LLMProxy:
                 return error(400, f"invalid field '{field}': {first['msg']}", param=field)
             if req.stream:
                 return error(400, "invalid field 'stream': streaming is not supported; set stream=false", "stream")
+            if req.top_logprobs:
+                return error(400, "invalid field 'top_logprobs': this engine returns only the sampled token's "
+                                  "log-prob; use logprobs=true with top_logprobs=0 (or omit it)", "top_logprobs")
             if rollout_id is not None:
                 try:
                     attempts = {a.attempt_id for a in self.store.query_attempts(rollout_id)}
@@ -235,6 +246,9 @@ class LLMProxy:
         import litellm
 
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        for m in messages:
+            if m["role"] == "developer":
+                m["role"] = "system"
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
         span = None
         if rollout_id and attempt_id:
@@ -275,5 +289,15 @@ class LLMProxy:
         payload = response.model_dump()
         payload["prompt_token_ids"] = gen.prompt_ids
         payload["choices"][0]["token_ids"] = gen.completion_ids
-        payload["choices"][0]["logprobs"] = {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(gen.completion_ids, gen.logprobs)]}
+        payload["choices"][0]["logprobs"] = self._openai_logprobs(gen) if req.logprobs else None
         return payload
+
+    def _openai_logprobs(self, gen: Generation) -> dict[str, Any]:
+        """``choices[i].logprobs`` in the OpenAI shape: one entry per completion token, no alternatives.
+
+        ``token`` is the token decoded alone, ``bytes`` its UTF-8 bytes; the stop token is
+        included (its log-prob was sampled too). Token IDs travel in ``choices[i].token_ids``.
+        """
+        tokens = [self.engine.tokenizer.decode([t]) for t in gen.completion_ids]
+        return {"content": [{"token": tok, "bytes": list(tok.encode("utf-8")), "logprob": lp, "top_logprobs": []}
+                            for tok, lp in zip(tokens, gen.logprobs)], "refusal": None}

@@ -31,7 +31,7 @@ def weights_sha256(model) -> str:
 
 def _pauser(trainer, engine, log: list) -> None:
     """Pause at a few points of the run, chat greedily while paused, then resume."""
-    for delay in (0.5, 4.0, 9.0, 3.0):
+    for delay in (0.5, 1.5, 1.5, 3.0):
         time.sleep(delay)
         if not trainer.running:
             return

@@ -72,6 +72,26 @@ def test_proxy_records_engine_token_ids_in_spans(proxied, recorded):
     assert df.loc[0, "prompt_tokens"] == len(gen.prompt_ids)
 
 
+def test_logprobs_come_in_the_openai_shape_and_only_when_asked(proxied, recorded):
+    """OpenAI clients (the Agents SDK, AutoGen) parse ``logprobs.content[i]`` as token/bytes/logprob/top_logprobs."""
+    store, proxy = proxied
+    client = openai.OpenAI(base_url=proxy.endpoint(), api_key="unused", max_retries=0)
+    messages = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 2?"}]
+    plain = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0.0)
+    assert plain.choices[0].logprobs is None  # not asked: null, as OpenAI answers
+    reply = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0.0,
+                                           logprobs=True, top_logprobs=0)
+    gen = recorded[-1]
+    content = reply.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(gen.logprobs)
+    assert [c.token for c in content] == [proxy.engine.tokenizer.decode([t]) for t in gen.completion_ids]
+    assert all(c.bytes == list(c.token.encode()) and c.top_logprobs == [] for c in content)
+    # the developer message was rendered as the system turn
+    system = proxy.engine.apply_chat_template([{"role": "system", "content": "Answer briefly."},
+                                               {"role": "user", "content": "What is 2 + 2?"}])
+    assert gen.prompt_ids == system
+
+
 @pytest.mark.parametrize("body, field", [
     ({"model": "m", "messages": []}, "messages"),
     ({"model": "m"}, "messages"),
@@ -79,6 +99,8 @@ def test_proxy_records_engine_token_ids_in_spans(proxied, recorded):
     ({"model": "m", "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, "stream"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 3},
+     "top_logprobs"),
 ])
 def test_malformed_requests_name_the_field_and_keep_store(proxied, body, field):
     store, proxy = proxied
