@@ -222,15 +222,18 @@ class LLMProxy:
             if req.top_logprobs:
                 return error(400, "invalid field 'top_logprobs': this engine returns only the sampled token's "
                                   "log-prob; use logprobs=true with top_logprobs=0 (or omit it)", "top_logprobs")
+            enforced: dict[str, Any] = {}
             if rollout_id is not None:
-                try:
-                    attempts = {a.attempt_id for a in self.store.query_attempts(rollout_id)}
+                try:  # store calls may block (SQLite fsync, HTTP): off the event loop
+                    rollout = await asyncio.to_thread(self.store.get_rollout_by_id, rollout_id)
+                    attempts = {a.attempt_id for a in await asyncio.to_thread(self.store.query_attempts, rollout_id)}
                 except NotFoundError as exc:
                     return error(404, str(exc), "rollout_id")
                 if attempt_id not in attempts:
                     return error(404, f"attempt_id {attempt_id!r} is not an attempt of rollout {rollout_id!r}",
                                  "attempt_id")
-            return await self._complete(req, rollout_id, attempt_id)
+                enforced = dict(rollout.metadata.get("sampling_parameters") or {})
+            return await self._complete(req, rollout_id, attempt_id, enforced)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Any:
@@ -242,14 +245,31 @@ class LLMProxy:
 
         return app
 
-    async def _complete(self, req: ChatCompletionRequest, rollout_id: Optional[str], attempt_id: Optional[str]) -> Any:
+    async def _complete(self, req: ChatCompletionRequest, rollout_id: Optional[str], attempt_id: Optional[str],
+                        enforced: Optional[dict[str, Any]] = None) -> Any:
+        """Complete ``req`` with the rollout's sampling parameters (``enforced``) applied over the request's.
+
+        Framework clients never read ``llm.sampling_parameters``, so the proxy applies the
+        rollout's ``temperature`` and ``top_p`` (they replace the request's) and its
+        ``max_tokens`` (a cap on the request's). The span records what was requested
+        (``gen_ai.request.*``) and what was applied (``temperature``, ``top_p``, ``max_tokens``),
+        so the log-probs always belong to the distribution that was sampled; keys of the
+        rollout's sampling parameters that the proxy does not apply are listed in
+        ``lightning_nb.sampling_not_applied``.
+        """
         import litellm
 
+        enforced = enforced or {}
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         for m in messages:
             if m["role"] == "developer":
                 m["role"] = "system"
-        max_tokens = req.max_completion_tokens or req.max_tokens or 256
+        requested_max = req.max_completion_tokens or req.max_tokens
+        cap = enforced.get("max_tokens")
+        max_tokens = min(int(requested_max or cap), int(cap)) if cap else (requested_max or 256)
+        temperature = float(enforced.get("temperature", req.temperature))
+        top_p = float(enforced.get("top_p", req.top_p))
+        not_applied = sorted(set(enforced) - {"temperature", "top_p", "max_tokens"})
         span = None
         if rollout_id and attempt_id:
             span = self.tracer.start_span(LLM_SPAN_NAME, rollout_id, attempt_id, {
@@ -257,18 +277,20 @@ class LLMProxy:
                 "gen_ai.request.model": req.model,
                 "gen_ai.request.temperature": req.temperature,
                 "gen_ai.request.top_p": req.top_p,
-                "gen_ai.request.max_tokens": max_tokens,
+                **({"gen_ai.request.max_tokens": requested_max} if requested_max else {}),
+                "max_tokens": max_tokens,
                 "gen_ai.prompt": json.dumps(messages),
+                **({"lightning_nb.sampling_not_applied": not_applied} if not_applied else {}),
             })
         try:
             response = await litellm.acompletion(
                 model=f"{_PROVIDER}/{self.engine.model_name}", messages=messages, api_base=self._key,
-                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             )
         except Exception as exc:
             if span is not None:
                 span.set_attribute("error", repr(exc))
-                span.end()
+                await asyncio.to_thread(span.end)  # ending it writes to the store
             return JSONResponse({"error": {"message": f"engine error: {exc}", "type": "server_error"}}, status_code=500)
         gen = _RESULTS.pop(response.id)
         if span is not None:
@@ -282,10 +304,10 @@ class LLMProxy:
                 "completion_token_ids": gen.completion_ids,
                 "logprobs": gen.logprobs,
                 "temperature": gen.temperature,
-                "top_p": req.top_p,
+                "top_p": top_p,
                 "weight_version": gen.weight_version,
             })
-            span.end()
+            await asyncio.to_thread(span.end)  # ending it writes to the store: off the event loop
         payload = response.model_dump()
         payload["prompt_token_ids"] = gen.prompt_ids
         payload["choices"][0]["token_ids"] = gen.completion_ids

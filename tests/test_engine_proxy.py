@@ -72,6 +72,30 @@ def test_proxy_records_engine_token_ids_in_spans(proxied, recorded):
     assert df.loc[0, "prompt_tokens"] == len(gen.prompt_ids)
 
 
+def test_the_rollouts_sampling_parameters_are_applied_whatever_the_client_sends(proxied, recorded):
+    """Framework clients never read llm.sampling_parameters: the proxy applies the rollout's itself."""
+    store, proxy = proxied
+    rollout = store.enqueue_rollout("t", metadata={"sampling_parameters": {"temperature": 0.0, "max_tokens": 3,
+                                                                           "stop": ["\n"]}})
+    aid = store.dequeue_rollout().attempt.attempt_id
+    client = openai.OpenAI(base_url=proxy.endpoint(rollout.rollout_id, aid), api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Count from one to twenty in words."}]
+    reply = client.chat.completions.create(model="m", messages=messages, max_tokens=64, temperature=1.3)
+    gen = recorded[-1]
+    assert gen.temperature == 0.0 and len(gen.completion_ids) <= 3 and reply.usage.completion_tokens <= 3
+    greedy = proxy.engine.generate(gen.prompt_ids, max_tokens=3, temperature=0.0)
+    assert gen.completion_ids == greedy.completion_ids  # the greedy completion, not a sample at 1.3
+    (span,) = store.query_spans(rollout.rollout_id)
+    a = span.attributes
+    assert (a["gen_ai.request.temperature"], a["gen_ai.request.max_tokens"]) == (1.3, 64)  # what was asked
+    assert (a["temperature"], a["max_tokens"]) == (0.0, 3)  # what was applied: the log-probs' distribution
+    assert a["lightning_nb.sampling_not_applied"] == ["stop"]  # said, not silently dropped
+    # an unattributed call (no rollout) keeps the client's settings
+    client = openai.OpenAI(base_url=proxy.endpoint(), api_key="unused", max_retries=0)
+    client.chat.completions.create(model="m", messages=messages, max_tokens=5, temperature=0.9)
+    assert recorded[-1].temperature == 0.9
+
+
 def test_logprobs_come_in_the_openai_shape_and_only_when_asked(proxied, recorded):
     """OpenAI clients (the Agents SDK, AutoGen) parse ``logprobs.content[i]`` as token/bytes/logprob/top_logprobs."""
     store, proxy = proxied
