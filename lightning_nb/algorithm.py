@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from lightning_nb.adapter import TripletAdapter
+from lightning_nb.control import config_edits
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import reward_or_zero
@@ -224,9 +225,9 @@ class LightningRL:
         """Edits of :attr:`config` since the last step, as text (validated first)."""
         self.config.validate()
         now = asdict(self.config)
-        changed = [f"{k} {self._applied_config.get(k)!r} → {now[k]!r}" for k in now if now[k] != self._applied_config.get(k)]
+        edits = config_edits(self._applied_config, now)
         self._applied_config = now
-        return changed
+        return [text for *_, text in edits]
 
     def step(self) -> dict[str, Any]:
         """One full step: collect → update (→ evaluate when due). Returns the metrics row.

@@ -23,9 +23,18 @@ from typing import Any, Callable, Optional
 
 from lightning_nb.errors import LightningNbError
 
-__all__ = ["BackgroundLoop", "TrainerStopped"]
+__all__ = ["BackgroundLoop", "TrainerStopped", "config_edits"]
 
 log = logging.getLogger(__name__)
+
+
+def config_edits(applied: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any, str]]:
+    """``(field, old, new, text)`` for each field of ``now`` that differs from ``applied`` (two ``asdict`` snapshots).
+
+    ``text`` reads ``"learning_rate 2e-05 → 1e-05"``: what the metrics' ``config_changes`` show.
+    Trainers and algorithms call this on the loop's thread to apply and record edits made while paused.
+    """
+    return [(k, applied.get(k), v, f"{k} {applied.get(k)!r} → {v!r}") for k, v in now.items() if v != applied.get(k)]
 
 
 class TrainerStopped(LightningNbError):

@@ -23,7 +23,7 @@ import pandas as pd
 from lightning_nb.adapter import triplets_df
 from lightning_nb.checkpoint import (CHECKPOINT_FORMAT, check_signature, model_signature, plain, rng_state,
                                      set_rng_state, weights_fingerprint)
-from lightning_nb.control import BackgroundLoop, TrainerStopped
+from lightning_nb.control import BackgroundLoop, TrainerStopped, config_edits
 from lightning_nb.engine import TransformersEngine
 from lightning_nb.errors import ConfigError
 from lightning_nb.types import Triplet
@@ -399,18 +399,15 @@ class GRPOTrainer(BackgroundLoop):
         """
         self._check_config()
         now = asdict(self.config)
-        changed = [k for k in now if now[k] != self._applied_config.get(k)]
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.learning_rate
             group["weight_decay"] = self.config.weight_decay
-        text = []
-        for k in changed:
-            self.config_changes.append({"step": self.step + 1, "field": k, "old": self._applied_config.get(k),
-                                        "new": now[k]})
-            text.append(f"{k} {self._applied_config.get(k)!r} → {now[k]!r}")
-            log.info("config changed at step %d: %s", self.step + 1, text[-1])
+        edits = config_edits(self._applied_config, now)
+        for k, old, new, text in edits:
+            self.config_changes.append({"step": self.step + 1, "field": k, "old": old, "new": new})
+            log.info("config changed at step %d: %s", self.step + 1, text)
         self._applied_config = now
-        return text
+        return [text for *_, text in edits]
 
     def _check_config(self) -> None:
         self.config.validate()
