@@ -120,10 +120,6 @@ class BackgroundLoop:
             self.paused_seconds += time.monotonic() - t0
         if self._stop.is_set():
             raise TrainerStopped(f"stopped while paused {where}".strip())
-        self._on_resume()
-
-    def _on_resume(self) -> None:
-        """Hook run on the loop's thread when it leaves a pause (trainers apply config edits here)."""
 
     # ----- the notebook's side ----------------------------------------------------------
     def pause(self, wait: bool = True, timeout: Optional[float] = None) -> bool:
