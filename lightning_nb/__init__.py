@@ -2,7 +2,8 @@
 
 from lightning_nb.adapter import TripletAdapter
 from lightning_nb.algorithm import AlgorithmConfig, LightningRL
-from lightning_nb.engine import TransformersEngine, load_default_model
+from lightning_nb.endpoint import OpenAIEndpoint
+from lightning_nb.engine import Engine, TransformersEngine, load_default_model
 from lightning_nb.errors import LightningNbError
 from lightning_nb.proxy import LLMProxy
 from lightning_nb.runner import start_runners
@@ -14,8 +15,8 @@ from lightning_nb.trainer import GRPOConfig, GRPOTrainer
 from lightning_nb.types import LLMResource, PromptTemplate, Rollout, RolloutConfig, Span, Triplet
 
 __all__ = [
-    "AlgorithmConfig", "GRPOConfig", "GRPOTrainer", "InMemoryStore", "LightningNbError", "LightningRL",
-    "LightningStore", "LLMProxy", "LLMResource", "PromptTemplate", "Rollout", "RolloutConfig", "Span",
+    "AlgorithmConfig", "Engine", "GRPOConfig", "GRPOTrainer", "InMemoryStore", "LightningNbError", "LightningRL",
+    "LightningStore", "LLMProxy", "LLMResource", "OpenAIEndpoint", "PromptTemplate", "Rollout", "RolloutConfig", "Span",
     "SqliteStore", "StoreClient", "StoreServer", "Tracer", "TransformersEngine", "Triplet", "TripletAdapter",
     "emit_reward", "load_default_model", "start_runners", "tool_span",
 ]

@@ -13,7 +13,8 @@ from typing import Any, Optional, Sequence
 
 import pandas as pd
 
-from lightning_nb.proxy import LLM_SPAN_NAME
+from lightning_nb.errors import ConfigError
+from lightning_nb.proxy import LLM_SPAN_NAME, TOKEN_IDS_MISSING
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import final_reward
 from lightning_nb.types import Triplet
@@ -34,6 +35,11 @@ class TripletAdapter:
     * ``no_llm_calls``: it succeeded with a reward but made no LLM call through the proxy
       (for example an agent that caught its own error and returned 0.0), so there is nothing to train;
     * ``no_token_ids``: every LLM span of it lacks token IDs (a call that bypassed the proxy).
+
+    Raises:
+        ConfigError: an LLM span records that its engine returned no token IDs
+            (``lightning_nb.token_ids_missing``, e.g. an :class:`~lightning_nb.endpoint.OpenAIEndpoint`
+            to a hosted API): triplets are never built from re-tokenized text.
 
     LLM spans without token IDs inside an otherwise usable rollout are counted in
     ``llm_spans_without_token_ids`` and dropped.
@@ -80,6 +86,12 @@ class TripletAdapter:
         out: list[Triplet] = []
         for turn, span in enumerate(calls):
             a = span.attributes
+            if a.get(TOKEN_IDS_MISSING):
+                raise ConfigError(
+                    f"rollout {rollout.rollout_id}: LLM span {span.span_id} has no token IDs ({a[TOKEN_IDS_MISSING]}); "
+                    "training on re-tokenized text would train on tokens the model never sampled. Serve the policy "
+                    "with TransformersEngine or VLLMEngine (or an OpenAIEndpoint whose server honours "
+                    "return_token_ids), and keep judge/eval endpoints out of training rollouts")
             if not a.get("completion_token_ids") or not a.get("prompt_token_ids"):
                 continue
             out.append(Triplet(
@@ -87,6 +99,7 @@ class TripletAdapter:
                 prompt_ids=list(a["prompt_token_ids"]), response_ids=list(a["completion_token_ids"]),
                 logprobs=list(a["logprobs"]) if a.get("logprobs") else None, reward=reward,
                 temperature=float(a.get("temperature", 1.0)), top_p=float(a.get("top_p", 1.0)),
+                weight_version=a.get("weight_version"),
                 prompt_text=str(a.get("gen_ai.prompt", "")), response_text=str(a.get("gen_ai.completion", "")),
             ))
         missing = len(calls) - len(out)

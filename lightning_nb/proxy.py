@@ -1,13 +1,21 @@
-"""LLM proxy: an OpenAI-compatible ``/v1/chat/completions`` on 127.0.0.1, built on LiteLLM.
+"""LLM proxy: an OpenAI-compatible Chat Completions API on 127.0.0.1, routed by LiteLLM to the engines.
 
 Agents call ``{proxy}/rollout/{rollout_id}/attempt/{attempt_id}/v1`` (the runner
 hands them that base URL as their :class:`~lightning_nb.types.LLMResource`), so
-every call is attributed to its attempt. The proxy routes the request through
-``litellm.acompletion`` to the in-process engine (a LiteLLM ``CustomLLM``
-provider named ``lightning_nb``) and records one span per call with the request,
-the response text, the prompt and completion token IDs and the logprobs. Like
-vLLM's ``return_token_ids``, the response also carries ``prompt_token_ids`` and
-``choices[0].token_ids``.
+every call is attributed to its attempt. The proxy routes each request by its
+``model`` through a ``litellm.Router`` to an :class:`~lightning_nb.engine.Engine`
+(every engine serves an OpenAI-compatible endpoint and returns token IDs the way
+vLLM's ``return_token_ids`` does), and records one span per choice with the
+request, the reply, the prompt and completion token IDs, the log-probs and the
+weight version they were sampled from. Token IDs also travel back to the client in
+fields OpenAI clients ignore: ``prompt_token_ids`` and ``choices[i].token_ids``.
+
+What the proxy adds to the engines: tool calls for models that write them as text
+(:mod:`lightning_nb.chat_format`), streaming (``stream=true`` is answered as
+server-sent events from the finished completion, recorded as one span like any
+other call), a 400 naming any parameter that is unknown or that the serving engine
+does not honour, a 404 naming the served models, and, on a rollout's URL, the
+rollout's sampling parameters (see :meth:`LLMProxy._sampling`).
 """
 
 from __future__ import annotations
@@ -15,114 +23,90 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import threading
+import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Sequence, Union
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lightning_nb._net import ThreadedServer, is_loopback
-from lightning_nb.engine import Generation, TransformersEngine
+from lightning_nb.chat_format import parse_tool_calls, render_tools
+from lightning_nb.engine import Engine
 from lightning_nb.errors import ConfigError, NotFoundError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.tracer import Tracer
 from lightning_nb.types import LLMResource
 
-__all__ = ["LLMProxy", "ChatCompletionRequest", "LLM_SPAN_NAME"]
+__all__ = ["LLMProxy", "ChatCompletionRequest", "LLM_SPAN_NAME", "TOKEN_IDS_MISSING"]
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the cost map at import
 LLM_SPAN_NAME = "llm.chat.completions"
-_PROVIDER = "lightning_nb"
-_ENGINES: dict[str, TransformersEngine] = {}
-_RESULTS: dict[str, Generation] = {}
+TOKEN_IDS_MISSING = "lightning_nb.token_ids_missing"  # span attribute: why a call has no token IDs
+_OPTIONAL = ("stop", "seed", "n", "response_format", "frequency_penalty", "presence_penalty", "top_logprobs")
 
 
 class ChatMessage(BaseModel):
+    """One chat message. Unknown keys are accepted only when null (clients echo ``refusal: null`` and the like)."""
+
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         description="'developer' (OpenAI's newer name for system instructions) is rendered as 'system'.")
     content: Union[str, list[dict[str, Any]], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
 
 
 class ChatCompletionRequest(BaseModel):
-    """The subset of the OpenAI chat request the engine honours (other fields are ignored).
+    """The OpenAI Chat Completions request the proxy takes; any other field is a 400 naming it.
 
-    ``logprobs=true`` returns ``choices[0].logprobs`` in the OpenAI shape (``token``,
+    ``logprobs=true`` returns ``choices[i].logprobs`` in the OpenAI shape (``token``,
     ``bytes``, ``logprob``, ``top_logprobs``); without it the field is null, as OpenAI
-    does. Token IDs are always in ``prompt_token_ids`` and ``choices[0].token_ids``.
+    does. Token IDs are always in ``prompt_token_ids`` and ``choices[i].token_ids``.
+    ``user``, ``metadata`` and ``store`` are recorded on the span (every call is stored).
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1, le=4096)
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=4096)
-    temperature: float = Field(1.0, ge=0.0, le=5.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
-    stream: bool = Field(False, description="streaming is not supported")
-    logprobs: Optional[bool] = Field(False, description="return choices[0].logprobs in the OpenAI shape")
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="only 0 is supported")
+    temperature: Optional[float] = Field(None, ge=0.0, le=5.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    n: Optional[int] = Field(None, ge=1, le=16)
+    stream: Optional[bool] = False
+    stream_options: Optional[dict[str, Any]] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[dict[str, Any]] = None
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    user: Optional[str] = None
+    metadata: Optional[dict[str, Any]] = None
+    store: Optional[bool] = None
+    return_token_ids: Optional[bool] = None
 
 
-def _custom_llm_class() -> type:
-    import litellm
-    from litellm import CustomLLM, ModelResponse
-
-    class _EngineLLM(CustomLLM):
-        """LiteLLM provider that completes with a TransformersEngine in this process."""
-
-        async def acompletion(self, model: str, messages: list, api_base: str, model_response: ModelResponse,
-                              optional_params: dict, **kwargs: Any) -> ModelResponse:
-            engine = _ENGINES[api_base]
-            params = optional_params or {}
-            prompt_ids = engine.apply_chat_template(messages)
-            gen: Generation = await asyncio.wrap_future(
-                engine.submit(
-                    prompt_ids,
-                    max_tokens=int(params.get("max_tokens") or params.get("max_completion_tokens") or 256),
-                    temperature=float(params.get("temperature", 1.0)),
-                    top_p=float(params.get("top_p", 1.0)),
-                )
-            )
-            response_id = f"chatcmpl-{uuid.uuid4().hex}"
-            _RESULTS[response_id] = gen
-            return litellm.ModelResponse(
-                id=response_id,
-                model=model,
-                choices=[{"index": 0, "finish_reason": gen.finish_reason,
-                          "message": {"role": "assistant", "content": gen.text}}],
-                usage={"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.completion_ids),
-                       "total_tokens": len(gen.prompt_ids) + len(gen.completion_ids)},
-            )
-
-    return _EngineLLM
-
-
-_REGISTER_LOCK = threading.Lock()
-
-
-def _register_provider() -> None:
-    import litellm
-
-    with _REGISTER_LOCK:
-        litellm.telemetry = False
-        if not any(p.get("provider") == _PROVIDER for p in litellm.custom_provider_map):
-            litellm.custom_provider_map.append({"provider": _PROVIDER, "custom_handler": _custom_llm_class()()})
-            from litellm.utils import custom_llm_setup
-
-            custom_llm_setup()
-
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
 
 
 class LLMProxy:
-    """Serve ``engine`` behind an OpenAI-compatible endpoint and trace every call into ``store``.
+    """Serve ``engines`` behind one OpenAI-compatible endpoint and trace every call into ``store``.
 
     Args:
-        engine: the inference engine to forward to.
+        engines: an :class:`~lightning_nb.engine.Engine` or several; requests are routed by
+            ``model`` (several engines with one name are load-balanced by LiteLLM).
         store: where LLM-call spans go.
         host: bind address; 127.0.0.1 by default.
         port: 0 picks a free port.
@@ -132,36 +116,48 @@ class LLMProxy:
     Use as a context manager or call :meth:`start` / :meth:`stop`.
     """
 
-    def __init__(self, engine: TransformersEngine, store: LightningStore, *, host: str = "127.0.0.1",
+    def __init__(self, engines: Union[Engine, Sequence[Engine]], store: LightningStore, *, host: str = "127.0.0.1",
                  port: int = 0, api_key: Optional[str] = None, tracer: Optional[Tracer] = None) -> None:
         if not is_loopback(host) and not api_key:
             raise ConfigError(
                 f"host={host!r} is reachable from other machines, so api_key is required; "
                 f"pass api_key=secrets.token_urlsafe() (or bind to 127.0.0.1)"
             )
-        self.engine, self.store = engine, store
+        self.engines: list[Engine] = [engines] if isinstance(engines, Engine) else list(engines)
+        if not self.engines:
+            raise ConfigError("engines is empty; pass at least one Engine (e.g. TransformersEngine.from_default())")
+        self.engine = self.engines[0]
+        self.store = store
         self.host, self.port = host, port
         self.api_key = api_key
         self.tracer = tracer or Tracer(store)
-        self._key = f"{_PROVIDER}://{secrets.token_hex(8)}"
         self._server: Any = None
+        self._router: Any = None
+        self._by_id: dict[str, Engine] = {}
+        self._lock = threading.Lock()
 
     # ----- lifecycle ------------------------------------------------------------------
     def start(self) -> "LLMProxy":
         """Start serving in a background thread; returns once the port is bound."""
-        if self._server is not None:
+        with self._lock:
+            if self._server is not None:
+                return self
+            import litellm
+
+            litellm.telemetry = False
+            deployments = [e.deployment() for e in self.engines]
+            self._by_id = {d["model_info"]["id"]: e for d, e in zip(deployments, self.engines)}
+            self._router = litellm.Router(model_list=deployments, num_retries=0, disable_cooldowns=True)
+            self._server = ThreadedServer(self._app(), self.host, self.port, "LLM proxy")
+            self.port = self._server.start()
             return self
-        _register_provider()
-        _ENGINES[self._key] = self.engine
-        self._server = ThreadedServer(self._app(), self.host, self.port, "LLM proxy")
-        self.port = self._server.start()
-        return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
-        _ENGINES.pop(self._key, None)
+        """Stop serving (the engines keep running; close them yourself)."""
+        with self._lock:
+            if self._server is not None:
+                self._server.stop()
+                self._server = None
 
     def __enter__(self) -> "LLMProxy":
         return self.start()
@@ -173,6 +169,10 @@ class LLMProxy:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def served_models(self) -> list[str]:
+        return sorted({e.model_name for e in self.engines})
+
     def endpoint(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> str:
         """Base URL (ending in /v1) for the OpenAI SDK; attributed when ids are given."""
         if rollout_id and attempt_id:
@@ -180,7 +180,7 @@ class LLMProxy:
         return f"{self.url}/v1"
 
     def as_resource(self, **sampling_parameters: Any) -> LLMResource:
-        """This proxy as the ``main_llm`` resource agents receive."""
+        """This proxy as the ``main_llm`` resource agents receive (its model: the first engine's)."""
         return LLMResource(endpoint=self.endpoint(), model=self.engine.model_name,
                            sampling_parameters=sampling_parameters, api_key=self.api_key or "not-needed")
 
@@ -189,8 +189,8 @@ class LLMProxy:
         app = FastAPI(title="lightning-nb LLM proxy")
 
         def error(status: int, message: str, param: Optional[str] = None) -> JSONResponse:
-            body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": status}}
-            return JSONResponse(body, status_code=status)
+            kind = "invalid_request_error" if status < 500 else "server_error"
+            return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
         @app.middleware("http")
         async def auth(request: Request, call_next: Any) -> Any:
@@ -200,11 +200,25 @@ class LLMProxy:
 
         @app.get("/health")
         async def health() -> dict:
-            return {"status": "ok", "model": self.engine.model_name, "weight_version": self.engine.weight_version}
+            return {"status": "ok", "models": self.served_models,
+                    "weight_versions": {e.model_name: e.weight_version for e in self.engines},
+                    "weight_version": self.engine.weight_version}
 
-        @app.get("/v1/models")
-        async def models() -> dict:
-            return {"object": "list", "data": [{"id": self.engine.model_name, "object": "model"}]}
+        def models() -> dict:
+            return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "lightning-nb"}
+                                               for m in self.served_models]}
+
+        app.get("/v1/models")(models)
+        app.get("/rollout/{rollout_id}/attempt/{attempt_id}/v1/models")(models)
+
+        def responses_api() -> JSONResponse:
+            return error(404, "the Responses API (/v1/responses) is not served; use Chat Completions. With the "
+                              "OpenAI Agents SDK: agents.set_default_openai_api('chat_completions'), or "
+                              "model=OpenAIChatCompletionsModel(model=llm.model, openai_client=AsyncOpenAI("
+                              "base_url=llm.endpoint, api_key=llm.api_key))")
+
+        app.post("/v1/responses")(responses_api)
+        app.post("/rollout/{rollout_id}/attempt/{attempt_id}/v1/responses")(responses_api)
 
         async def handle(request: Request, rollout_id: Optional[str], attempt_id: Optional[str]) -> Any:
             try:
@@ -212,28 +226,17 @@ class LLMProxy:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 return error(400, "request body is not valid JSON; send a JSON chat completion request")
             try:
-                req = ChatCompletionRequest.model_validate(body)
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                field = ".".join(str(p) for p in first["loc"]) or "body"
-                return error(400, f"invalid field '{field}': {first['msg']}", param=field)
+                req = self._validate(body)
+                engine = self._engine_for(req)
+                enforced = await self._rollout_sampling(rollout_id, attempt_id)
+                completion = await self._complete(req, engine, rollout_id, attempt_id, enforced)
+            except _HTTPError as exc:
+                return error(exc.status, exc.message, exc.param)
             if req.stream:
-                return error(400, "invalid field 'stream': streaming is not supported; set stream=false", "stream")
-            if req.top_logprobs:
-                return error(400, "invalid field 'top_logprobs': this engine returns only the sampled token's "
-                                  "log-prob; use logprobs=true with top_logprobs=0 (or omit it)", "top_logprobs")
-            enforced: dict[str, Any] = {}
-            if rollout_id is not None:
-                try:  # store calls may block (SQLite fsync, HTTP): off the event loop
-                    rollout = await asyncio.to_thread(self.store.get_rollout_by_id, rollout_id)
-                    attempts = {a.attempt_id for a in await asyncio.to_thread(self.store.query_attempts, rollout_id)}
-                except NotFoundError as exc:
-                    return error(404, str(exc), "rollout_id")
-                if attempt_id not in attempts:
-                    return error(404, f"attempt_id {attempt_id!r} is not an attempt of rollout {rollout_id!r}",
-                                 "attempt_id")
-                enforced = dict(rollout.metadata.get("sampling_parameters") or {})
-            return await self._complete(req, rollout_id, attempt_id, enforced)
+                return StreamingResponse(_sse(completion, req), media_type="text/event-stream")
+            for c in completion["choices"]:
+                del c["_pieces"]
+            return completion
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Any:
@@ -245,81 +248,248 @@ class LLMProxy:
 
         return app
 
-    async def _complete(self, req: ChatCompletionRequest, rollout_id: Optional[str], attempt_id: Optional[str],
-                        enforced: Optional[dict[str, Any]] = None) -> Any:
-        """Complete ``req`` with the rollout's sampling parameters (``enforced``) applied over the request's.
+    # ----- request checks -------------------------------------------------------------
+    def _validate(self, body: Any) -> ChatCompletionRequest:
+        if not isinstance(body, dict):
+            raise _HTTPError(400, "request body must be a JSON object (an OpenAI chat completion request)")
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or "body"
+            if first["type"] == "extra_forbidden":
+                raise _HTTPError(400, f"unknown parameter '{field}': the proxy does not take it, and ignoring it "
+                                      "would be silent; remove it (the README lists the supported parameters)", field)
+            raise _HTTPError(400, f"invalid field '{field}': {first['msg']}", field) from None
+        for i, m in enumerate(req.messages):
+            for key, value in (m.model_extra or {}).items():
+                if value is not None:
+                    raise _HTTPError(400, f"unknown message field 'messages.{i}.{key}'; remove it", f"messages.{i}.{key}")
+        return req
 
-        Framework clients never read ``llm.sampling_parameters``, so the proxy applies the
-        rollout's ``temperature`` and ``top_p`` (they replace the request's) and its
-        ``max_tokens`` (a cap on the request's). The span records what was requested
-        (``gen_ai.request.*``) and what was applied (``temperature``, ``top_p``, ``max_tokens``),
-        so the log-probs always belong to the distribution that was sampled; keys of the
-        rollout's sampling parameters that the proxy does not apply are listed in
-        ``lightning_nb.sampling_not_applied``.
+    def _engine_for(self, req: ChatCompletionRequest) -> Engine:
+        """The first engine serving ``req.model`` after checking it honours every parameter set."""
+        engine = next((e for e in self.engines if e.model_name == req.model), None)
+        if engine is None:
+            raise _HTTPError(404, f"model {req.model!r} is not served by this proxy; served models: "
+                                  f"{self.served_models}", "model")
+        used = {
+            "stop": bool(req.stop), "seed": req.seed is not None, "n": (req.n or 1) > 1,
+            "response_format": bool(req.response_format) and req.response_format.get("type", "text") != "text",
+            "frequency_penalty": bool(req.frequency_penalty), "presence_penalty": bool(req.presence_penalty),
+            "top_logprobs": bool(req.top_logprobs),
+        }
+        for param in _OPTIONAL:
+            if used[param] and param not in engine.supported_params:
+                raise _HTTPError(400, f"invalid field '{param}': {type(engine).__name__} serving {req.model!r} does "
+                                      f"not support it (it supports {sorted(engine.supported_params)}); remove it",
+                                 param)
+        if req.tool_choice is not None and not req.tools and req.tool_choice != "none":
+            raise _HTTPError(400, "invalid field 'tool_choice': it needs 'tools'", "tool_choice")
+        return engine
+
+    async def _rollout_sampling(self, rollout_id: Optional[str], attempt_id: Optional[str]) -> dict[str, Any]:
+        """The rollout's ``sampling_parameters`` (empty off a rollout URL); 404 for unknown ids."""
+        if rollout_id is None:
+            return {}
+        try:  # store calls may block (SQLite fsync, HTTP): off the event loop
+            rollout = await asyncio.to_thread(self.store.get_rollout_by_id, rollout_id)
+            attempts = {a.attempt_id for a in await asyncio.to_thread(self.store.query_attempts, rollout_id)}
+        except NotFoundError as exc:
+            raise _HTTPError(404, str(exc), "rollout_id") from None
+        if attempt_id not in attempts:
+            raise _HTTPError(404, f"attempt_id {attempt_id!r} is not an attempt of rollout {rollout_id!r}",
+                             "attempt_id")
+        return dict(rollout.metadata.get("sampling_parameters") or {})
+
+    @staticmethod
+    def _sampling(req: ChatCompletionRequest, enforced: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """The sampling actually applied: the rollout's parameters (``enforced``) over the request's.
+
+        Framework clients never read ``llm.sampling_parameters``, so on a rollout's URL the
+        proxy applies the rollout's ``temperature``, ``top_p``, ``seed`` and ``stop``
+        (they replace the request's) and its ``max_tokens`` (a cap on the request's).
+        Returns ``(applied, keys of enforced it does not apply)``.
         """
-        import litellm
-
-        enforced = enforced or {}
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        for m in messages:
-            if m["role"] == "developer":
-                m["role"] = "system"
         requested_max = req.max_completion_tokens or req.max_tokens
         cap = enforced.get("max_tokens")
-        max_tokens = min(int(requested_max or cap), int(cap)) if cap else (requested_max or 256)
-        temperature = float(enforced.get("temperature", req.temperature))
-        top_p = float(enforced.get("top_p", req.top_p))
-        not_applied = sorted(set(enforced) - {"temperature", "top_p", "max_tokens"})
-        span = None
-        if rollout_id and attempt_id:
-            span = self.tracer.start_span(LLM_SPAN_NAME, rollout_id, attempt_id, {
-                "gen_ai.system": _PROVIDER,
-                "gen_ai.request.model": req.model,
-                "gen_ai.request.temperature": req.temperature,
-                "gen_ai.request.top_p": req.top_p,
-                **({"gen_ai.request.max_tokens": requested_max} if requested_max else {}),
-                "max_tokens": max_tokens,
-                "gen_ai.prompt": json.dumps(messages),
-                **({"lightning_nb.sampling_not_applied": not_applied} if not_applied else {}),
-            })
+        applied: dict[str, Any] = {
+            "max_tokens": min(int(requested_max or cap), int(cap)) if cap else (requested_max or 256),
+            "temperature": float(enforced.get("temperature", 1.0 if req.temperature is None else req.temperature)),
+            "top_p": float(enforced.get("top_p", 1.0 if req.top_p is None else req.top_p)),
+        }
+        stop = enforced.get("stop", req.stop)
+        if stop:
+            applied["stop"] = [stop] if isinstance(stop, str) else list(stop)
+        seed = enforced.get("seed", req.seed)
+        if seed is not None:
+            applied["seed"] = int(seed)
+        not_applied = sorted(set(enforced) - {"temperature", "top_p", "max_tokens", "stop", "seed"})
+        return applied, not_applied
+
+    # ----- completion -----------------------------------------------------------------
+    async def _complete(self, req: ChatCompletionRequest, engine: Engine, rollout_id: Optional[str],
+                        attempt_id: Optional[str], enforced: dict[str, Any]) -> dict[str, Any]:
+        """Complete ``req`` on ``engine`` and record one span per choice; returns the OpenAI response dict."""
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        applied, not_applied = self._sampling(req, enforced)
+        hermes = engine.tool_format == "hermes"
+        tool_names = [t.get("function", {}).get("name") for t in req.tools or []]
+        parse_tools = hermes and bool(req.tools) and req.tool_choice != "none"
         try:
-            response = await litellm.acompletion(
-                model=f"{_PROVIDER}/{self.engine.model_name}", messages=messages, api_base=self._key,
-                max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            )
-        except Exception as exc:
-            if span is not None:
-                span.set_attribute("error", repr(exc))
-                await asyncio.to_thread(span.end)  # ending it writes to the store
-            return JSONResponse({"error": {"message": f"engine error: {exc}", "type": "server_error"}}, status_code=500)
-        gen = _RESULTS.pop(response.id)
-        if span is not None:
-            span.set_attributes({
-                "gen_ai.response.id": response.id,
-                "gen_ai.response.finish_reasons": [gen.finish_reason],
-                "gen_ai.usage.input_tokens": len(gen.prompt_ids),
-                "gen_ai.usage.output_tokens": len(gen.completion_ids),
-                "gen_ai.completion": gen.text,
-                "prompt_token_ids": gen.prompt_ids,
-                "completion_token_ids": gen.completion_ids,
-                "logprobs": gen.logprobs,
-                "temperature": gen.temperature,
-                "top_p": top_p,
-                "weight_version": gen.weight_version,
-            })
+            sent = render_tools(messages, req.tools, req.tool_choice or "auto") if hermes else messages
+        except ConfigError as exc:
+            raise _HTTPError(400, str(exc), "tools") from None
+        kwargs: dict[str, Any] = {"model": req.model, "messages": sent, **applied}
+        if (req.n or 1) > 1:
+            kwargs["n"] = req.n
+        for key in ("response_format", "frequency_penalty", "presence_penalty", "top_logprobs"):
+            if getattr(req, key):
+                kwargs[key] = getattr(req, key)
+        if not hermes:
+            for key in ("tools", "tool_choice", "parallel_tool_calls"):
+                if getattr(req, key) is not None:
+                    kwargs[key] = getattr(req, key)
+        if engine.returns_token_ids:
+            kwargs["logprobs"] = True
+            kwargs["extra_body"] = {"return_token_ids": True}
+        elif req.logprobs:
+            kwargs["logprobs"] = True
+        version_before = engine.weight_version
+        t0 = time.time_ns()
+        try:
+            response = await self._router.acompletion(**kwargs)
+        except Exception as exc:  # LiteLLM maps the engine's HTTP errors to exceptions with status_code
+            status = int(getattr(exc, "status_code", 502) or 502)
+            message = str(getattr(exc, "message", exc))
+            if rollout_id and attempt_id:
+                span = self.tracer.start_span(LLM_SPAN_NAME, rollout_id, attempt_id,
+                                              {"gen_ai.request.model": req.model, "error": message[:2000]})
+                await asyncio.to_thread(span.end)
+            if status in (400, 404, 422):
+                raise _HTTPError(400, f"the engine refused the request: {message}") from None
+            raise _HTTPError(502, f"engine error ({type(engine).__name__} at {engine.base_url}): {message}") from None
+        served_by = self._by_id.get((getattr(response, "_hidden_params", None) or {}).get("model_id"), engine)
+        raw = response.model_dump()
+        prompt_ids = raw.get("prompt_token_ids")
+        version = raw.get("weight_version", version_before)
+        choices = []
+        for c in raw["choices"]:
+            extra = c.get("provider_specific_fields") or {}
+            token_ids = c.get("token_ids") or extra.get("token_ids")
+            content = c["message"].get("content") or ""
+            calls = list(c["message"].get("tool_calls") or [])
+            text = content
+            if parse_tools:
+                parsed, calls = parse_tool_calls(content, tool_names)
+                if req.parallel_tool_calls is False:
+                    calls = calls[:1]
+                content = parsed if calls else content
+            lp_block = c.get("logprobs") or {}
+            choices.append({"index": c["index"], "text": text, "content": content if content or not calls else None,
+                            "tool_calls": calls, "token_ids": token_ids,
+                            "finish_reason": "tool_calls" if calls else c.get("finish_reason"),
+                            "logprobs_block": lp_block if lp_block.get("content") else None})
+        usage = raw.get("usage") or {}
+        if rollout_id and attempt_id:
+            await self._record(req, messages, applied, not_applied, served_by, raw.get("id"), prompt_ids, choices,
+                               version, served_by.weight_version, rollout_id, attempt_id, t0)
+        out_choices = []
+        for ch in choices:
+            message: dict[str, Any] = {"role": "assistant", "content": ch["content"]}
+            if ch["tool_calls"]:
+                message["tool_calls"] = ch["tool_calls"]
+            out_choices.append({"index": ch["index"], "message": message, "finish_reason": ch["finish_reason"],
+                                "logprobs": ch["logprobs_block"] if req.logprobs else None,
+                                "token_ids": ch["token_ids"], "_pieces": (ch["logprobs_block"] or {}).get("content")})
+        return {"id": raw.get("id") or f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                "created": raw.get("created") or int(time.time()), "model": req.model, "choices": out_choices,
+                "usage": {k: usage.get(k) for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                "prompt_token_ids": prompt_ids, "weight_version": version}
+
+    async def _record(self, req: ChatCompletionRequest, messages: list[dict[str, Any]], applied: dict[str, Any],
+                      not_applied: list[str], engine: Engine, response_id: Optional[str],
+                      prompt_ids: Optional[list[int]], choices: list[dict[str, Any]], version: int, version_after: int,
+                      rollout_id: str, attempt_id: str, t0: int) -> None:
+        """One span per choice: what was requested, what was applied, and what was sampled."""
+        requested = {
+            "gen_ai.system": "lightning_nb", "gen_ai.request.model": req.model,
+            **{f"gen_ai.request.{k}": v for k, v in (("temperature", req.temperature), ("top_p", req.top_p),
+                                                       ("max_tokens", req.max_completion_tokens or req.max_tokens),
+                                                       ("seed", req.seed)) if v is not None},
+            **({"gen_ai.request.stop_sequences": [req.stop] if isinstance(req.stop, str) else req.stop}
+               if req.stop else {}),
+            **({"gen_ai.request.tools": json.dumps(req.tools)} if req.tools else {}),
+            **({"gen_ai.request.user": req.user} if req.user else {}),
+            **({"gen_ai.request.metadata": json.dumps(req.metadata)} if req.metadata else {}),
+            "gen_ai.prompt": json.dumps(messages),
+            "engine": type(engine).__name__,
+            **{k: v for k, v in applied.items() if k != "stop"},
+            **({"stop": applied["stop"]} if "stop" in applied else {}),
+            **({"lightning_nb.sampling_not_applied": not_applied} if not_applied else {}),
+            **({"lightning_nb.weights_changed_during_call": [version, version_after]}
+               if version_after != version else {}),
+        }
+        for ch in choices:
+            span = self.tracer.start_span(LLM_SPAN_NAME, rollout_id, attempt_id, requested, start_time=t0)
+            attrs: dict[str, Any] = {
+                "gen_ai.response.id": response_id or "", "choice_index": ch["index"], "n": len(choices),
+                "gen_ai.response.finish_reasons": [ch["finish_reason"]], "gen_ai.completion": ch["text"],
+                "weight_version": version,
+            }
+            if ch["tool_calls"]:
+                attrs["gen_ai.response.tool_calls"] = json.dumps(ch["tool_calls"])
+            lps = [e["logprob"] for e in (ch["logprobs_block"] or {}).get("content") or []]
+            if prompt_ids and ch["token_ids"]:
+                attrs.update({"prompt_token_ids": prompt_ids, "completion_token_ids": ch["token_ids"],
+                              "gen_ai.usage.input_tokens": len(prompt_ids),
+                              "gen_ai.usage.output_tokens": len(ch["token_ids"])})
+                if len(lps) == len(ch["token_ids"]):
+                    attrs["logprobs"] = lps
+            else:
+                attrs[TOKEN_IDS_MISSING] = (f"{type(engine).__name__} at {engine.base_url} returned no token IDs"
+                                            if not engine.returns_token_ids else "the engine's reply lacked token IDs")
+            span.set_attributes(attrs)
             await asyncio.to_thread(span.end)  # ending it writes to the store: off the event loop
-        payload = response.model_dump()
-        payload["prompt_token_ids"] = gen.prompt_ids
-        payload["choices"][0]["token_ids"] = gen.completion_ids
-        payload["choices"][0]["logprobs"] = self._openai_logprobs(gen) if req.logprobs else None
-        return payload
 
-    def _openai_logprobs(self, gen: Generation) -> dict[str, Any]:
-        """``choices[i].logprobs`` in the OpenAI shape: one entry per completion token, no alternatives.
 
-        ``token`` is the token decoded alone, ``bytes`` its UTF-8 bytes; the stop token is
-        included (its log-prob was sampled too). Token IDs travel in ``choices[i].token_ids``.
-        """
-        tokens = [self.engine.tokenizer.decode([t]) for t in gen.completion_ids]
-        return {"content": [{"token": tok, "bytes": list(tok.encode("utf-8")), "logprob": lp, "top_logprobs": []}
-                            for tok, lp in zip(tokens, gen.logprobs)], "refusal": None}
+async def _sse(completion: dict[str, Any], req: ChatCompletionRequest) -> Any:
+    """A finished completion as OpenAI ``chat.completion.chunk`` server-sent events.
+
+    Content comes in one chunk per token where the log-probs' token strings add up to
+    the content, else in one chunk; tool calls in one chunk each; then the finish
+    reason (with ``token_ids``), a usage chunk when ``stream_options.include_usage``,
+    and ``[DONE]``.
+    """
+    base = {"id": completion["id"], "object": "chat.completion.chunk", "created": completion["created"],
+            "model": completion["model"]}
+
+    def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
+
+    yield event([{"index": c["index"], "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                 for c in completion["choices"]], prompt_token_ids=completion["prompt_token_ids"])
+    for c in completion["choices"]:
+        i, content = c["index"], c["message"]["content"]
+        if content:
+            entries = c.pop("_pieces") or []
+            pieces, joined = [], ""
+            for e in entries:  # token pieces up to the content's end (the stop token is not content)
+                if joined == content:
+                    break
+                pieces.append(e["token"])
+                joined += e["token"]
+            if joined != content:
+                pieces, entries = [content], []
+            for k, piece in enumerate(pieces):
+                if piece:
+                    lp = {"content": [entries[k]]} if entries and c["logprobs"] else None
+                    yield event([{"index": i, "delta": {"content": piece}, "logprobs": lp, "finish_reason": None}])
+        else:
+            c.pop("_pieces", None)
+        for k, call in enumerate(c["message"].get("tool_calls") or []):
+            yield event([{"index": i, "delta": {"tool_calls": [{"index": k, **call}]}, "finish_reason": None}])
+        yield event([{"index": i, "delta": {}, "finish_reason": c["finish_reason"], "token_ids": c["token_ids"]}])
+    if (req.stream_options or {}).get("include_usage"):
+        yield event([], usage=completion["usage"])
+    yield "data: [DONE]\n\n"

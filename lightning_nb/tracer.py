@@ -282,9 +282,14 @@ class Tracer:
         finally:
             _ACTIVE.reset(token)
 
-    def start_span(self, name: str, rollout_id: str, attempt_id: str, attributes: dict[str, Any]) -> OtelSpan:
-        """Start a span for explicit ids (used by the LLM proxy); end it with ``span.end()``."""
-        return self.otel.start_span(name, attributes={ROLLOUT_ID: rollout_id, ATTEMPT_ID: attempt_id, **attributes})
+    def start_span(self, name: str, rollout_id: str, attempt_id: str, attributes: dict[str, Any],
+                   start_time: Optional[int] = None) -> OtelSpan:
+        """Start a span for explicit ids (used by the LLM proxy); end it with ``span.end()``.
+
+        ``start_time``: nanoseconds since the epoch (default: now).
+        """
+        return self.otel.start_span(name, attributes={ROLLOUT_ID: rollout_id, ATTEMPT_ID: attempt_id, **attributes},
+                                    start_time=start_time)
 
 
 def _active_or_raise(what: str) -> _Active:

@@ -60,6 +60,10 @@ class GRPOConfig:
     min_group_size: int = field(default=2, metadata={
         "help": "Groups with fewer episodes than this (after failures, timeouts and adapter skips) are dropped "
                 "from the update and counted in groups_dropped; must be >= 2 (a group of one has no baseline)."})
+    max_staleness: int = field(default=1, metadata={
+        "help": "Episodes sampled more than this many weight versions before the current one are dropped "
+                "(stale_episodes_dropped); fresher off-policy samples are corrected by the clipped importance "
+                "ratio against the engine's behavior log-probs (PPO). 0 = strictly on-policy."})
     loss_agg_mode: str = field(default="token-mean", metadata={"help": "verl loss aggregation mode."})
     micro_batch_size: int = field(default=4, metadata={"help": "Sequences per forward/backward (memory bound)."})
     pack_turns: bool = field(default=True, metadata={
@@ -77,7 +81,7 @@ class GRPOConfig:
             "learning_rate": self.learning_rate > 0, "weight_decay": self.weight_decay >= 0,
             "max_grad_norm": self.max_grad_norm > 0, "clip_ratio": 0 < self.clip_ratio < 1,
             "kl_coef": self.kl_coef >= 0, "micro_batch_size": self.micro_batch_size >= 1,
-            "min_group_size": self.min_group_size >= 2,
+            "min_group_size": self.min_group_size >= 2, "max_staleness": self.max_staleness >= 0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -237,8 +241,11 @@ class GRPOTrainer(BackgroundLoop):
              ``compute_policy_loss_vanilla``), plus ``kl_coef`` × KL to the initial weights
              (verl ``kl_penalty``); the token-mean denominator counts every kept sequence,
              also the zero-advantage ones that ``skip_zero_advantage`` does not forward;
-          5. one AdamW step with gradient-norm clipping; bump ``engine.weight_version``
-             (only when the weights changed).
+          5. one AdamW step with gradient-norm clipping; ``engine.load_weights(model)`` serves
+             the new weights and bumps ``engine.weight_version`` (only when the weights changed).
+
+        Episodes sampled more than ``max_staleness`` weight versions ago are dropped
+        (``stale_episodes_dropped``; ``staleness_max`` is the oldest kept or dropped).
 
         Metrics (one row): ``step``, ``loss``, ``pg_loss``, ``kl``, ``ppo_kl``, ``pg_clipfrac``,
         ``logprob_diff_max`` (largest per-token |trainer − engine| log-prob on the trained
@@ -277,6 +284,11 @@ class GRPOTrainer(BackgroundLoop):
             episodes: dict[str, list[Triplet]] = {}
             for t in triplets:
                 episodes.setdefault(t.rollout_id, []).append(t)
+            staleness = {r: max((self.engine.weight_version - t.weight_version for t in ts
+                                 if t.weight_version is not None), default=0) for r, ts in episodes.items()}
+            stale = [r for r, age in staleness.items() if age > cfg.max_staleness]
+            for r in stale:  # too old to correct by importance weighting
+                del episodes[r]
             rewards = {r: ts[0].reward for r, ts in episodes.items()}
             groups = {r: ts[0].group_id for r, ts in episodes.items()}
             advantages, dropped = group_advantages(rewards, groups, min_group_size=cfg.min_group_size,
@@ -298,7 +310,7 @@ class GRPOTrainer(BackgroundLoop):
                     grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
-                    self.engine.weight_version += 1
+                    self.engine.load_weights(self.model)  # in place, or pushed to a server (VLLMEngine)
                 self.step += 1
             seconds = time.perf_counter() - t0
             trained_tokens = sum(sum(s.mask) for s in trained)
@@ -315,6 +327,7 @@ class GRPOTrainer(BackgroundLoop):
                 "episodes": len(advantages), "groups": len({groups[r] for r in advantages}),
                 "groups_with_signal": len(signal), "groups_dropped": len(dropped),
                 "episodes_dropped": sum(dropped.values()), "transitions": len(triplets),
+                "stale_episodes_dropped": len(stale), "staleness_max": max(staleness.values(), default=0),
                 "sequences_trained": len(trained), "tokens_trained": trained_tokens, "grad_norm": grad_norm,
                 "update_seconds": seconds,
                 "tokens_per_s": sum(len(s.input_ids) for s in trained) / seconds if seconds > 0 else 0.0,
@@ -541,7 +554,7 @@ class GRPOTrainer(BackgroundLoop):
             self.step = int(state["step"])
             self.metrics = list(state["metrics"])
             self.config_changes = list(state.get("config_changes", []))
-            self.engine.weight_version = int(state["weight_version"])
+            self.engine.load_weights(self.model, version=int(state["weight_version"]))
             self.checkpoint_resources_id = state.get("resources_id")
             set_rng_state(state["rng"])
             self._applied_config = asdict(self.config)

@@ -235,6 +235,7 @@ class Triplet(_Model):
     reward: float
     temperature: float = 1.0
     top_p: float = Field(1.0, description="Nucleus sampling cut of the call; the GRPO trainer refuses < 1.")
+    weight_version: Optional[int] = Field(None, description="Engine weight version that sampled the response.")
     prompt_text: str = ""
     response_text: str = ""
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 
 import httpx
 import openai
 import pytest
 
 from lightning_nb import LLMProxy
+from lightning_nb.engine import DEFAULT_MODEL_NAME as M
 from lightning_nb.errors import ConfigError
 from lightning_nb.store import InMemoryStore
 
@@ -59,7 +61,7 @@ def test_proxy_records_engine_token_ids_in_spans(proxied, recorded):
     aid = store.dequeue_rollout().attempt.attempt_id
     client = openai.OpenAI(base_url=proxy.endpoint(rid, aid), api_key="unused")
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
-    reply = client.chat.completions.create(model="SmolLM2", messages=messages, max_tokens=16, temperature=0.7)
+    reply = client.chat.completions.create(model=M, messages=messages, max_tokens=16, temperature=0.7)
     raw = reply.model_dump()
     (span,) = store.query_spans(rid)
     gen = recorded[-1]
@@ -76,11 +78,11 @@ def test_the_rollouts_sampling_parameters_are_applied_whatever_the_client_sends(
     """Framework clients never read llm.sampling_parameters: the proxy applies the rollout's itself."""
     store, proxy = proxied
     rollout = store.enqueue_rollout("t", metadata={"sampling_parameters": {"temperature": 0.0, "max_tokens": 3,
-                                                                           "stop": ["\n"]}})
+                                                                           "logit_bias": {"2": 5}}})
     aid = store.dequeue_rollout().attempt.attempt_id
     client = openai.OpenAI(base_url=proxy.endpoint(rollout.rollout_id, aid), api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "Count from one to twenty in words."}]
-    reply = client.chat.completions.create(model="m", messages=messages, max_tokens=64, temperature=1.3)
+    reply = client.chat.completions.create(model=M, messages=messages, max_tokens=64, temperature=1.3)
     gen = recorded[-1]
     assert gen.temperature == 0.0 and len(gen.completion_ids) <= 3 and reply.usage.completion_tokens <= 3
     greedy = proxy.engine.generate(gen.prompt_ids, max_tokens=3, temperature=0.0)
@@ -89,10 +91,10 @@ def test_the_rollouts_sampling_parameters_are_applied_whatever_the_client_sends(
     a = span.attributes
     assert (a["gen_ai.request.temperature"], a["gen_ai.request.max_tokens"]) == (1.3, 64)  # what was asked
     assert (a["temperature"], a["max_tokens"]) == (0.0, 3)  # what was applied: the log-probs' distribution
-    assert a["lightning_nb.sampling_not_applied"] == ["stop"]  # said, not silently dropped
+    assert a["lightning_nb.sampling_not_applied"] == ["logit_bias"]  # said, not silently dropped
     # an unattributed call (no rollout) keeps the client's settings
     client = openai.OpenAI(base_url=proxy.endpoint(), api_key="unused", max_retries=0)
-    client.chat.completions.create(model="m", messages=messages, max_tokens=5, temperature=0.9)
+    client.chat.completions.create(model=M, messages=messages, max_tokens=5, temperature=0.9)
     assert recorded[-1].temperature == 0.9
 
 
@@ -101,9 +103,9 @@ def test_logprobs_come_in_the_openai_shape_and_only_when_asked(proxied, recorded
     store, proxy = proxied
     client = openai.OpenAI(base_url=proxy.endpoint(), api_key="unused", max_retries=0)
     messages = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 2?"}]
-    plain = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0.0)
+    plain = client.chat.completions.create(model=M, messages=messages, max_tokens=8, temperature=0.0)
     assert plain.choices[0].logprobs is None  # not asked: null, as OpenAI answers
-    reply = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0.0,
+    reply = client.chat.completions.create(model=M, messages=messages, max_tokens=8, temperature=0.0,
                                            logprobs=True, top_logprobs=0)
     gen = recorded[-1]
     content = reply.choices[0].logprobs.content
@@ -117,13 +119,19 @@ def test_logprobs_come_in_the_openai_shape_and_only_when_asked(proxied, recorded
 
 
 @pytest.mark.parametrize("body, field", [
-    ({"model": "m", "messages": []}, "messages"),
-    ({"model": "m"}, "messages"),
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
-    ({"model": "m", "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, "stream"),
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 3},
+    ({"model": M, "messages": []}, "messages"),
+    ({"model": M}, "messages"),
+    ({"model": M, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ({"model": M, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"model": M, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"model": M, "messages": [{"role": "user", "content": "hi"}], "stream": "maybe"}, "stream"),
+    ({"model": M, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"2": 5}}, "logit_bias"),
+    ({"model": M, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"model": M, "messages": [{"role": "user", "content": "hi", "audio": {"id": "x"}}]}, "messages.0.audio"),
+    ({"model": M, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),
+    ({"model": M, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"model": M, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 3},
      "top_logprobs"),
 ])
 def test_malformed_requests_name_the_field_and_keep_store(proxied, body, field):
@@ -143,10 +151,10 @@ def test_invalid_json_and_unknown_rollout(proxied):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     client = openai.OpenAI(base_url=proxy.endpoint("ro-unknown", "at-unknown"), api_key="x", max_retries=0)
     with pytest.raises(openai.NotFoundError, match="ro-unknown"):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        client.chat.completions.create(model=M, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     rid = store.enqueue_rollout("t").rollout_id
     r = httpx.post(f"{proxy.endpoint(rid, 'at-unknown')}/chat/completions", timeout=60,
-                   json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+                   json={"model": M, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404 and r.json()["error"]["param"] == "attempt_id" and "at-unknown" in r.text
     assert store.query_spans() == []
 
@@ -167,8 +175,134 @@ def test_concurrent_calls_through_proxy(proxied):
 
     def ask(i):
         return client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": f"Say {i}"}], max_tokens=8, temperature=1.0)
+            model=M, messages=[{"role": "user", "content": f"Say {i}"}], max_tokens=8, temperature=1.0)
 
     with cf.ThreadPoolExecutor(4) as pool:
         replies = list(pool.map(ask, range(4)))
     assert all(r.choices[0].finish_reason in ("stop", "length") for r in replies)
+
+
+# ----- the chat surface framework agents send ----------------------------------------------
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+def _attempt(store):
+    rid = store.enqueue_rollout("t").rollout_id
+    return rid, store.dequeue_rollout().attempt.attempt_id
+
+
+def test_unknown_model_is_a_404_naming_the_served_models(proxied):
+    store, proxy = proxied
+    rid, aid = _attempt(store)
+    r = httpx.post(f"{proxy.endpoint(rid, aid)}/chat/completions", timeout=60,
+                   json={"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert "gpt-5" in r.text and M in r.text
+    assert store.query_spans(rid) == []
+
+
+def test_models_on_every_base_url_and_the_responses_api_points_to_chat_completions(proxied):
+    store, proxy = proxied
+    rid, aid = _attempt(store)
+    for base in (proxy.endpoint(), proxy.endpoint(rid, aid)):
+        assert [m.id for m in openai.OpenAI(base_url=base, api_key="x").models.list()] == [M]
+        r = httpx.post(f"{base}/responses", json={"model": M, "input": "hi"}, timeout=30)
+        assert r.status_code == 404 and "chat_completions" in r.json()["error"]["message"]
+
+
+def test_stream_is_sse_with_the_same_tokens_as_a_plain_call(proxied):
+    store, proxy = proxied
+    rid, aid = _attempt(store)
+    client = openai.OpenAI(base_url=proxy.endpoint(rid, aid), api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "Name three colours."}]
+    plain = client.chat.completions.create(model=M, messages=messages, max_tokens=24, temperature=0.0)
+    chunks = list(client.chat.completions.create(model=M, messages=messages, max_tokens=24, temperature=0.0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content and len([c for c in chunks if c.choices]) > 3  # token by token
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    first, second = store.query_spans(rid)
+    assert first.attributes["completion_token_ids"] == second.attributes["completion_token_ids"]
+    assert first.attributes["prompt_token_ids"] == second.attributes["prompt_token_ids"]
+
+
+def test_stop_cuts_the_text_and_keeps_the_sampled_tokens(proxied):
+    store, proxy = proxied
+    rid, aid = _attempt(store)
+    client = openai.OpenAI(base_url=proxy.endpoint(rid, aid), api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "Count from one to ten in words, separated by commas."}]
+    full = client.chat.completions.create(model=M, messages=messages, max_tokens=40, temperature=0.0)
+    text = full.choices[0].message.content
+    stop = text[5:7]  # a string greedy decoding is known to write
+    cut = client.chat.completions.create(model=M, messages=messages, max_tokens=40, temperature=0.0,
+                                         stop=["never-written", stop])
+    assert cut.choices[0].message.content == text.split(stop)[0] and cut.choices[0].finish_reason == "stop"
+    span = store.query_spans(rid)[-1]
+    ids = span.attributes["completion_token_ids"]
+    assert stop in proxy.engine.tokenizer.decode(ids) and stop not in proxy.engine.tokenizer.decode(ids[:-1])
+    assert len(span.attributes["logprobs"]) == len(ids) and span.attributes["stop"] == ["never-written", stop]
+
+
+def test_seed_reproduces_a_sample_without_moving_the_global_rng(proxied):
+    import torch
+
+    store, proxy = proxied
+    client = openai.OpenAI(base_url=proxy.endpoint(), api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "Write a short poem about rain."}]
+    before = torch.get_rng_state()
+    replies = [client.chat.completions.create(model=M, messages=messages, max_tokens=16, temperature=1.0, seed=s)
+               .model_dump()["choices"][0]["token_ids"] for s in (7, 7, 8, 9)]
+    assert torch.equal(torch.get_rng_state(), before)
+    assert replies[0] == replies[1]
+    assert len({tuple(r) for r in replies}) >= 2  # other seeds sample other tokens
+
+
+def test_n_choices_give_one_span_each(proxied):
+    store, proxy = proxied
+    rid, aid = _attempt(store)
+    client = openai.OpenAI(base_url=proxy.endpoint(rid, aid), api_key="x", max_retries=0)
+    reply = client.chat.completions.create(model=M, messages=[{"role": "user", "content": "Say a number."}],
+                                           max_tokens=8, temperature=1.0, n=3, seed=1)
+    spans = sorted(store.query_spans(rid), key=lambda s: s.attributes["choice_index"])
+    assert len(reply.choices) == 3 and [s.attributes["choice_index"] for s in spans] == [0, 1, 2]
+    raw = reply.model_dump()
+    for span, choice in zip(spans, raw["choices"]):
+        assert span.attributes["completion_token_ids"] == choice["token_ids"]
+        assert span.attributes["prompt_token_ids"] == raw["prompt_token_ids"] and span.attributes["n"] == 3
+
+
+def test_tools_are_rendered_as_hermes_text_and_tool_calls_parsed(proxied):
+    """SmolLM2 writes tool calls as text: the proxy shows it the tools and parses <tool_call> JSON back."""
+    store, proxy = proxied
+    rid, aid = _attempt(store)
+    client = openai.OpenAI(base_url=proxy.endpoint(rid, aid), api_key="x", max_retries=0)
+    history = [
+        {"role": "user", "content": "What is 17 * 23?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "calculator", "arguments": "{\"expression\": \"17 * 23\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "391"},
+    ]
+    client.chat.completions.create(model=M, messages=history, tools=[CALCULATOR], max_tokens=16, temperature=0.0)
+    prompt = proxy.engine.tokenizer.decode(store.query_spans(rid)[-1].attributes["prompt_token_ids"])
+    assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n391\n</tool_response>" in prompt
+    assert '"description": "Evaluate an arithmetic expression"' in prompt.split("<|im_end|>")[0]  # the system turn
+    # a fresh question: seeded samples, so the test is deterministic; at least one writes a call
+    reply = client.chat.completions.create(model=M, messages=history[:1], tools=[CALCULATOR], tool_choice="required",
+                                           max_tokens=48, temperature=1.0, n=16, seed=0)
+    calls = [c for c in reply.choices if c.message.tool_calls]
+    assert calls, [c.message.content for c in reply.choices]
+    call = calls[0]
+    assert call.finish_reason == "tool_calls" and call.message.tool_calls[0].function.name == "calculator"
+    assert isinstance(json.loads(call.message.tool_calls[0].function.arguments), dict)
+    span = next(s for s in store.query_spans(rid) if s.attributes.get("choice_index") == call.index
+                and "gen_ai.response.tool_calls" in s.attributes)
+    assert "<tool_call>" in span.attributes["gen_ai.completion"]  # the raw text the tokens spell
+    assert json.loads(span.attributes["gen_ai.response.tool_calls"])[0]["function"]["name"] == "calculator"
+    # tool_choice="none" hides the tools and parses nothing
+    client.chat.completions.create(model=M, messages=history[:1], tools=[CALCULATOR], tool_choice="none",
+                                   max_tokens=4, temperature=0.0)
+    assert "<tools>" not in proxy.engine.tokenizer.decode(store.query_spans(rid)[-1].attributes["prompt_token_ids"])

@@ -187,3 +187,20 @@ def test_config_edits_take_effect_at_the_next_update_and_are_recorded(engine, pr
     with pytest.raises(ConfigError, match="learning_rate"):
         trainer.resume()
     assert trainer.step == 2
+
+
+def test_samples_older_than_max_staleness_are_dropped_and_counted(engine, pristine):
+    prompt = _prompt(engine)
+    a, b, c, d = _distinct_generations(engine, prompt, 4)
+    v = engine.weight_version
+    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False, max_staleness=1))
+    engine.load_weights(engine.model)  # two versions later: a and b were sampled at v, now v + 2
+    engine.load_weights(engine.model)
+    batch = [_triplet(a, "a", "old", 1.0, weight_version=v), _triplet(b, "b", "old", 0.0, weight_version=v),
+             _triplet(c, "c", "new", 1.0, weight_version=v + 1), _triplet(d, "d", "new", 0.0, weight_version=v + 2)]
+    m = trainer.update(batch)
+    assert m["stale_episodes_dropped"] == 2 and m["staleness_max"] == 2
+    assert set(trainer.last_advantages) == {"c", "d"} and m["sequences_trained"] == 2
+    assert engine.weight_version == v + 3  # the update itself served new weights
+    with pytest.raises(ConfigError, match="max_staleness"):
+        GRPOConfig(max_staleness=-1)
