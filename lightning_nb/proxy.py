@@ -428,6 +428,7 @@ class LLMProxy:
             **({"gen_ai.request.stop_sequences": [req.stop] if isinstance(req.stop, str) else req.stop}
                if req.stop else {}),
             **({"gen_ai.request.tools": json.dumps(req.tools)} if req.tools else {}),
+            **({"gen_ai.request.tool_choice": json.dumps(req.tool_choice)} if req.tool_choice is not None else {}),
             **({"gen_ai.request.user": req.user} if req.user else {}),
             **({"gen_ai.request.metadata": json.dumps(req.metadata)} if req.metadata else {}),
             "gen_ai.prompt": json.dumps(messages),
