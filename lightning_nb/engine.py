@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import abc
 import importlib.util
-import json
 import logging
 import uuid
 import queue
@@ -96,7 +95,8 @@ class Engine(abc.ABC):
       temperature), one entry per completion token;
     * return ``finish_reason`` ``"stop"`` or ``"length"`` per choice;
     * honour ``max_tokens``, ``temperature``, ``top_p`` and every optional parameter named in
-      :attr:`supported_params`, and answer any other parameter with a 400 that names it;
+      :attr:`supported_params` (the proxy answers any other parameter with a 400 naming it
+      before the engine sees it; vLLM itself ignores unknown fields);
     * keep :attr:`weight_version`, the version of the weights that generations come
       from, and make a completion started after :meth:`load_weights` returns use the new
       weights (no stale KV cache);
@@ -202,6 +202,8 @@ class TransformersEngine(Engine):
         stop_token_ids: tokens that end a completion (default ``<|im_end|>`` and ``<|im_start|>``).
     """
 
+    supported_params = frozenset({"stop", "seed", "n"})
+
     def __init__(
         self,
         model: Any,
@@ -246,8 +248,6 @@ class TransformersEngine(Engine):
         clean = [{"role": "system" if m["role"] == "developer" else m["role"],
                   "content": _text_content(m.get("content"))} for m in messages]
         return list(self.tokenizer.apply_chat_template(clean, tokenize=True, add_generation_prompt=True, return_dict=False))
-
-    supported_params = frozenset({"stop", "seed", "n"})
 
     def submit(
         self, prompt_ids: Sequence[int], *, max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
