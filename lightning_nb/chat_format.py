@@ -57,7 +57,12 @@ _WS_RE = re.compile(r"\s*")
 _DECODER = json.JSONDecoder()
 
 
-def _text(content: Any) -> str:
+def text_content(content: Any) -> str:
+    """OpenAI message content (a string or a list of text parts) as plain text.
+
+    Raises:
+        ConfigError: content of another type.
+    """
     if content is None:
         return ""
     if isinstance(content, str):
@@ -104,10 +109,10 @@ def render_tools(messages: Sequence[dict[str, Any]], tools: Optional[Sequence[di
     for m in messages:
         role = "system" if m["role"] == "developer" else m["role"]
         if role == "tool":
-            pending_results.append(f"<tool_response>\n{_text(m.get('content'))}\n</tool_response>")
+            pending_results.append(f"<tool_response>\n{text_content(m.get('content'))}\n</tool_response>")
             continue
         flush()
-        content = _text(m.get("content"))
+        content = text_content(m.get("content"))
         if role == "assistant" and m.get("tool_calls"):
             calls = []
             for call in m["tool_calls"]:

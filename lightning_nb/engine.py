@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence, Union
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from lightning_nb.chat_format import text_content
 from lightning_nb.errors import ConfigError, LightningNbError, MissingDependencyError
 
 __all__ = ["Engine", "Generation", "TransformersEngine", "load_default_model", "DEFAULT_MODEL_NAME", "default_gguf_path"]
@@ -153,6 +154,16 @@ class Engine(abc.ABC):
         self.close()
 
 
+def prompt_token_ids(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
+    """Token IDs of ``messages`` rendered with ``tokenizer``'s chat template plus the assistant header.
+
+    Role ``developer`` is rendered as ``system``; content parts are joined as text.
+    """
+    clean = [{"role": "system" if m["role"] == "developer" else m["role"],
+              "content": text_content(m.get("content"))} for m in messages]
+    return list(tokenizer.apply_chat_template(clean, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+
 @dataclass
 class Generation:
     """One completion with the exact token IDs the model saw and produced.
@@ -245,9 +256,7 @@ class TransformersEngine(Engine):
     # ----- public API -----------------------------------------------------------------
     def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Token IDs of ``messages`` rendered with the chat template plus the assistant header."""
-        clean = [{"role": "system" if m["role"] == "developer" else m["role"],
-                  "content": _text_content(m.get("content"))} for m in messages]
-        return list(self.tokenizer.apply_chat_template(clean, tokenize=True, add_generation_prompt=True, return_dict=False))
+        return prompt_token_ids(self.tokenizer, messages)
 
     def submit(
         self, prompt_ids: Sequence[int], *, max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
@@ -450,17 +459,6 @@ class TransformersEngine(Engine):
             else:
                 lo = mid + 1
         return ids[:lo], text[:start], "stop"
-
-
-def _text_content(content: Any) -> str:
-    """OpenAI message content (a string or a list of parts) as plain text."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    raise ConfigError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
 
 
 class _EngineMessage(BaseModel):

@@ -54,7 +54,7 @@ from lightning_nb.engine import (
     IM_END,
     Engine,
     Generation,
-    _text_content,
+    prompt_token_ids,
     load_default_model,
 )
 from lightning_nb.errors import ConfigError, LightningNbError, MissingDependencyError
@@ -303,9 +303,7 @@ class VLLMEngine(Engine):
     # ----- conveniences (same signatures as TransformersEngine) ----------------------
     def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Token IDs of ``messages`` rendered with the chat template plus the assistant header."""
-        clean = [{"role": "system" if m["role"] == "developer" else m["role"],
-                  "content": _text_content(m.get("content"))} for m in messages]
-        return list(self.tokenizer.apply_chat_template(clean, tokenize=True, add_generation_prompt=True, return_dict=False))
+        return prompt_token_ids(self.tokenizer, messages)
 
     def generate(
         self, prompt_ids: Sequence[int], *, max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
