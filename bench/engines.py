@@ -19,6 +19,9 @@ Engines run one at a time (each is started, warmed up, measured and closed befor
 * ``vllm``: ``VLLMEngine.from_default()``, requests sent to its ``base_url`` directly.
 * ``transformers``: ``TransformersEngine.from_default(max_batch_size=64)``, requests sent to its
   ``base_url`` (the in-process OpenAI-compatible endpoint).
+* ``canned``: no model; a local server that answers every chat request with one fixed vLLM-style
+  reply (token IDs and log-probs included) at once, behind ``OpenAIEndpoint``. Proxy overhead only:
+  with the engine's own time and noise gone, what is left is the proxy's cost.
 
 1. Throughput. For each concurrency C in 1, 8, 32, 64: C asyncio workers (one ``httpx.AsyncClient``
    with C connections) send ``POST /v1/chat/completions`` back to back until R requests are done,
@@ -80,8 +83,48 @@ PROMPTS = [
 LEVELS = (1, 8, 32, 64)
 MAX_TOKENS = 64
 LATENCY_PROMPT = "Say hi."
-ENGINES = ("standalone", "vllm", "transformers")
-LABELS = {"standalone": "vLLM server (standalone)", "vllm": "VLLMEngine", "transformers": "TransformersEngine"}
+ENGINES = ("standalone", "vllm", "transformers", "canned")
+LABELS = {"standalone": "vLLM server (standalone)", "vllm": "VLLMEngine", "transformers": "TransformersEngine",
+          "canned": "canned upstream (no model)"}
+
+
+# ----- canned upstream: the proxy's own cost, without an engine's noise ---------------------
+
+class CannedUpstream:
+    """An OpenAI-compatible server that answers every chat request with one fixed vLLM-style reply at once.
+
+    Served through :class:`~lightning_nb.endpoint.OpenAIEndpoint` (``returns_token_ids=True``), so the
+    proxy does all it does for a real engine (LiteLLM call, token IDs, span) while the upstream costs
+    well under a millisecond: the added latency is the proxy's own.
+    """
+
+    model_name = "canned"
+
+    def __init__(self) -> None:
+        from starlette.applications import Starlette
+        from starlette.responses import Response
+        from starlette.routing import Route
+
+        from lightning_nb._net import ThreadedServer
+
+        reply = json.dumps({
+            "id": "chatcmpl-canned", "object": "chat.completion", "created": 0, "model": self.model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "length",
+                         "token_ids": [19556], "logprobs": {"content": [
+                             {"token": "Hi", "bytes": [72, 105], "logprob": -0.1, "top_logprobs": []}]}}],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10},
+            "prompt_token_ids": [1, 4093, 198, 19556, 2, 198, 1, 520, 9531]}).encode()
+
+        async def chat(request: Any) -> Any:
+            await request.body()
+            return Response(reply, media_type="application/json")
+
+        routes = [Route("/v1/chat/completions", chat, methods=["POST"])]
+        self._server = ThreadedServer(Starlette(routes=routes), "127.0.0.1", 0, "canned upstream")
+        self.base_url = f"http://127.0.0.1:{self._server.start()}/v1"
+
+    def close(self) -> None:
+        self._server.stop()
 
 
 # ----- standalone vLLM server -------------------------------------------------------------
@@ -284,13 +327,20 @@ def run_engine(name: str, args: argparse.Namespace, levels: tuple[int, ...], rou
         from lightning_nb.vllm_engine import VLLMEngine
 
         engine = VLLMEngine.from_default()
+    elif name == "canned":
+        from lightning_nb.endpoint import OpenAIEndpoint
+
+        upstream = CannedUpstream()
+        engine = OpenAIEndpoint(upstream.base_url, upstream.model_name, returns_token_ids=True)
+        engine.close = upstream.close  # the endpoint itself owns nothing
     else:
         from lightning_nb.engine import TransformersEngine
 
         engine = TransformersEngine.from_default(max_batch_size=64)
     result: dict[str, Any] = {"startup_s": time.monotonic() - t0}
     try:
-        result["throughput"] = throughput(engine.base_url, levels, rounds, min_req)
+        if name != "canned":  # a fixed reply has no throughput to speak of
+            result["throughput"] = throughput(engine.base_url, levels, rounds, min_req)
         if name != "standalone" and not args.no_proxy:
             result["proxy"] = proxy_overhead(engine, n_latency)
     finally:
@@ -299,10 +349,12 @@ def run_engine(name: str, args: argparse.Namespace, levels: tuple[int, ...], rou
 
 
 def report(results: dict[str, Any], levels: tuple[int, ...]) -> str:
-    lines = ["| output tokens/s | " + " | ".join(f"C={c}" for c in levels) + " |",
-             "|---|" + "---|" * len(levels)]
+    lines = []
+    if any("throughput" in r for r in results.values()):
+        lines = ["| output tokens/s | " + " | ".join(f"C={c}" for c in levels) + " |",
+                 "|---|" + "---|" * len(levels)]
     for name in ENGINES:
-        if name in results:
+        if "throughput" in results.get(name, {}):
             tp = results[name]["throughput"]
             lines.append(f"| {LABELS[name]} | " + " | ".join(f"{tp[c]['tokens_per_s']:.1f}" for c in levels) + " |")
     if "standalone" in results:

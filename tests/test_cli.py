@@ -20,7 +20,7 @@ def test_demo_writes_metrics_curve_and_summary(tmp_path):
            "--group-size", "2", "--runners", "4", "--max-tokens", "24", "--sample-rounds", "1", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "held-out reward: before" in proc.stdout
+    assert "held-out reward: before" in proc.stdout and "(vllm engine)" in proc.stdout  # the default engine
     df = pd.read_csv(out / "metrics.csv")
     assert list(df.columns[:6]) == ["step", "reward_mean", "val_reward", "loss", "kl", "step_seconds"]
     assert df["step"].tolist() == [1] and df["step_seconds"].iloc[0] > 0
@@ -30,13 +30,15 @@ def test_demo_writes_metrics_curve_and_summary(tmp_path):
     # the final checkpoint is in the output folder; --resume continues from it, eval --checkpoint reads it
     ckpt = out / "checkpoint.pt"
     assert summary["checkpoint"] == str(ckpt) and ckpt.stat().st_size > 100_000_000
-    proc = subprocess.run([*cmd, "--steps", "2", "--resume", str(ckpt), "--val-size", "2"], capture_output=True,
-                          text=True, cwd=ROOT, timeout=900)
+    # the checkpoint holds weights, not an engine: resume and eval it on the in-process engine (no server start-up)
+    proc = subprocess.run([*cmd, "--steps", "2", "--resume", str(ckpt), "--val-size", "2", "--engine", "transformers"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {ckpt} at step 1" in proc.stdout
     assert pd.read_csv(out / "metrics.csv")["step"].tolist() == [1, 2]
     proc = subprocess.run([sys.executable, "-m", "lightning_nb", "eval", "--checkpoint", str(ckpt), "--val-size", "2",
-                           "--runners", "2"], capture_output=True, text=True, cwd=ROOT, timeout=900)
+                           "--runners", "2", "--engine", "transformers"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out reward on 2 val tasks (greedy, step 2)" in proc.stdout
     ckpt.unlink()
