@@ -100,6 +100,7 @@ class TripletAdapter:
                 logprobs=list(a["logprobs"]) if a.get("logprobs") else None, reward=reward,
                 temperature=float(a.get("temperature", 1.0)), top_p=float(a.get("top_p", 1.0)),
                 weight_version=a.get("weight_version"),
+                finish_reason=(a.get("gen_ai.response.finish_reasons") or [None])[0],
                 prompt_text=str(a.get("gen_ai.prompt", "")), response_text=str(a.get("gen_ai.completion", "")),
             ))
         missing = len(calls) - len(out)

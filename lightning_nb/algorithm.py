@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import Any, Callable, Optional, Sequence, Union
 
 from lightning_nb.adapter import TripletAdapter
 from lightning_nb.control import config_edits
 from lightning_nb.errors import ConfigError, LightningNbError
+from lightning_nb.loggers import MetricLogger, make_loggers
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import reward_or_zero
 from lightning_nb.trainer import GRPOTrainer, TrainerStopped
@@ -75,12 +76,19 @@ class LightningRL:
         train_tasks / val_tasks: task inputs handed to the agent.
         config: :class:`AlgorithmConfig`.
         on_step: optional callback ``on_step(metrics_row)`` after every step (e.g. a progress bar).
+        loggers: experiment loggers that get every step's row (:mod:`lightning_nb.loggers`):
+            :class:`~lightning_nb.loggers.MetricLogger` objects, or the shorthands
+            ``"tensorboard"``, ``"wandb"`` (offline), ``"mlflow"`` with default settings.
+            Flushed when :meth:`run` ends, closed by :meth:`close_loggers` (and by :meth:`run`
+            when the trainer is stopped or the loop fails). Raises MissingDependencyError
+            (an ImportError naming the extra) when a logger's package is missing.
     """
 
     def __init__(self, store: LightningStore, trainer: GRPOTrainer, train_tasks: Sequence[Any],
                  val_tasks: Sequence[Any] = (), config: Optional[AlgorithmConfig] = None, *,
                  adapter: Optional[TripletAdapter] = None, id_key: str = "id",
-                 on_step: Optional[Callable[[dict], None]] = None) -> None:
+                 on_step: Optional[Callable[[dict], None]] = None,
+                 loggers: Sequence[Union[MetricLogger, str]] = ()) -> None:
         if not train_tasks:
             raise ConfigError("train_tasks is empty; load some with lightning_nb.calc.load_tasks('train')")
         self.store, self.trainer = store, trainer
@@ -95,6 +103,7 @@ class LightningRL:
         self.last_groups_with_signal = 0
         self.last_skipped: dict[str, int] = {}
         self._applied_config = asdict(self.config)
+        self.loggers = make_loggers(loggers, config=self._logged_config()) if loggers else []
         trainer.attach(self)
 
     # ----- checkpoint state -------------------------------------------------------------
@@ -274,14 +283,56 @@ class LightningRL:
         extra["step_seconds"] = time.perf_counter() - t0 - (self.trainer.paused_seconds - paused0)
         self.trainer.add_metrics(step, **extra)
         row = self.trainer.metrics[-1]
+        for logger in self.loggers:
+            logger.log_row(row)
         if self.on_step:
             self.on_step(row)
         return row
 
+    # ----- experiment loggers ------------------------------------------------------------
+    def _logged_config(self) -> dict[str, Any]:
+        """Both configs, flat (``algorithm.<field>``, ``trainer.<field>``): the loggers' run config."""
+        trainer_config = getattr(self.trainer, "config", None)
+        trainer_fields = asdict(trainer_config) if is_dataclass(trainer_config) else {}
+        return {**{f"algorithm.{k}": v for k, v in asdict(self.config).items()},
+                **{f"trainer.{k}": v for k, v in trainer_fields.items()}}
+
+    def metrics_added(self, step: int, values: dict[str, Any]) -> None:
+        """Log ``values`` added to the row of an already logged ``step`` (``GRPOTrainer.add_metrics`` calls this)."""
+        for logger in self.loggers:
+            logger.log_added(step, values)
+
+    def close_loggers(self, status: str = "finished") -> None:
+        """Close every logger (``status``: finished, stopped or failed); a later row opens them again."""
+        for logger in self.loggers:
+            logger.close(status)
+
     def run(self, steps: Optional[int] = None) -> None:
-        """Run ``steps`` steps (default ``config.steps``); stops early if the trainer is stopped."""
+        """Run ``steps`` steps (default ``config.steps``); stops early if the trainer is stopped.
+
+        When it ends the loggers are flushed; when the trainer was stopped or a step failed
+        they are closed with that status (:meth:`close_loggers`).
+        """
         n = self.config.steps if steps is None else steps
-        for _ in range(n):
-            if self.trainer.stop_requested:
-                raise TrainerStopped(f"stopped at step {self.trainer.step}")
-            self.step()
+        try:
+            for _ in range(n):
+                if self.trainer.stop_requested:
+                    raise TrainerStopped(f"stopped at step {self.trainer.step}")
+                self.step()
+        except BaseException as exc:
+            self.close_loggers("stopped" if isinstance(exc, TrainerStopped) else "failed")
+            raise
+        for logger in self.loggers:
+            logger.flush()
+
+    def preflight(self, n_tasks: Optional[int] = None, **options: Any) -> Any:
+        """One collection round without an update: what would make training useless, each with its fix.
+
+        Returns a :class:`lightning_nb.audit.PreflightReport` (``.ok``, ``.blockers``,
+        ``.warnings``, ``.to_frame()``; it renders in a notebook). Leaves the weights, the
+        trainer's step and optimizer, and this algorithm's task sampler as they were; see
+        :func:`lightning_nb.audit.preflight` for the checks and ``options``.
+        """
+        from lightning_nb.audit import preflight  # on use: audit imports the proxy and runner modules
+
+        return preflight(self, n_tasks, **options)

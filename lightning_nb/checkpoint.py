@@ -73,11 +73,15 @@ def check_signature(saved: dict[str, list[int]], model: Any, path: Any) -> None:
 
 
 def weights_fingerprint(model: Any) -> Any:
-    """A float64 tensor of per-parameter sums: equal for bitwise-equal weights (cheap: one pass, no copy)."""
+    """A float64 CPU tensor of per-parameter sums: equal for bitwise-equal weights, wherever they live.
+
+    Each sum runs on the CPU (one parameter copied at a time), so a CUDA run's checkpoint
+    compares equal on a CPU machine: a GPU reduction sums in another order.
+    """
     import torch
 
     with torch.no_grad():
-        return torch.stack([p.detach().double().sum() for p in model.state_dict().values()])
+        return torch.stack([p.detach().to("cpu", torch.float64).sum() for p in model.state_dict().values()])
 
 
 def plain(value: Any) -> Any:

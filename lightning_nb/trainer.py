@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import pandas as pd
 
-from lightning_nb.adapter import triplets_df
 from lightning_nb.checkpoint import (CHECKPOINT_FORMAT, check_signature, model_signature, plain, rng_state,
                                      set_rng_state, weights_fingerprint)
 from lightning_nb.control import BackgroundLoop, TrainerStopped, config_edits
+from lightning_nb.device import check_device, check_dtype, place_model, set_gradient_checkpointing
 from lightning_nb.engine import TransformersEngine
 from lightning_nb.errors import ConfigError
 from lightning_nb.types import Triplet
@@ -31,7 +31,8 @@ from lightning_nb.types import Triplet
 if TYPE_CHECKING:
     from lightning_nb.algorithm import LightningRL
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "TrainerStopped", "group_advantages", "pack_episode", "response_logprobs"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "TrainerStopped", "group_advantages", "lr_factor", "overlong_penalty",
+           "pack_episode", "response_logprobs"]
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +65,70 @@ class GRPOConfig:
         "help": "Episodes sampled more than this many weight versions before the current one are dropped "
                 "(stale_episodes_dropped); fresher off-policy samples are corrected by the clipped importance "
                 "ratio against the engine's behavior log-probs (PPO). 0 = strictly on-policy."})
-    loss_agg_mode: str = field(default="token-mean", metadata={"help": "verl loss aggregation mode."})
+    ppo_epochs: int = field(default=1, metadata={
+        "help": "Passes over each batch (PPO epochs, Schulman et al. 2017). With more than one optimizer step "
+                "per batch (ppo_epochs > 1, or mini_batch_size below the batch) the ratio is taken against the "
+                "policy at the start of the update, so the clip acts. 1 = one pass."})
+    mini_batch_size: Optional[int] = field(default=None, metadata={
+        "help": "Sequences per optimizer step (PPO mini-batch); None = the whole batch, one step. Its "
+                "micro-batches (micro_batch_size) accumulate gradients, and the loss is normalized per "
+                "mini-batch, so accumulation does not change the step."})
+    lr_scheduler: str = field(default="constant", metadata={
+        "help": "Learning-rate schedule over update() calls, after warmup_steps of linear warmup: constant, "
+                "linear (to 0 at total_steps) or cosine (to 0 at total_steps). See lightning_nb.trainer.lr_factor."})
+    warmup_steps: int = field(default=0, metadata={
+        "help": "Updates of linear warmup: update s (0-based) uses learning_rate × (s + 1) / warmup_steps."})
+    total_steps: Optional[int] = field(default=None, metadata={
+        "help": "Updates the linear and cosine schedules span (required by them; > warmup_steps)."})
+    kl_mode: str = field(default="loss", metadata={
+        "help": "How kl_coef × KL to the reference enters: 'loss' (added to the loss, GRPO) or 'reward' "
+                "(a per-token penalty subtracted from the episode reward before group normalization, "
+                "InstructGPT; verl apply_kl_penalty)."})
+    clip_ratio_low: Optional[float] = field(default=None, metadata={
+        "help": "ε_low: the ratio is clipped below at 1 − ε_low; None = clip_ratio."})
+    clip_ratio_high: Optional[float] = field(default=None, metadata={
+        "help": "ε_high: the ratio is clipped above at 1 + ε_high; None = clip_ratio. DAPO's clip-higher "
+                "(Yu et al. 2025) uses ε_low 0.2, ε_high 0.28."})
+    overlong_filter: bool = field(default=False, metadata={
+        "help": "DAPO overlong filtering: responses the engine cut at max_tokens (Triplet.finish_reason "
+                "'length') get response mask 0, so they add no gradient; their episodes still count in the "
+                "group statistics."})
+    max_response_len: Optional[int] = field(default=None, metadata={
+        "help": "L_max: the max_tokens rollouts sample with (AlgorithmConfig.max_tokens). Needed by the soft "
+                "overlong penalty and by loss_agg_mode='seq-mean-token-sum-norm' (its constant divisor)."})
+    overlong_buffer_len: int = field(default=0, metadata={
+        "help": "L_cache of DAPO's soft overlong punishment: responses longer than max_response_len − "
+                "overlong_buffer_len lose up to overlong_penalty_factor of reward, linearly. 0 = off."})
+    overlong_penalty_factor: float = field(default=1.0, metadata={
+        "help": "Largest soft overlong penalty (reward units), reached at max_response_len tokens."})
+    tis_cap: Optional[float] = field(default=None, metadata={
+        "help": "Truncated importance sampling (Yao et al. 2025): weight each token's loss by "
+                "min(π_trainer/π_engine, tis_cap), for engines whose log-probs differ from the trainer's "
+                "(vLLM, bf16, stale weights); 2 is typical. None = off."})
+    fail_on_fork: bool = field(default=False, metadata={
+        "help": "Raise ConfigError when a turn's prompt does not extend the previous turn's prompt + "
+                "completion token for token (a fork: pack_episode would start a new sequence; counted in the "
+                "turn_forks metric either way). Needs pack_turns."})
+    loss_agg_mode: str = field(default="token-mean", metadata={
+        "help": "verl loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, or "
+                "seq-mean-token-sum-norm (Dr. GRPO; needs max_response_len)."})
     micro_batch_size: int = field(default=4, metadata={"help": "Sequences per forward/backward (memory bound)."})
     pack_turns: bool = field(default=True, metadata={
         "help": "Pack an episode's turns into one sequence when each prompt extends the previous turn."})
     skip_zero_advantage: bool = field(default=True, metadata={
         "help": "Skip the forward/backward of sequences whose advantage is 0 when kl_coef == 0 (their gradient "
                 "is exactly 0); they still count in the loss denominator, so the step size is unchanged."})
+    device: str = field(default="cpu", metadata={
+        "help": "Where the model trains and the TransformersEngine serves it: 'cpu', 'cuda' or 'cuda:N'. "
+                "The trainer moves the engine's model (and the reference copy) there; set at construction."})
+    dtype: str = field(default="float32", metadata={
+        "help": "Weight and compute precision: 'float32' (CPU default) or 'bfloat16' (the GPU choice). bfloat16 "
+                "keeps float32 master weights in the optimizer (lightning_nb.optim.MasterWeightAdamW), since "
+                "bfloat16 weights alone would round AdamW's small steps away; log-probs are computed in float32. "
+                "Set at construction."})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "Recompute each decoder layer's activations in the backward pass: activation memory of one "
+                "layer instead of all, for about one extra forward of compute; same gradients. Set at construction."})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -89,9 +147,93 @@ class GRPOConfig:
                                   f"see GRPOConfig.__dataclass_fields__['{name}'].metadata['help']")
         if self.kl_penalty not in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"):
             raise ConfigError(f"GRPOConfig.kl_penalty={self.kl_penalty!r}; use one of kl, abs, mse, low_var_kl")
-        if self.loss_agg_mode not in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        if self.loss_agg_mode not in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                      "seq-mean-token-sum-norm"):
             raise ConfigError(f"GRPOConfig.loss_agg_mode={self.loss_agg_mode!r}; use token-mean, "
-                              "seq-mean-token-sum or seq-mean-token-mean")
+                              "seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm")
+        self._validate_rl_options()
+        check_device(self.device, "GRPOConfig.device")
+        check_dtype(self.dtype, "GRPOConfig.dtype")
+
+    def _validate_rl_options(self) -> None:
+        """The RL-step options: (field, in range, allowed range, fix) in order; the first failure raises."""
+        needs_len = self.overlong_buffer_len > 0 or self.loss_agg_mode == "seq-mean-token-sum-norm"
+        rules = [
+            ("ppo_epochs", self.ppo_epochs >= 1, "an int >= 1", "use 1 for one pass over the batch"),
+            ("mini_batch_size", self.mini_batch_size is None or self.mini_batch_size >= 1, "None or an int >= 1",
+             "use None for one optimizer step per batch"),
+            ("lr_scheduler", self.lr_scheduler in ("constant", "linear", "cosine"), "constant, linear or cosine",
+             "pick one of them"),
+            ("warmup_steps", self.warmup_steps >= 0, "an int >= 0", "use 0 for no warmup"),
+            ("total_steps", self.total_steps is None or self.total_steps > self.warmup_steps,
+             f"None or an int > warmup_steps ({self.warmup_steps})", "set it to the number of updates of the run"),
+            ("total_steps", self.lr_scheduler == "constant" or self.total_steps is not None,
+             f"an int > warmup_steps with lr_scheduler={self.lr_scheduler!r}",
+             "set total_steps to the number of updates of the run (AlgorithmConfig.steps), or use "
+             "lr_scheduler='constant'"),
+            ("kl_mode", self.kl_mode in ("loss", "reward"), "'loss' or 'reward'", "pick one of them"),
+            ("clip_ratio_low", self.clip_ratio_low is None or 0 < self.clip_ratio_low < 1, "None or in (0, 1)",
+             "use None to take clip_ratio"),
+            ("clip_ratio_high", self.clip_ratio_high is None or self.clip_ratio_high > 0, "None or > 0",
+             "use None to take clip_ratio (DAPO uses 0.28)"),
+            ("max_response_len", self.max_response_len is None or self.max_response_len >= 1, "None or an int >= 1",
+             "set it to the max_tokens of the rollouts"),
+            ("max_response_len", not needs_len or self.max_response_len is not None,
+             "an int >= 1 when overlong_buffer_len > 0 or loss_agg_mode='seq-mean-token-sum-norm'",
+             "set it to the max_tokens of the rollouts (AlgorithmConfig.max_tokens)"),
+            ("overlong_buffer_len", self.overlong_buffer_len >= 0 and (
+                self.overlong_buffer_len == 0 or self.overlong_buffer_len < (self.max_response_len or 0)),
+             "0 (off) or an int in [1, max_response_len)", "DAPO uses a quarter of max_response_len"),
+            ("overlong_penalty_factor", self.overlong_penalty_factor >= 0, ">= 0", "DAPO uses 1.0"),
+            ("tis_cap", self.tis_cap is None or self.tis_cap >= 1, "None or >= 1",
+             "a cap below 1 would shrink the weight of on-policy tokens; Yao et al. use 2"),
+            ("fail_on_fork", not self.fail_on_fork or self.pack_turns, "False when pack_turns is False",
+             "set pack_turns=True (without packing every turn is its own sequence, so nothing forks)"),
+        ]
+        for name, ok, allowed, fix in rules:
+            if not ok:
+                raise ConfigError(f"GRPOConfig.{name}={getattr(self, name)!r} is invalid: it must be {allowed}; "
+                                  f"{fix}")
+
+
+def lr_factor(step: int, config: GRPOConfig) -> float:
+    """Multiplier of ``config.learning_rate`` for the update that follows ``step`` updates (0-based).
+
+    With ``W = warmup_steps``, ``T = total_steps`` and ``p = clip((step − W) / (T − W), 0, 1)``::
+
+        step < W:           (step + 1) / W          linear warmup (the first update is not spent at lr 0)
+        constant:           1
+        linear:             1 − p
+        cosine:             (1 + cos(π p)) / 2      (Loshchilov & Hutter 2017, SGDR, one cycle, no restart)
+
+    Linear and cosine reach 0 after ``T`` updates and stay there. The same shapes as
+    transformers' ``get_*_schedule_with_warmup`` except that warmup starts at ``1/W``
+    (as nanochat does), not at 0. :class:`GRPOTrainer` applies it with
+    ``torch.optim.lr_scheduler.LambdaLR``, one scheduler step per :meth:`GRPOTrainer.update`.
+    """
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.lr_scheduler == "constant":
+        return 1.0
+    span = config.total_steps - config.warmup_steps
+    p = min(max((step - config.warmup_steps) / span, 0.0), 1.0)
+    return 1.0 - p if config.lr_scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment of a response of ``length`` tokens (Yu et al. 2025, section 3.4, eq. 13).
+
+    With ``L_max = max_len`` and ``L_cache = buffer_len``::
+
+        0                                       if length <= L_max − L_cache
+        ((L_max − L_cache) − length) / L_cache  if L_max − L_cache < length <= L_max
+        −1                                      if length > L_max
+
+    times ``factor`` (verl's ``overlong_buffer.penalty_factor``). ``buffer_len`` 0 turns it off (0).
+    """
+    if buffer_len <= 0:
+        return 0.0
+    return factor * min(0.0, max(-1.0, (max_len - buffer_len - length) / buffer_len))
 
 
 def group_advantages(rewards: dict[str, float], groups: dict[str, str], *, min_group_size: int = 2,
@@ -145,7 +287,13 @@ def group_advantages(rewards: dict[str, float], groups: dict[str, str], *, min_g
 
 @dataclass
 class _Sequence:
-    """One training sequence: tokens, response mask (1 = trained token), behavior logprobs, advantage."""
+    """One training sequence: tokens, response mask (1 = trained token), behavior logprobs, advantage.
+
+    ``old_logprobs``, ``mask`` and ``input_ids`` have one length; ``trainer_logprobs`` (same
+    length) are the trainer's log-probs at the start of the update, once it has scored the
+    sequence. ``fork_at`` is set on a sequence that :func:`pack_episode` started because the
+    turn's prompt did not extend the previous sequence: the first differing token position.
+    """
 
     input_ids: list[int]
     mask: list[int]
@@ -153,42 +301,99 @@ class _Sequence:
     has_old: bool
     advantage: float
     temperature: float
+    rollout_id: str = ""
+    group_id: str = ""
+    turn: int = 0
+    fork_at: Optional[int] = None
+    trained: bool = False
+    trainer_logprobs: Optional[list[float]] = None
+    kl_sum: float = 0.0
+
+    def as_row(self) -> dict[str, Any]:
+        """The sequence as :attr:`GRPOTrainer.last_batch` holds it (engine/trainer log-probs 0.0 off the mask)."""
+        return {"rollout_id": self.rollout_id, "group_id": self.group_id, "input_ids": list(self.input_ids),
+                "response_mask": list(self.mask), "advantage": float(self.advantage),
+                "engine_logprobs": [lp if m else 0.0 for lp, m in zip(self.old_logprobs, self.mask)],
+                "trainer_logprobs": ([lp if m else 0.0 for lp, m in zip(self.trainer_logprobs, self.mask)]
+                                     if self.trained and self.trainer_logprobs is not None else None)}
 
 
-def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = True) -> list[_Sequence]:
+def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = True, *,
+                 mask_truncated: bool = False) -> list[_Sequence]:
     """Turn one episode's triplets (ordered by turn) into training sequences.
 
     When a turn's prompt starts with the previous sequence (prompt + response),
     the new tokens are appended: tool results/user text get mask 0, the response
-    mask 1 (the response_mask of multi-turn RL). Otherwise a new sequence starts.
+    mask 1 (the response_mask of multi-turn RL). Otherwise a new sequence starts; with
+    ``pack`` that is a fork, and the new sequence's ``fork_at`` is the first position where
+    the prompt differs from the previous sequence (an episode packed into k sequences has
+    k − 1 forks). With ``mask_truncated`` the response of a turn the engine cut at
+    ``max_tokens`` (``finish_reason == "length"``) gets mask 0 (DAPO's overlong filtering).
     """
     out: list[_Sequence] = []
     for t in sorted(triplets, key=lambda t: t.turn):
         lp = list(t.logprobs) if t.logprobs is not None else [0.0] * len(t.response_ids)
+        keep = 0 if mask_truncated and t.finish_reason == "length" else 1  # response mask value
         cur = out[-1] if out else None
         if pack and cur is not None and t.prompt_ids[: len(cur.input_ids)] == cur.input_ids:
             extra = t.prompt_ids[len(cur.input_ids):]
             cur.input_ids += extra + t.response_ids
-            cur.mask += [0] * len(extra) + [1] * len(t.response_ids)
+            cur.mask += [0] * len(extra) + [keep] * len(t.response_ids)
             cur.old_logprobs += [0.0] * len(extra) + lp
             cur.has_old = cur.has_old and t.logprobs is not None
         else:
+            fork_at = _first_difference(cur.input_ids, t.prompt_ids) if pack and cur is not None else None
             out.append(_Sequence(list(t.prompt_ids) + list(t.response_ids),
-                                 [0] * len(t.prompt_ids) + [1] * len(t.response_ids),
-                                 [0.0] * len(t.prompt_ids) + lp, t.logprobs is not None, advantage, t.temperature))
+                                 [0] * len(t.prompt_ids) + [keep] * len(t.response_ids),
+                                 [0.0] * len(t.prompt_ids) + lp, t.logprobs is not None, advantage, t.temperature,
+                                 rollout_id=t.rollout_id, group_id=t.group_id, turn=t.turn, fork_at=fork_at))
     return out
 
 
-class _VerlActorView:
-    """The few ActorConfig fields verl's ``compute_policy_loss_vanilla`` reads."""
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """First index where ``a`` and ``b`` differ (the shorter length if one is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
-    def __init__(self, clip_ratio: float, batch_num_tokens: int, loss_agg_mode: str, num_sequences: int) -> None:
-        self.clip_ratio = self.clip_ratio_low = self.clip_ratio_high = clip_ratio
-        self.global_batch_info = {"dp_size": 1, "batch_num_tokens": batch_num_tokens, "global_batch_size": num_sequences}
-        self.loss_agg_mode = loss_agg_mode
+
+class _VerlActorView:
+    """The few ActorConfig fields verl's ``compute_policy_loss_vanilla`` reads, for one mini-batch.
+
+    ``num_tokens`` and ``num_sequences`` are the mini-batch's response tokens and sequences
+    with at least one: the loss denominators of ``token-mean`` and the ``seq-mean-*`` modes,
+    so the micro-batches' losses add up to the mini-batch's. ``loss_scale_factor`` (the
+    constant divisor of ``seq-mean-token-sum-norm``) is ``max_response_len``.
+    """
+
+    def __init__(self, config: GRPOConfig, num_tokens: int, num_sequences: int) -> None:
+        self.clip_ratio = config.clip_ratio
+        self.clip_ratio_low, self.clip_ratio_high = config.clip_ratio_low, config.clip_ratio_high  # None: clip_ratio
+        self.loss_agg_mode = config.loss_agg_mode
+        self.global_batch_info = {"dp_size": 1, "batch_num_tokens": num_tokens, "global_batch_size": num_sequences,
+                                  "loss_scale_factor": config.max_response_len}
 
     def get(self, key: str, default: Any = None) -> Any:
         return getattr(self, key, default)
+
+
+@dataclass
+class _Batch:
+    """What one update trains on (its kept episodes' sequences) and what its metrics report about the rest."""
+
+    seqs: list[_Sequence]
+    rewards: dict[str, float]  # episode -> reward as emitted (episodes not dropped as stale)
+    groups: dict[str, str]  # episode -> group
+    advantages: dict[str, float]  # kept episodes only
+    dropped: dict[str, int]  # undersized group -> size
+    staleness: dict[str, int]  # episode -> weight versions behind
+    stale: list[str]
+    forks: int
+
+
+def _shift_pad(rows: Sequence[Sequence[float]], T: int, device: Any) -> Any:
+    """(B, T-1) float32 tensor of per-token ``rows`` (each as long as its sequence) for tokens 1..T-1, 0-padded."""
+    import torch
+
+    return torch.tensor([list(r[1:]) + [0] * (T - len(r)) for r in rows], dtype=torch.float32, device=device)
 
 
 class GRPOTrainer(BackgroundLoop):
@@ -201,26 +406,46 @@ class GRPOTrainer(BackgroundLoop):
     :meth:`load` continue a run exactly, in the same or a new process.
 
     Args:
-        engine: serves the policy; its ``model`` is updated in place.
+        engine: serves the policy; its ``model`` is updated in place, and moved to
+            ``config.device`` / ``config.dtype`` on construction (the engine follows it).
         config: :class:`GRPOConfig`.
+
+    Raises:
+        ConfigError: ``config.device`` is not available here, or ``config.gradient_checkpointing``
+            is set for a model without transformers decoder layers.
     """
 
     def __init__(self, engine: TransformersEngine, config: Optional[GRPOConfig] = None) -> None:
         import torch
 
+        from lightning_nb.optim import make_optimizer
+
         self.engine = engine
         self.model = engine.model
         self.config = config or GRPOConfig()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.learning_rate,
-                                           weight_decay=self.config.weight_decay)
+        cfg = self.config
+        with engine.lock:  # the engine serves the moved model from its next batch on (it reads the device each time)
+            place_model(self.model, cfg.device, cfg.dtype)
         self.reference = None
-        if self.config.track_reference_kl or self.config.kl_coef > 0:
+        if cfg.track_reference_kl or cfg.kl_coef > 0:  # copied after the move: same device and dtype
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            set_gradient_checkpointing(self.reference, False)
+        set_gradient_checkpointing(self.model, cfg.gradient_checkpointing)
+        self._placement = {k: getattr(cfg, k) for k in ("device", "dtype", "gradient_checkpointing")}
+        # created after the move, so its state lives beside the weights
+        self.optimizer = make_optimizer(self.model.parameters(), dtype=cfg.dtype, lr=cfg.learning_rate,
+                                        weight_decay=cfg.weight_decay)
+        # one scheduler step per update(); _sync_config re-applies lr_factor with the config as edited before each
+        # update. The lambda holds the config, not self: a trainer -> scheduler -> trainer cycle would keep the
+        # weights and AdamW state of discarded trainers alive until the cyclic garbage collector runs.
+        config = self.config
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, config))
         self.step = 0
         self.metrics: list[dict[str, Any]] = []
         self.config_changes: list[dict[str, Any]] = []  # {"step", "field", "old", "new"} per edit applied
         self.last_triplets: list[Triplet] = []
         self.last_advantages: dict[str, float] = {}
+        self.last_batch: list[dict[str, Any]] = []  # the optimizer's-eye view of the last update (see update())
         self.algorithm: Optional["LightningRL"] = None
         self._pending_algorithm_state: Optional[dict[str, Any]] = None
         self._applied_config = asdict(self.config)
@@ -232,35 +457,74 @@ class GRPOTrainer(BackgroundLoop):
         """One GRPO step on ``triplets``; returns its metrics (also appended to :attr:`metrics`).
 
         Steps, top to bottom:
-          1. episode reward per rollout → group-relative advantage (:func:`group_advantages`;
-             groups = ``Triplet.group_id``); groups under ``min_group_size`` are dropped;
-          2. every transition of an episode gets the episode's advantage (LightningRL);
-          3. pack turns into sequences with a response mask;
-          4. recompute log-probs of response tokens with gradients through the model's own
-             ``forward``; clipped policy loss against the engine's behavior log-probs (verl
-             ``compute_policy_loss_vanilla``), plus ``kl_coef`` × KL to the initial weights
-             (verl ``kl_penalty``); the token-mean denominator counts every kept sequence,
-             also the zero-advantage ones that ``skip_zero_advantage`` does not forward;
-          5. one AdamW step with gradient-norm clipping; ``engine.load_weights(model)`` serves
-             the new weights and bumps ``engine.weight_version`` (only when the weights changed).
+          1. :meth:`_build_batch`: drop episodes sampled more than ``max_staleness`` weight
+             versions ago; pack each episode's turns into sequences with a response mask
+             (:func:`pack_episode`; forks are counted, or refused with ``fail_on_fork``); episode
+             reward (with DAPO's soft overlong penalty, and the KL penalty of ``kl_mode="reward"``)
+             → group-relative advantage (:func:`group_advantages`; groups = ``Triplet.group_id``;
+             groups under ``min_group_size`` are dropped), given to every sequence of the
+             episode (LightningRL);
+          2. :meth:`_optimize`: ``ppo_epochs`` passes over mini-batches of ``mini_batch_size``
+             sequences, one AdamW step each with gradient-norm clipping; each mini-batch is
+             forwarded in micro-batches of ``micro_batch_size`` (:meth:`_micro_step`, gradients
+             accumulated) through the model's own ``forward``;
+          3. ``engine.load_weights(model)`` serves the new weights and bumps
+             ``engine.weight_version`` (only when the weights changed); the learning rate
+             moves one step along its schedule (:func:`lr_factor`).
 
-        Episodes sampled more than ``max_staleness`` weight versions ago are dropped
-        (``stale_episodes_dropped``; ``staleness_max`` is the oldest kept or dropped).
+        The loss of a mini-batch M, over the response tokens t of its sequences i, with
+        ``r = π_θ(t) / π_old(t)``::
 
-        Metrics (one row): ``step``, ``loss``, ``pg_loss``, ``kl``, ``ppo_kl``, ``pg_clipfrac``,
-        ``logprob_diff_max`` (largest per-token |trainer − engine| log-prob on the trained
-        tokens, nats), ``reward_mean``/``reward_std`` over the batch's episodes,
+            ℓ_it = w_it · max(−A_i r, −A_i clip(r, 1 − ε_low, 1 + ε_high))    PPO (Schulman et al. 2017)
+                   (for A_i < 0 also capped at −3 A_i: dual-clip, Ye et al. 2020; verl's clip_ratio_c)
+            token-mean               Σ_it ℓ_it / N_M                         verl default, DAPO
+            seq-mean-token-mean      (1/G_M) Σ_i (1/|o_i|) Σ_t ℓ_it          GRPO paper
+            seq-mean-token-sum       (1/G_M) Σ_i Σ_t ℓ_it
+            seq-mean-token-sum-norm  (1/G_M) Σ_i Σ_t ℓ_it / max_response_len  Dr. GRPO (Liu et al. 2025, §3.2)
+            + kl_coef · (the same aggregation of the KL estimator to the reference)   kl_mode="loss"
+
+        computed by verl's ``compute_policy_loss_vanilla``, ``agg_loss`` and ``kl_penalty``.
+        N_M and G_M are the response tokens and sequences of the whole mini-batch, also the
+        zero-advantage ones that ``skip_zero_advantage`` does not forward, so the micro-batch
+        losses add up to the mini-batch's (gradient accumulation does not change the step).
+
+        * π_old is fixed at the start of the update: the engine's log-probs (the policy that
+          sampled), or the trainer's before the first optimizer step (π_start) for triplets
+          without engine log-probs. With one optimizer step per batch (the default) π_start
+          comes from the gradient forward itself; with more, :meth:`_score_at_start` records it first.
+        * ε_low, ε_high: ``clip_ratio_low`` / ``clip_ratio_high``, both ``clip_ratio`` unless set
+          (DAPO's clip-higher, Yu et al. 2025, §3.1: ε_high 0.28 leaves room for
+          low-probability tokens to grow).
+        * w_it = 1, or with ``tis_cap`` C, ``min(π_start(t) / π_engine(t), C)``: truncated importance
+          sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
+          off-policy RL training"; verl's ``compute_rollout_correction_weights``, token level);
+          π_old is then π_start (decoupled PPO, as verl does it).
+
+        After the update, :attr:`last_batch` holds one dict per sequence of the kept episodes
+        (also those not forwarded): ``rollout_id``, ``group_id``, ``input_ids``,
+        ``response_mask``, ``advantage``, ``engine_logprobs`` and ``trainer_logprobs`` (π_start,
+        or None when the sequence was not forwarded), the log-prob lists as long as
+        ``input_ids`` with 0.0 where the mask is 0.
+
+        Metrics (one row): ``step``, ``loss``, ``pg_loss`` and ``grad_norm`` (means over the
+        optimizer steps), ``kl``, ``ppo_kl``, ``pg_clipfrac`` and ``tis_weight_mean`` (NaN without
+        ``tis_cap``) (means over the forwarded tokens of all epochs), ``logprob_diff_max``
+        (largest per-token |π_start − engine| log-prob on the trained tokens, nats),
+        ``reward_mean``/``reward_std`` over the kept episodes' rewards as emitted,
         ``episodes``, ``groups``, ``groups_with_signal``, ``groups_dropped``,
-        ``episodes_dropped``, ``transitions``, ``sequences_trained``, ``tokens_trained``,
-        ``grad_norm``, ``update_seconds``, ``tokens_per_s``, ``lr`` (read from the
-        optimizer), ``config_changes`` (edits applied at this step, or "").
+        ``episodes_dropped``, ``transitions``, ``stale_episodes_dropped``, ``staleness_max``,
+        ``sequences_trained``, ``tokens_trained``, ``optimizer_steps``, ``turn_forks``
+        (sequences started because a turn's prompt did not extend the previous turn's
+        tokens), ``truncated_responses`` (triplets with ``finish_reason == "length"``),
+        ``update_seconds``, ``tokens_per_s``, ``lr`` (the learning rate this update used),
+        ``config_changes`` (edits applied at this step, or "").
 
         Departures from the GRPO paper (Shao et al. 2024) and the Agent Lightning paper:
           * no KL penalty by default (``kl_coef=0``, as in DAPO / Dr. GRPO); KL to the
             initial weights is still measured (``track_reference_kl``);
-          * one gradient step per batch (no PPO epochs); the "old" policy is the one
-            that sampled (engine log-probs), so clipping only bites on engine/trainer
-            numeric mismatch or stale weights;
+          * one optimizer step per batch by default (``ppo_epochs=1``,
+            ``mini_batch_size=None``), so clipping only bites on engine/trainer numeric
+            mismatch or stale weights;
           * advantages are normalized per episode, not per transition, so an
             episode with more LLM calls does not weigh more in the group statistics;
           * groups smaller than ``min_group_size`` are dropped, not trained with verl's
@@ -271,81 +535,185 @@ class GRPOTrainer(BackgroundLoop):
         Raises:
             ConfigError: no triplets, a triplet with an empty response, a triplet sampled
                 with ``top_p < 1`` (the engine's log-probs are of the untruncated
-                distribution), or ``kl_coef > 0`` without a reference model.
+                distribution), ``kl_coef > 0`` without a reference model, or a fork with
+                ``fail_on_fork``.
         """
-        import torch
         from verl.trainer.ppo import core_algos
 
         self._check_batch(triplets)
         with self._updating:
             changes = self._sync_config()
+            lr = float(self.optimizer.param_groups[0]["lr"])
             t0 = time.perf_counter()
-            cfg = self.config
-            episodes: dict[str, list[Triplet]] = {}
-            for t in triplets:
-                episodes.setdefault(t.rollout_id, []).append(t)
-            staleness = {r: max((self.engine.weight_version - t.weight_version for t in ts
-                                 if t.weight_version is not None), default=0) for r, ts in episodes.items()}
-            stale = [r for r, age in staleness.items() if age > cfg.max_staleness]
-            for r in stale:  # too old to correct by importance weighting
-                del episodes[r]
-            rewards = {r: ts[0].reward for r, ts in episodes.items()}
-            groups = {r: ts[0].group_id for r, ts in episodes.items()}
-            advantages, dropped = group_advantages(rewards, groups, min_group_size=cfg.min_group_size,
-                                                   norm_by_std=cfg.norm_adv_by_std)
-            seqs = [s for r in advantages for s in pack_episode(episodes[r], advantages[r], cfg.pack_turns)]
-            skip = cfg.skip_zero_advantage and cfg.kl_coef == 0
-            trained = [s for s in seqs if s.advantage != 0.0] if skip else seqs
-            num_tokens = sum(sum(s.mask) for s in seqs)  # the denominator covers skipped sequences too
-            stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "ppo_kl": 0.0, "pg_clipfrac": 0.0,
-                     "logprob_diff_max": 0.0}
-            grad_norm = 0.0
             with self.engine.lock:
-                if trained:
-                    view = _VerlActorView(cfg.clip_ratio, num_tokens, cfg.loss_agg_mode, len(seqs))
-                    for i in range(0, len(trained), cfg.micro_batch_size):
-                        part = self._micro_step(trained[i: i + cfg.micro_batch_size], view, core_algos)
-                        for k in stats:
-                            stats[k] = max(stats[k], part[k]) if k == "logprob_diff_max" else stats[k] + part[k]
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
-                    self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+                batch = self._build_batch(triplets, core_algos)
+                stats = self._optimize(batch.seqs, core_algos)
+                if stats["optimizer_steps"]:
                     self.engine.load_weights(self.model)  # in place, or pushed to a server (VLLMEngine)
+                self._advance_schedule()
                 self.step += 1
-            seconds = time.perf_counter() - t0
-            trained_tokens = sum(sum(s.mask) for s in trained)
-            if not trained:  # nothing was forwarded, so nothing was measured
-                stats = {k: math.nan for k in stats}
-            else:  # the forwarded tokens' share of the token-weighted means
-                for k in ("kl", "ppo_kl", "pg_clipfrac"):
-                    stats[k] = stats[k] / max(trained_tokens, 1)
-            kept_rewards = [rewards[r] for r in advantages]
-            signal = {groups[r] for r, a in advantages.items() if a != 0.0}
-            metrics: dict[str, Any] = {"step": self.step, **stats}
-            metrics.update({
-                "reward_mean": _mean(kept_rewards), "reward_std": _std(kept_rewards),
-                "episodes": len(advantages), "groups": len({groups[r] for r in advantages}),
-                "groups_with_signal": len(signal), "groups_dropped": len(dropped),
-                "episodes_dropped": sum(dropped.values()), "transitions": len(triplets),
-                "stale_episodes_dropped": len(stale), "staleness_max": max(staleness.values(), default=0),
-                "sequences_trained": len(trained), "tokens_trained": trained_tokens, "grad_norm": grad_norm,
-                "update_seconds": seconds,
-                "tokens_per_s": sum(len(s.input_ids) for s in trained) / seconds if seconds > 0 else 0.0,
-                "lr": float(self.optimizer.param_groups[0]["lr"]), "config_changes": "; ".join(changes),
-            })
-            self.last_triplets, self.last_advantages = list(triplets), advantages
+            metrics = self._step_metrics(triplets, batch, stats, time.perf_counter() - t0, lr, changes)
+            self.last_triplets, self.last_advantages = list(triplets), batch.advantages
+            self.last_batch = [s.as_row() for s in batch.seqs]
             self.metrics.append(metrics)
             return metrics
+
+    def _build_batch(self, triplets: Sequence[Triplet], core_algos: Any) -> _Batch:
+        """Episodes → packed sequences carrying their episode's advantage (step 1 of :meth:`update`).
+
+        The reward that goes into the group normalization of episode i is::
+
+            R_i = r_i + Σ_turns overlong_penalty(|response|)     (overlong_buffer_len > 0)
+                      − kl_coef · Σ_t kl_t                       (kl_mode="reward", kl_coef > 0)
+
+        * the soft overlong penalty of DAPO (:func:`overlong_penalty`), summed over the
+          episode's LLM calls (one call: DAPO's single response);
+        * kl_t: the ``kl_penalty`` estimator of ``log π_start(t) − log π_ref(t)`` on each response
+          token of the episode, π_start the trainer before this update. That is the per-token
+          reward ``−β · kl_t`` of InstructGPT (Ouyang et al. 2022, eq. 2) as verl's
+          ``apply_kl_penalty`` adds it to the token-level rewards, which GRPO's outcome
+          advantage then sums per sequence (``compute_grpo_outcome_advantage``).
+
+        Raises:
+            ConfigError: ``fail_on_fork`` is set and an episode's turns do not pack into one sequence.
+        """
+        cfg = self.config
+        episodes: dict[str, list[Triplet]] = {}
+        for t in triplets:
+            episodes.setdefault(t.rollout_id, []).append(t)
+        packed = {r: pack_episode(ts, 0.0, cfg.pack_turns, mask_truncated=cfg.overlong_filter)
+                  for r, ts in episodes.items()}
+        forks = [s for seqs in packed.values() for s in seqs if s.fork_at is not None]
+        if forks and cfg.fail_on_fork:
+            f = forks[0]
+            raise ConfigError(
+                f"rollout {f.rollout_id!r}: the prompt of turn {f.turn} does not extend the previous turn's prompt + "
+                f"completion (first differing token at position {f.fork_at}), so it would train as a separate "
+                f"sequence ({len(forks)} such fork(s) in this batch; GRPOConfig.fail_on_fork=True). Find the cause "
+                "with lightning_nb.audit's token-fidelity check (the agent rewrote the history, or the reply "
+                "re-tokenizes differently), or set fail_on_fork=False to train forks as separate sequences")
+        staleness = {r: max((self.engine.weight_version - t.weight_version for t in ts
+                             if t.weight_version is not None), default=0) for r, ts in episodes.items()}
+        stale = [r for r, age in staleness.items() if age > cfg.max_staleness]
+        for r in stale:  # too old to correct by importance weighting
+            del episodes[r]
+        groups = {r: ts[0].group_id for r, ts in episodes.items()}
+        shaped = self._episode_rewards(episodes)
+        advantages, dropped = group_advantages(shaped, groups, min_group_size=cfg.min_group_size,
+                                               norm_by_std=cfg.norm_adv_by_std)
+        seqs = [s for r in advantages for s in packed[r]]
+        if cfg.kl_coef > 0 and cfg.kl_mode == "reward" and seqs:
+            self._score_at_start([s for s in seqs if any(s.mask)], core_algos, with_reference=True)
+            for s in seqs:
+                shaped[s.rollout_id] -= cfg.kl_coef * s.kl_sum
+            advantages, _ = group_advantages({r: shaped[r] for r in advantages}, groups,
+                                             min_group_size=cfg.min_group_size, norm_by_std=cfg.norm_adv_by_std)
+        for s in seqs:
+            s.advantage = advantages[s.rollout_id]
+        return _Batch(seqs=seqs, rewards={r: ts[0].reward for r, ts in episodes.items()}, groups=groups,
+                      advantages=advantages, dropped=dropped, staleness=staleness, stale=stale, forks=len(forks))
+
+    def _episode_rewards(self, episodes: dict[str, list[Triplet]]) -> dict[str, float]:
+        """Each episode's reward plus the soft overlong penalty of its responses (0 unless overlong_buffer_len > 0)."""
+        cfg = self.config
+        if cfg.overlong_buffer_len == 0:
+            return {r: ts[0].reward for r, ts in episodes.items()}
+        return {r: ts[0].reward + sum(overlong_penalty(len(t.response_ids), cfg.max_response_len,
+                                                       cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+                                      for t in ts) for r, ts in episodes.items()}
+
+    def _optimize(self, seqs: list[_Sequence], core_algos: Any) -> dict[str, float]:
+        """``ppo_epochs`` passes over mini-batches of ``seqs``, one optimizer step each (step 2 of :meth:`update`).
+
+        Mini-batches are ``mini_batch_size`` consecutive sequences in batch order (no shuffle,
+        as verl's default); one with nothing to forward takes no step. Returns the sums over
+        micro-batches of ``loss``, ``pg_loss`` and the token-weighted ``kl``, ``ppo_kl``,
+        ``pg_clipfrac``, ``tis_weight`` with the forwarded ``tokens``; ``grad_norm`` summed over
+        the steps; the largest ``logprob_diff_max``; and ``optimizer_steps``.
+        """
+        import torch
+
+        cfg = self.config
+        skip = cfg.skip_zero_advantage and (cfg.kl_coef == 0 or cfg.kl_mode == "reward")
+        for s in seqs:  # without a KL loss term a zero advantage has exactly zero gradient
+            s.trained = any(s.mask) and not (skip and s.advantage == 0.0)
+        size = cfg.mini_batch_size or max(len(seqs), 1)
+        minis = [m for m in (seqs[i: i + size] for i in range(0, len(seqs), size)) if any(s.trained for s in m)]
+        if cfg.ppo_epochs * len(minis) > 1:  # fix π_start before the first step changes the weights
+            self._score_at_start([s for s in seqs if s.trained and s.trainer_logprobs is None], core_algos)
+        stats = dict.fromkeys(("loss", "pg_loss", "kl", "ppo_kl", "pg_clipfrac", "tis_weight", "tokens",
+                               "logprob_diff_max", "grad_norm"), 0.0)
+        stats["optimizer_steps"] = 0
+        for _ in range(cfg.ppo_epochs):
+            for mini in minis:
+                view = _VerlActorView(cfg, sum(sum(s.mask) for s in mini), sum(1 for s in mini if any(s.mask)))
+                trained = [s for s in mini if s.trained]
+                for i in range(0, len(trained), cfg.micro_batch_size):
+                    part = self._micro_step(trained[i: i + cfg.micro_batch_size], view, core_algos)
+                    for k, v in part.items():
+                        stats[k] = max(stats[k], v) if k == "logprob_diff_max" else stats[k] + v
+                stats["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                                           cfg.max_grad_norm))
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                stats["optimizer_steps"] += 1
+        return stats
+
+    def _advance_schedule(self) -> None:
+        """One LR-scheduler step per update (also one that took no optimizer step: the schedule counts updates)."""
+        import warnings
+
+        with warnings.catch_warnings():  # torch warns if the first scheduler step has no optimizer step before it
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+            self.scheduler.step()
+
+    def _step_metrics(self, triplets: Sequence[Triplet], batch: _Batch, stats: dict[str, float], seconds: float,
+                      lr: float, changes: list[str]) -> dict[str, Any]:
+        """The metrics row of one update (see :meth:`update`)."""
+        steps, tokens = int(stats.pop("optimizer_steps")), stats.pop("tokens")
+        tis_weight, grad_norm = stats.pop("tis_weight"), stats.pop("grad_norm")
+        trained = [s for s in batch.seqs if s.trained]
+        if not steps:  # nothing was forwarded, so nothing was measured
+            stats = {k: math.nan for k in stats}
+        else:  # means over the optimizer steps, and over the forwarded tokens
+            for k in ("loss", "pg_loss"):
+                stats[k] = stats[k] / steps
+            for k in ("kl", "ppo_kl", "pg_clipfrac"):
+                stats[k] = stats[k] / max(tokens, 1)
+        kept_rewards = [batch.rewards[r] for r in batch.advantages]
+        groups = batch.groups
+        signal = {groups[r] for r, a in batch.advantages.items() if a != 0.0}
+        metrics: dict[str, Any] = {"step": self.step, **stats}
+        metrics.update({
+            "reward_mean": _mean(kept_rewards), "reward_std": _std(kept_rewards),
+            "episodes": len(batch.advantages), "groups": len({groups[r] for r in batch.advantages}),
+            "groups_with_signal": len(signal), "groups_dropped": len(batch.dropped),
+            "episodes_dropped": sum(batch.dropped.values()), "transitions": len(triplets),
+            "stale_episodes_dropped": len(batch.stale), "staleness_max": max(batch.staleness.values(), default=0),
+            "sequences_trained": len(trained), "tokens_trained": sum(sum(s.mask) for s in trained),
+            "grad_norm": grad_norm / steps if steps else 0.0, "update_seconds": seconds,
+            "tokens_per_s": sum(len(s.input_ids) for s in trained) / seconds if seconds > 0 else 0.0,
+            "lr": lr, "optimizer_steps": steps,
+            "tis_weight_mean": tis_weight / tokens if self.config.tis_cap is not None and tokens else math.nan,
+            "turn_forks": batch.forks, "truncated_responses": sum(1 for t in triplets if t.finish_reason == "length"),
+            "config_changes": "; ".join(changes),
+        })
+        return metrics
 
     def signal_groups(self, triplets: Sequence[Triplet]) -> set[str]:
         """Group ids of ``triplets`` that :meth:`update` would learn from: kept groups with a non-zero advantage.
 
-        The same rule as :meth:`update` (:func:`group_advantages` with this config), so the
-        algorithm's ``groups_with_signal`` counts exactly what the trainer can use.
+        The same rule as :meth:`update` (:func:`group_advantages` with this config, on the
+        rewards with the soft overlong penalty), so the algorithm's ``groups_with_signal``
+        counts exactly what the trainer can use. Only the KL penalty of ``kl_mode="reward"``
+        is left out (it needs a forward pass); it rarely makes a group's rewards all equal or unequal.
         """
-        rewards = {t.rollout_id: t.reward for t in triplets}
-        groups = {t.rollout_id: t.group_id for t in triplets}
-        advantages, _ = group_advantages(rewards, groups, min_group_size=self.config.min_group_size,
+        episodes: dict[str, list[Triplet]] = {}
+        for t in triplets:
+            episodes.setdefault(t.rollout_id, []).append(t)
+        groups = {r: ts[0].group_id for r, ts in episodes.items()}
+        advantages, _ = group_advantages(self._episode_rewards(episodes), groups,
+                                         min_group_size=self.config.min_group_size,
                                          norm_by_std=self.config.norm_adv_by_std)
         return {groups[r] for r, a in advantages.items() if a != 0.0}
 
@@ -362,8 +730,8 @@ class GRPOTrainer(BackgroundLoop):
                 "the untruncated distribution, so the PPO ratio would be wrong: sample training rollouts with "
                 "top_p=1 (the default; do not pass top_p in the agent's training calls)")
 
-    def _micro_step(self, micro: list[_Sequence], view: _VerlActorView, core_algos: Any) -> dict:
-        """Forward/backward one micro-batch; returns its token-weighted sums of the step's metrics."""
+    def _inputs(self, micro: list[_Sequence]) -> tuple[int, Any, Any, Any, Any, Any]:
+        """``(T, device, ids_B_T, attn_B_T, mask_B_L, temp_B)`` of a micro-batch, right-padded to its longest T."""
         import torch
 
         T = max(len(s.input_ids) for s in micro)
@@ -372,32 +740,76 @@ class GRPOTrainer(BackgroundLoop):
         ids_B_T = torch.tensor([s.input_ids + [pad] * (T - len(s.input_ids)) for s in micro], device=device)
         attn_B_T = torch.tensor([[1] * len(s.input_ids) + [0] * (T - len(s.input_ids)) for s in micro], device=device)
         # targets are tokens 1..T-1; position t of the *_B_L tensors scores token t+1
-        mask_B_L = torch.tensor([s.mask[1:] + [0] * (T - len(s.input_ids)) for s in micro], dtype=torch.float32,
-                                device=device)
-        old_B_L = torch.tensor([s.old_logprobs[1:] + [0.0] * (T - len(s.input_ids)) for s in micro], device=device)
+        mask_B_L = _shift_pad([s.mask for s in micro], T, device)
         temp_B = torch.tensor([s.temperature if s.temperature > 0 else 1.0 for s in micro], device=device)
+        return T, device, ids_B_T, attn_B_T, mask_B_L, temp_B
+
+    def _score_at_start(self, seqs: list[_Sequence], core_algos: Any, with_reference: bool = False) -> None:
+        """Record π_start, the log-probs of ``seqs`` under the weights before any step of this update, without grad.
+
+        Sets each sequence's ``trainer_logprobs``; ``with_reference`` also sets ``kl_sum``,
+        the ``kl_penalty`` estimator to the reference summed over its response tokens.
+        """
+        import torch
+
+        with torch.no_grad():
+            for i in range(0, len(seqs), self.config.micro_batch_size):
+                micro = seqs[i: i + self.config.micro_batch_size]
+                _, _, ids_B_T, attn_B_T, mask_B_L, temp_B = self._inputs(micro)
+                logp_B_L = response_logprobs(self.model, ids_B_T, attn_B_T, mask_B_L, temp_B)
+                if with_reference:
+                    ref_B_L = response_logprobs(self.reference, ids_B_T, attn_B_T, mask_B_L, temp_B)
+                    kl_B = (core_algos.kl_penalty(logp_B_L, ref_B_L, self.config.kl_penalty) * mask_B_L).sum(-1)
+                for b, s in enumerate(micro):
+                    s.trainer_logprobs = [0.0] + logp_B_L[b, : len(s.input_ids) - 1].tolist()
+                    if with_reference:
+                        s.kl_sum = float(kl_B[b])
+
+    def _micro_step(self, micro: list[_Sequence], view: _VerlActorView, core_algos: Any) -> dict:
+        """Forward/backward one micro-batch; returns its token-weighted sums of the step's metrics.
+
+        π_start is this forward's log-probs, detached, when the update takes one optimizer
+        step (and records them in ``trainer_logprobs``), else what :meth:`_score_at_start` recorded.
+        """
+        import torch
+        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+
+        cfg = self.config
+        T, device, ids_B_T, attn_B_T, mask_B_L, temp_B = self._inputs(micro)
         adv_B_L = torch.tensor([s.advantage for s in micro], device=device)[:, None] * mask_B_L
         logp_B_L = response_logprobs(self.model, ids_B_T, attn_B_T, mask_B_L, temp_B)
+        if micro[0].trainer_logprobs is None:  # no step yet in this update: this forward is π_start
+            start_B_L = logp_B_L.detach()
+            for b, s in enumerate(micro):
+                s.trainer_logprobs = [0.0] + start_B_L[b, : len(s.input_ids) - 1].tolist()
+        else:
+            start_B_L = _shift_pad([s.trainer_logprobs for s in micro], T, device)
         has_old_B = torch.tensor([s.has_old for s in micro], device=device)[:, None]
-        old_B_L = torch.where(has_old_B, old_B_L, logp_B_L.detach())
+        engine_B_L = torch.where(has_old_B, _shift_pad([s.old_logprobs for s in micro], T, device), start_B_L)
+        old_B_L, is_B_L = engine_B_L, None
+        if cfg.tis_cap is not None:  # PPO against π_start; π_start/π_engine, capped, weighs each token
+            old_B_L = start_B_L
+            is_B_L, _ = compute_rollout_correction_weights(start_B_L - engine_B_L, mask_B_L, rollout_is="token",
+                                                           rollout_is_threshold=cfg.tis_cap)
         pg_loss, pg_metrics = core_algos.compute_policy_loss_vanilla(
             old_log_prob=old_B_L, log_prob=logp_B_L, advantages=adv_B_L, response_mask=mask_B_L,
-            loss_agg_mode=view.loss_agg_mode, config=view)
+            loss_agg_mode=view.loss_agg_mode, config=view, rollout_is_weights=is_B_L)
         loss = pg_loss
         tokens = float(mask_B_L.sum())
         kl_sum = 0.0
         if self.reference is not None:
             with torch.no_grad():
                 ref_B_L = response_logprobs(self.reference, ids_B_T, attn_B_T, mask_B_L, temp_B)
-            kl_B_L = core_algos.kl_penalty(logp_B_L, ref_B_L, self.config.kl_penalty)
-            if self.config.kl_coef > 0:
-                loss = loss + self.config.kl_coef * core_algos.agg_loss(
+            kl_B_L = core_algos.kl_penalty(logp_B_L, ref_B_L, cfg.kl_penalty)
+            if cfg.kl_coef > 0 and cfg.kl_mode == "loss":
+                loss = loss + cfg.kl_coef * core_algos.agg_loss(
                     kl_B_L, mask_B_L, view.loss_agg_mode, **view.global_batch_info)
             kl_sum = float((kl_B_L.detach() * mask_B_L).sum())
         loss.backward()
-        diff_B_L = (logp_B_L.detach() - old_B_L).abs() * mask_B_L * has_old_B
+        diff_B_L = (start_B_L - engine_B_L).abs() * mask_B_L * has_old_B
         return {"loss": float(loss.detach()), "pg_loss": float(pg_loss.detach()), "kl": kl_sum,
                 "ppo_kl": pg_metrics["actor/ppo_kl"] * tokens, "pg_clipfrac": pg_metrics["actor/pg_clipfrac"] * tokens,
+                "tis_weight": float((is_B_L * mask_B_L).sum()) if is_B_L is not None else 0.0, "tokens": tokens,
                 "logprob_diff_max": float(diff_B_L.max())}
 
     # ----- config edits while paused ----------------------------------------------------
@@ -407,14 +819,26 @@ class GRPOTrainer(BackgroundLoop):
         ``learning_rate`` and ``weight_decay`` go into the optimizer's param groups; every
         other field is read at each update. Each edit is appended to :attr:`config_changes`.
 
+        With a schedule, ``learning_rate`` is its peak: the update after ``s`` updates uses
+        ``learning_rate × lr_factor(s)`` (:func:`lr_factor`) with the config as it is now. So an
+        edit of ``learning_rate`` rescales the rest of the schedule (it does not restart the
+        warmup), and edits of ``lr_scheduler``, ``warmup_steps`` or ``total_steps`` reshape it
+        from the current update count on.
+
         Raises:
             ConfigError: the edited config is invalid, or ``kl_coef > 0`` without a reference model.
         """
         self._check_config()
         now = asdict(self.config)
+        cfg, done = self.config, self.scheduler.last_epoch  # updates done so far
+        if cfg.lr_scheduler != "constant" and done == cfg.total_steps:
+            log.warning("the %s LR schedule ended after total_steps=%d updates: the learning rate is 0 from now "
+                        "on; raise GRPOConfig.total_steps to keep training", cfg.lr_scheduler, cfg.total_steps)
+        self.scheduler.base_lrs = [cfg.learning_rate] * len(self.optimizer.param_groups)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.config.learning_rate
-            group["weight_decay"] = self.config.weight_decay
+            group["initial_lr"] = cfg.learning_rate
+            group["lr"] = cfg.learning_rate * lr_factor(done, cfg)
+            group["weight_decay"] = cfg.weight_decay
         edits = config_edits(self._applied_config, now)
         for k, old, new, text in edits:
             self.config_changes.append({"step": self.step + 1, "field": k, "old": old, "new": new})
@@ -424,6 +848,12 @@ class GRPOTrainer(BackgroundLoop):
 
     def _check_config(self) -> None:
         self.config.validate()
+        for name, built in self._placement.items():
+            if getattr(self.config, name) != built:
+                raise ConfigError(
+                    f"GRPOConfig.{name} was {built!r} when this trainer was built and is now "
+                    f"{getattr(self.config, name)!r}; it is set at construction: set it back, or save() and "
+                    f"build a new GRPOTrainer with GRPOConfig({name}={getattr(self.config, name)!r}), then load()")
         if self.config.kl_coef > 0 and self.reference is None:
             raise ConfigError(
                 f"GRPOConfig.kl_coef={self.config.kl_coef} needs a reference model, and this trainer was built "
@@ -458,20 +888,44 @@ class GRPOTrainer(BackgroundLoop):
 
     # ----- inspection -------------------------------------------------------------------
     def add_metrics(self, step: int, **values: Any) -> None:
-        """Attach values (e.g. val_reward, step_seconds) to the metrics row of ``step``."""
+        """Attach values (e.g. val_reward, step_seconds) to the metrics row of ``step``.
+
+        When the attached algorithm's loggers already logged that row, the values are
+        logged at its step too (:meth:`LightningRL.metrics_added`).
+        """
         for row in self.metrics:
             if row["step"] == step:
                 row.update(values)
-                return
-        self.metrics.append({"step": step, **values})
+                break
+        else:
+            self.metrics.append({"step": step, **values})
+        if self.algorithm is not None:
+            self.algorithm.metrics_added(step, values)
 
     def metrics_df(self) -> pd.DataFrame:
         """One row per training step (see :meth:`update` and :meth:`LightningRL.step` for the columns)."""
         return pd.DataFrame(self.metrics)
 
     def last_batch_df(self) -> pd.DataFrame:
-        """The triplets of the last update with their advantages (NaN for dropped groups)."""
-        return triplets_df(self.last_triplets, self.last_advantages)
+        """The optimizer's-eye view of the last update: one row per packed sequence in the loss.
+
+        Columns (:func:`lightning_nb.audit.batch_df`): ``rollout_id``, ``group_id``,
+        ``advantage``, ``tokens``, ``response_tokens``, ``mean_ratio``,
+        ``max_abs_logprob_diff`` (nats), ``response_text``. The triplets themselves, one row
+        per LLM call: ``lightning_nb.adapter.triplets_df(trainer.last_triplets, trainer.last_advantages)``.
+        """
+        from lightning_nb.audit import batch_df  # audit imports this module
+
+        return batch_df(self.last_batch, self.engine.tokenizer)
+
+    def last_batch_html(self, max_rows: int = 16) -> str:
+        """The last update's sequences token by token, shaded by response mask and coloured by advantage,
+        with engine and trainer log-probs and the ratio on hover (:func:`lightning_nb.audit.batch_html`).
+        Show it with ``IPython.display.HTML(trainer.last_batch_html())``."""
+        from lightning_nb.audit import batch_html
+
+        clip = self.config.clip_ratio_high if self.config.clip_ratio_high is not None else self.config.clip_ratio
+        return batch_html(self.last_batch, self.engine.tokenizer, max_rows=max_rows, clip_ratio=clip)
 
     def _repr_html_(self) -> str:
         from lightning_nb._repr import trainer_html
@@ -482,7 +936,7 @@ class GRPOTrainer(BackgroundLoop):
     def save(self, path: str | Path) -> Path:
         """Write everything a continued run needs to ``path`` (a file, written atomically). Returns the path.
 
-        The checkpoint holds: model weights and optimizer state; the torch, numpy and
+        The checkpoint holds: model weights, optimizer and LR-scheduler state; the torch, numpy and
         Python RNG states; the step, metrics, config edits and config; the attached
         algorithm's state (task sampler RNG, ``val_history``: :meth:`LightningRL.state_dict`);
         the weight version; the store's latest resources id; the reference model's
@@ -503,7 +957,8 @@ class GRPOTrainer(BackgroundLoop):
             state = {
                 "format": CHECKPOINT_FORMAT, "lightning_nb_version": __version__,
                 "model_signature": model_signature(self.model), "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "step": self.step, "metrics": plain(self.metrics),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "step": self.step, "metrics": plain(self.metrics),
                 "config": asdict(self.config), "config_changes": plain(self.config_changes),
                 "weight_version": self.engine.weight_version, "rng": rng_state(),
                 "reference": None if self.reference is None else {
@@ -552,6 +1007,10 @@ class GRPOTrainer(BackgroundLoop):
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.step = int(state["step"])
+            if state.get("scheduler") is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+            else:  # a checkpoint from before LR schedules: the schedule counts updates
+                self.scheduler.last_epoch = self.step
             self.metrics = list(state["metrics"])
             self.config_changes = list(state.get("config_changes", []))
             self.engine.load_weights(self.model, version=int(state["weight_version"]))
@@ -575,8 +1034,8 @@ class GRPOTrainer(BackgroundLoop):
         if saved.get("source") == "default":  # rebuild the initial weights of the default model
             from lightning_nb.engine import load_default_model
 
-            rebuilt, _ = load_default_model()
-            rebuilt = rebuilt.to(next(self.model.parameters()).device).eval().requires_grad_(False)
+            rebuilt, _ = load_default_model(device=self.config.device, dtype=self.config.dtype)
+            rebuilt = rebuilt.eval().requires_grad_(False)
             if torch.equal(weights_fingerprint(rebuilt), saved["fingerprint"]):
                 self.reference = rebuilt
                 return

@@ -236,6 +236,8 @@ class Triplet(_Model):
     temperature: float = 1.0
     top_p: float = Field(1.0, description="Nucleus sampling cut of the call; the GRPO trainer refuses < 1.")
     weight_version: Optional[int] = Field(None, description="Engine weight version that sampled the response.")
+    finish_reason: Optional[str] = Field(None, description=(
+        "Why the engine stopped: 'stop', 'length' (cut at max_tokens) or 'tool_calls'; None if unknown."))
     prompt_text: str = ""
     response_text: str = ""
 

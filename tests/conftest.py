@@ -10,6 +10,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from lightning_nb.store import InMemoryStore, SqliteStore  # noqa: E402
 
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``@pytest.mark.gpu`` tests where torch sees no CUDA device (CI on CPU), saying why."""
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU: torch {torch.__version__} sees none "
+                                   "(torch.cuda.is_available() is False); run on a GPU machine with `pytest -m gpu`")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
 def _memory_store(tmp_path):
     yield InMemoryStore()
 

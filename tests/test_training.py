@@ -66,7 +66,9 @@ def test_triplets_carry_engine_token_ids_and_logprobs_match_trainer(loop, engine
     assert metrics["sequences_trained"] >= len(ids) and metrics["tokens_trained"] > 0
     moved = any(a != 0 for a in checker.last_advantages.values())
     assert moved == (not _same(before, _weights(checker.model)))
-    assert list(checker.last_batch_df().columns[:4]) == ["rollout_id", "group_id", "turn", "reward"]
+    batch = checker.last_batch_df()  # one row per packed sequence; the forwarded ones carry a ratio
+    assert list(batch.columns[:3]) == ["rollout_id", "group_id", "advantage"]
+    assert int(batch["mean_ratio"].notna().sum()) == metrics["sequences_trained"]
 
 
 def test_packing_merges_turns_that_extend_the_prompt():
