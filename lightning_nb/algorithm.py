@@ -121,33 +121,48 @@ class LightningRL:
     def _rollout_config(self) -> RolloutConfig:
         return RolloutConfig(max_attempts=self.config.max_attempts, timeout_seconds=self.config.rollout_timeout_s)
 
-    def _wait(self, rollout_ids: list[str], desc: Optional[str] = None) -> None:
-        """Wait for the rollouts (cancel them if the trainer stops); a tqdm.auto bar named ``desc`` if given."""
+    def wait_for(self, rollout_ids: list[str], desc: Optional[str] = None,
+                 start_timeout_s: Optional[float] = None) -> bool:
+        """Wait until every rollout is terminal; a tqdm.auto bar named ``desc`` if given.
+
+        Returns True when all are terminal. With ``start_timeout_s``, returns False (having
+        cancelled them) when none has left the queue after that many seconds: no runner is
+        consuming the store.
+
+        Raises:
+            TrainerStopped: the trainer was stopped while waiting (the rollouts are cancelled).
+        """
         bar = None
         if desc:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(rollout_ids), desc=desc, unit="rollout")
         try:
-            self._wait_loop(rollout_ids, bar)
+            return self._wait_loop(rollout_ids, bar, start_timeout_s)
         finally:
             if bar is not None:
                 bar.close()
 
-    def _wait_loop(self, rollout_ids: list[str], bar: Any) -> None:
+    def _wait_loop(self, rollout_ids: list[str], bar: Any, start_timeout_s: Optional[float]) -> bool:
+        t0 = time.monotonic()
         while True:
             done = self.store.wait_for_rollouts(rollout_ids, timeout=1.0)
             if bar is not None:
                 bar.update(len(done) - bar.n)
             if len(done) == len(rollout_ids):
-                return
-            if self.trainer.stop_requested:
+                return True
+            stopped = self.trainer.stop_requested
+            idle = start_timeout_s is not None and time.monotonic() - t0 > start_timeout_s and all(
+                r.status == "queuing" for r in self.store.query_rollouts(rollout_ids=rollout_ids))
+            if stopped or idle:
                 for rid in rollout_ids:
                     try:
                         self.store.cancel_rollout(rid)
                     except LightningNbError:
                         pass  # already terminal
-                raise TrainerStopped("stopped while waiting for rollouts")
+                if stopped:
+                    raise TrainerStopped("stopped while waiting for rollouts")
+                return False
 
     def _enqueue_groups(self, n_tasks: int, round_: int) -> list[str]:
         cfg = self.config
@@ -185,7 +200,7 @@ class LightningRL:
             if round_ > 0:
                 self.trainer.at_boundary("between sample rounds")
             new_ids = self._enqueue_groups(cfg.tasks_per_step - with_signal, round_)
-            self._wait(new_ids)
+            self.wait_for(new_ids)
             new = self.adapter.adapt(self.store, new_ids)
             for k, v in self.adapter.last_skipped.items():
                 skipped[k] = skipped.get(k, 0) + v
@@ -226,7 +241,7 @@ class LightningRL:
         sampling = {"temperature": 0.0, "max_tokens": self.config.max_tokens}
         ids = [self.store.enqueue_rollout(t, mode="val", config=self._rollout_config(),
                                           metadata={"sampling_parameters": sampling}).rollout_id for t in tasks]
-        self._wait(ids, desc="evaluating" if progress else None)
+        self.wait_for(ids, desc="evaluating" if progress else None)
         rewards = self.rollout_rewards(ids)
         return sum(rewards) / len(rewards) if rewards else math.nan
 

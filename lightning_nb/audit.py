@@ -34,11 +34,10 @@ import pandas as pd
 from lightning_nb.adapter import TripletAdapter
 from lightning_nb.chat_format import render_tools
 from lightning_nb.engine import prompt_token_ids
-from lightning_nb.errors import LightningNbError
 from lightning_nb.proxy import LLM_SPAN_NAME, TOKEN_IDS_MISSING
 from lightning_nb.runner import NO_REWARD_ERROR
 from lightning_nb.store.base import LightningStore
-from lightning_nb.trainer import TrainerStopped, pack_episode
+from lightning_nb.trainer import pack_episode
 from lightning_nb.types import RolloutConfig, Span, Triplet
 
 if TYPE_CHECKING:
@@ -280,7 +279,7 @@ def preflight(algo: "LightningRL", n_tasks: Optional[int] = None, *, strict: boo
     t0 = time.perf_counter()
     report = PreflightReport()
     report.rollout_ids = ids = _enqueue(algo, n_tasks or algo.config.tasks_per_step)
-    if not _wait(algo, ids, start_timeout_s, progress):
+    if not algo.wait_for(ids, "preflight" if progress else None, start_timeout_s):
         report.blockers.append(Finding(
             "no_runners", f"none of the {len(ids)} preflight rollouts was picked up within {start_timeout_s:g} s "
                           "(no runner consumes this store, or all were busy); they were cancelled",
@@ -310,38 +309,6 @@ def _enqueue(algo: "LightningRL", n_tasks: int) -> list[str]:
         ids += [algo.store.enqueue_rollout(task, mode="train", config=config, metadata=metadata).rollout_id
                 for _ in range(cfg.group_size)]
     return ids
-
-
-def _wait(algo: "LightningRL", ids: list[str], start_timeout_s: float, progress: bool) -> bool:
-    """Wait for every rollout; False (all cancelled) when none has started after ``start_timeout_s``."""
-    store, bar = algo.store, None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(ids), desc="preflight", unit="rollout")
-    t0 = time.monotonic()
-    try:
-        while True:
-            done = store.wait_for_rollouts(ids, timeout=1.0)
-            if bar is not None:
-                bar.update(len(done) - bar.n)
-            if len(done) == len(ids):
-                return True
-            stopped = algo.trainer.stop_requested
-            idle = time.monotonic() - t0 > start_timeout_s and all(
-                r.status == "queuing" for r in store.query_rollouts(rollout_ids=ids))
-            if stopped or idle:
-                for rid in ids:
-                    try:
-                        store.cancel_rollout(rid)
-                    except LightningNbError:
-                        pass  # already terminal
-                if stopped:
-                    raise TrainerStopped("stopped while waiting for the preflight rollouts")
-                return False
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 class _Checks:
