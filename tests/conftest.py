@@ -73,6 +73,39 @@ def engine():
 
 
 @pytest.fixture
+def proxied_store(engine):
+    """An InMemoryStore whose ``main_llm`` resource is an LLMProxy on the session engine (stopped after the test)."""
+    from lightning_nb.proxy import LLMProxy
+
+    store = InMemoryStore()
+    proxy = LLMProxy(engine, store).start()
+    store.add_resources({"main_llm": proxy.as_resource()})
+    yield store
+    proxy.stop()
+
+
+@pytest.fixture
+def agent_with_reward():
+    """``agent_with_reward(values)``: an agent that makes one short LLM call and then returns
+    ``values[i % len(values)]`` for its i-th rollout."""
+    import itertools
+
+    from openai import OpenAI
+
+    def make(values):
+        counter = itertools.count()
+
+        def agent(task, llm):
+            OpenAI(base_url=llm.endpoint, api_key="x", max_retries=0).chat.completions.create(
+                model=llm.model, messages=[{"role": "user", "content": "Say hi."}], **llm.sampling_parameters)
+            return values[next(counter) % len(values)]
+
+        return agent
+
+    return make
+
+
+@pytest.fixture
 def pristine(engine):
     """The session engine with its initial (untrained) weights during the test, and again after it.
 

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy, start_runners
+from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL, start_runners
 from lightning_nb.errors import ConfigError, LightningNbError, MissingDependencyError
 from lightning_nb.loggers import MetricLogger, MLflowLogger, TensorBoardLogger, WandbLogger, make_loggers, split_values
 
@@ -222,31 +222,6 @@ def test_a_value_added_after_close_opens_the_same_run_again(tmp_path, monkeypatc
 
 
 # ----- slow: the real model, real LightningRL runs -------------------------------------------------------
-def _agent_with_reward(values):
-    """One short LLM call per rollout, then reward values[i % len(values)] for the i-th rollout."""
-    import itertools
-
-    from openai import OpenAI
-
-    counter = itertools.count()
-
-    def agent(task, llm):
-        OpenAI(base_url=llm.endpoint, api_key="x", max_retries=0).chat.completions.create(
-            model=llm.model, messages=[{"role": "user", "content": "Say hi."}], **llm.sampling_parameters)
-        return values[next(counter) % len(values)]
-
-    return agent
-
-
-@pytest.fixture
-def served(engine):
-    store = InMemoryStore()
-    proxy = LLMProxy(engine, store).start()
-    store.add_resources({"main_llm": proxy.as_resource()})
-    yield store
-    proxy.stop()
-
-
 def _three_loggers(tmp_path: Path) -> tuple[list[MetricLogger], str]:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     return [TensorBoardLogger(tmp_path / "tb"), WandbLogger(dir=tmp_path / "wb"), MLflowLogger(uri)], uri
@@ -259,17 +234,24 @@ def _wait_for_step(trainer: GRPOTrainer, step: int, timeout: float = 300) -> Non
         time.sleep(0.2)
 
 
-@pytest.mark.slow
-def test_a_real_run_logs_what_metrics_df_shows_to_every_backend(engine, pristine, served, tmp_path, monkeypatch):
-    """Two run() calls (a config edit between them), a val_reward added afterwards, then close_loggers()."""
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.chdir(tmp_path)
-    store = served
-    runners = start_runners(_agent_with_reward([0.0, 1.0]), store, n=2)
+def _logged_algo(engine, store, tmp_path: Path) -> tuple[GRPOTrainer, LightningRL, list[MetricLogger], str]:
+    """A trainer and a one-task LightningRL (groups of 2, 4 tokens) logging to the three backends under tmp_path."""
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
     loggers, uri = _three_loggers(tmp_path)
     algo = LightningRL(store, trainer, [{"id": "t"}], config=AlgorithmConfig(
         tasks_per_step=1, group_size=2, max_tokens=4, max_sample_rounds=1), loggers=loggers)
+    return trainer, algo, loggers, uri
+
+
+@pytest.mark.slow
+def test_a_real_run_logs_what_metrics_df_shows_to_every_backend(engine, pristine, proxied_store, agent_with_reward,
+                                                                tmp_path, monkeypatch):
+    """Two run() calls (a config edit between them), a val_reward added afterwards, then close_loggers()."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    store = proxied_store
+    runners = start_runners(agent_with_reward([0.0, 1.0]), store, n=2)
+    trainer, algo, loggers, uri = _logged_algo(engine, store, tmp_path)
     try:
         trainer.start(algo, steps=1)
         assert trainer.wait(timeout=300) and trainer.state == "finished"
@@ -306,16 +288,13 @@ def test_a_real_run_logs_what_metrics_df_shows_to_every_backend(engine, pristine
 
 
 @pytest.mark.slow
-def test_stopping_the_trainer_closes_the_loggers_with_what_was_logged(engine, pristine, served, tmp_path,
-                                                                      monkeypatch):
+def test_stopping_the_trainer_closes_the_loggers_with_what_was_logged(engine, pristine, proxied_store,
+                                                                      agent_with_reward, tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.chdir(tmp_path)
-    store = served
-    runners = start_runners(_agent_with_reward([0.0, 1.0]), store, n=2)
-    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
-    loggers, uri = _three_loggers(tmp_path)
-    algo = LightningRL(store, trainer, [{"id": "t"}], config=AlgorithmConfig(
-        tasks_per_step=1, group_size=2, max_tokens=4, max_sample_rounds=1), loggers=loggers)
+    store = proxied_store
+    runners = start_runners(agent_with_reward([0.0, 1.0]), store, n=2)
+    trainer, algo, loggers, uri = _logged_algo(engine, store, tmp_path)
     try:
         trainer.start(algo, steps=100)
         _wait_for_step(trainer, 1)
@@ -340,10 +319,10 @@ def _no_llm_agent(task, llm):
 
 
 @pytest.mark.slow
-def test_a_failed_loop_closes_the_loggers_as_failed(engine, served, tmp_path, monkeypatch):
+def test_a_failed_loop_closes_the_loggers_as_failed(engine, proxied_store, tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.chdir(tmp_path)
-    store = served
+    store = proxied_store
     runners = start_runners(_no_llm_agent, store, n=2)
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
     loggers, uri = _three_loggers(tmp_path)

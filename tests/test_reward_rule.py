@@ -14,8 +14,8 @@ import threading
 import pytest
 from openai import OpenAI
 
-from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy,
-                          TripletAdapter, emit_reward, start_runners)
+from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL, TripletAdapter, emit_reward,
+                          start_runners)
 from lightning_nb.store.rules import final_reward
 
 
@@ -33,17 +33,8 @@ def _crash_after_reward(task, llm):
         raise RuntimeError("the agent crashed after emitting its reward")
 
 
-@pytest.fixture
-def served(engine):
-    store = InMemoryStore()
-    proxy = LLMProxy(engine, store).start()
-    store.add_resources({"main_llm": proxy.as_resource()})
-    yield store
-    proxy.stop()
-
-
-def test_a_crash_after_the_reward_counts_zero_everywhere(engine, served):
-    store = served
+def test_a_crash_after_the_reward_counts_zero_everywhere(engine, proxied_store):
+    store = proxied_store
     runners = start_runners(_crash_after_reward, store, n=2)
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
     try:
@@ -84,8 +75,8 @@ def _llm_agent(plan):
     return agent
 
 
-def test_groups_with_signal_counts_only_groups_the_trainer_can_learn_from(engine, served):
-    store = served
+def test_groups_with_signal_counts_only_groups_the_trainer_can_learn_from(engine, proxied_store):
+    store = proxied_store
     # group of 2: the first rollout earns 1.0, the second crashes -> one episode left, dropped by the trainer
     agent = _llm_agent(lambda task, i: 1.0 if i % 2 == 0 else "crash")
     runners = start_runners(agent, store, n=1)
@@ -101,8 +92,8 @@ def test_groups_with_signal_counts_only_groups_the_trainer_can_learn_from(engine
     assert trainer.signal_groups(triplets) == set()
 
 
-def test_a_rollout_without_llm_calls_is_counted_in_the_step(engine, pristine, served):
-    store = served
+def test_a_rollout_without_llm_calls_is_counted_in_the_step(engine, pristine, proxied_store):
+    store = proxied_store
     # per group of 3: 1.0 and 0.0 with an LLM call, then one rollout that returns 0.0 without calling the LLM
     agent = _llm_agent(lambda task, i: [1.0, 0.0, "no_llm"][i % 3])
     runners = start_runners(agent, store, n=1)

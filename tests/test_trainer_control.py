@@ -139,27 +139,10 @@ def test_interrupting_wait_in_a_real_kernel_keeps_state_true():
         km.shutdown_kernel(now=True)
 
 
-def _agent_with_reward(values):
-    """An agent that makes one short LLM call and then returns values[i % len(values)] for its i-th rollout."""
-    import itertools
-
-    from openai import OpenAI
-
-    counter = itertools.count()
-
-    def agent(task, llm):
-        OpenAI(base_url=llm.endpoint, api_key="x", max_retries=0).chat.completions.create(
-            model=llm.model, messages=[{"role": "user", "content": "Say hi."}], **llm.sampling_parameters)
-        return values[next(counter) % len(values)]
-
-    return agent
-
-
-def test_a_new_reward_function_set_while_paused_takes_effect_on_resume(engine, pristine):
-    store = InMemoryStore()
-    proxy = LLMProxy(engine, store).start()
-    store.add_resources({"main_llm": proxy.as_resource()})
-    runners = start_runners(_agent_with_reward([0.0, 1.0]), store, n=2)
+def test_a_new_reward_function_set_while_paused_takes_effect_on_resume(engine, pristine, proxied_store,
+                                                                        agent_with_reward):
+    store = proxied_store
+    runners = start_runners(agent_with_reward([0.0, 1.0]), store, n=2)
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
     algo = LightningRL(store, trainer, load_tasks("train"), config=AlgorithmConfig(
         tasks_per_step=1, group_size=2, max_tokens=4, max_sample_rounds=1))
@@ -172,14 +155,13 @@ def test_a_new_reward_function_set_while_paused_takes_effect_on_resume(engine, p
         assert trainer.pause(timeout=300)
         first = {r.rollout_id for r in store.query_rollouts()}
         with pytest.warns(UserWarning, match="stopped"):  # the cell re-run: the old runners are replaced
-            runners = start_runners(_agent_with_reward([0.25, 0.75]), store, n=2)
+            runners = start_runners(agent_with_reward([0.25, 0.75]), store, n=2)
         trainer.config.learning_rate = 1e-5
         trainer.resume()
         assert trainer.wait(timeout=300) and trainer.step == 3
     finally:
         trainer.stop(timeout=60)
         runners.stop()
-        proxy.stop()
     rewards = store.final_rewards()
     later = {rid: rw for rid, rw in rewards.items() if rid not in first}
     assert later and set(later.values()) <= {0.25, 0.75}, later
