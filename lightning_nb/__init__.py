@@ -10,7 +10,7 @@ from lightning_nb.runner import start_runners
 # lightning_nb.store already imports every backend (and the tracer module is imported above through the
 # runner), so exporting them here costs nothing at import time; torch is still imported lazily.
 from lightning_nb.store import InMemoryStore, LightningStore, SqliteStore, StoreClient, StoreServer
-from lightning_nb.tracer import Tracer, emit_reward, tool_span
+from lightning_nb.tracer import Tracer, emit_intermediate_reward, emit_reward, tool_span
 from lightning_nb.trainer import GRPOConfig, GRPOTrainer
 from lightning_nb.types import LLMResource, PromptTemplate, Rollout, RolloutConfig, Span, Triplet
 
@@ -18,6 +18,6 @@ __all__ = [
     "AlgorithmConfig", "Engine", "GRPOConfig", "GRPOTrainer", "InMemoryStore", "LightningNbError", "LightningRL",
     "LightningStore", "LLMProxy", "LLMResource", "OpenAIEndpoint", "PromptTemplate", "Rollout", "RolloutConfig", "Span",
     "SqliteStore", "StoreClient", "StoreServer", "Tracer", "TransformersEngine", "Triplet", "TripletAdapter",
-    "emit_reward", "load_default_model", "start_runners", "tool_span",
+    "emit_intermediate_reward", "emit_reward", "load_default_model", "start_runners", "tool_span",
 ]
 __version__ = "0.1.0"

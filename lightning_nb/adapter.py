@@ -3,23 +3,27 @@
 LightningRL credit assignment (Agent Lightning paper, §3.2): every LLM call of
 an episode is one transition (prompt tokens → response tokens) and carries the
 episode's final reward; episodes of the same task form one GRPO group. Token IDs
-come from the LLM proxy's spans and are never re-tokenized.
+come from the LLM proxy's spans and are never re-tokenized. Intermediate rewards
+(:func:`lightning_nb.emit_intermediate_reward`) are attributed to single calls
+(``Triplet.step_reward``; see :func:`attribute_intermediate_rewards`).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Optional, Sequence
 
 import pandas as pd
 
 from lightning_nb.errors import ConfigError
-from lightning_nb.proxy import LLM_SPAN_NAME, TOKEN_IDS_MISSING
+from lightning_nb.proxy import AGENT_NAME, LLM_SPAN_NAME, TOKEN_IDS_MISSING
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import final_reward
-from lightning_nb.types import Triplet
+from lightning_nb.tracer import INTERMEDIATE_REWARD_SPAN_NAME
+from lightning_nb.types import Span, Triplet
 
-__all__ = ["TripletAdapter", "triplets_df"]
+__all__ = ["TripletAdapter", "attribute_intermediate_rewards", "triplets_df"]
 
 log = logging.getLogger(__name__)
 
@@ -34,26 +38,51 @@ class TripletAdapter:
     * ``no_reward``: it succeeded without a final reward (:func:`lightning_nb.store.rules.final_reward`);
     * ``no_llm_calls``: it succeeded with a reward but made no LLM call through the proxy
       (for example an agent that caught its own error and returned 0.0), so there is nothing to train;
-    * ``no_token_ids``: every LLM span of it lacks token IDs (a call that bypassed the proxy).
+    * ``no_token_ids``: every LLM span of it lacks token IDs (a call that bypassed the proxy);
+    * ``no_matching_llm_calls``: ``agent_match`` is set and none of its LLM calls' agent names matches.
 
-    Raises:
-        ConfigError: an LLM span records that its engine returned no token IDs
-            (``lightning_nb.token_ids_missing``, e.g. an :class:`~lightning_nb.endpoint.OpenAIEndpoint`
-            to a hosted API): triplets are never built from re-tokenized text.
+    Counted per LLM call or reward, in the same dicts, not as rollout reasons:
 
-    LLM spans without token IDs inside an otherwise usable rollout are counted in
-    ``llm_spans_without_token_ids`` and dropped.
+    * ``llm_spans_without_token_ids``: LLM spans without token IDs inside an otherwise usable rollout (dropped);
+    * ``llm_spans_not_matched``: LLM calls whose agent name ``agent_match`` does not select (no triplet);
+    * ``intermediate_rewards_dropped``: intermediate rewards attributed to a call that gave no triplet
+      (not matched, or without token IDs). They are dropped, not moved to another call: an
+      intermediate reward judges the call just before it (see :func:`attribute_intermediate_rewards`),
+      and crediting another agent's or another call's tokens with it would reward what it did not judge.
+
+    Each triplet gets ``step_reward``: the sum of the intermediate rewards attributed to its call, and
+    ``agent_name``: the call's ``gen_ai.agent.name`` (the request's ``X-Agent-Name`` header).
 
     Args:
         group_key: rollout metadata key naming the GRPO group (default ``group_id``;
             falls back to the rollout id, i.e. no grouping).
+        agent_match: selective optimisation in a multi-agent system: a regular expression searched
+            (``re.search``, as agent-lightning's ``agent_match``) in each LLM call's agent name; only
+            matching calls become triplets. ``"solver"`` also matches ``"solver_v2"``; anchor it,
+            ``"^solver$"``, for one name exactly. A call without an agent name never matches. None
+            (default): every call is trained.
+
+    Raises:
+        ConfigError: ``agent_match`` is not a valid regular expression (at construction); or, in
+            :meth:`adapt`, an LLM span records that its engine returned no token IDs
+            (``lightning_nb.token_ids_missing``, e.g. an :class:`~lightning_nb.endpoint.OpenAIEndpoint`
+            to a hosted API): triplets are never built from re-tokenized text. Only calls that
+            ``agent_match`` selects are checked, so a judge on a hosted API can be left out by name.
     """
 
-    REASONS = ("not_succeeded", "no_reward", "no_llm_calls", "no_token_ids")
+    REASONS = ("not_succeeded", "no_reward", "no_llm_calls", "no_token_ids", "no_matching_llm_calls")
+    COUNTS = ("llm_spans_without_token_ids", "llm_spans_not_matched", "intermediate_rewards_dropped")
 
-    def __init__(self, group_key: str = "group_id") -> None:
+    def __init__(self, group_key: str = "group_id", agent_match: Optional[str] = None) -> None:
         self.group_key = group_key
-        self.skipped: dict[str, int] = {k: 0 for k in (*self.REASONS, "llm_spans_without_token_ids")}
+        self.agent_match = agent_match
+        try:
+            self._agent_re = None if agent_match is None else re.compile(agent_match)
+        except (re.error, TypeError) as exc:
+            raise ConfigError(f"TripletAdapter(agent_match={agent_match!r}) is not a valid regular expression "
+                              f"({exc}); pass one such as '^solver$' (searched in each LLM call's X-Agent-Name), "
+                              "or None to train on every LLM call") from None
+        self.skipped: dict[str, int] = {k: 0 for k in (*self.REASONS, *self.COUNTS)}
         self.last_skipped: dict[str, int] = dict(self.skipped)
 
     def adapt(self, store: LightningStore, rollout_ids: Sequence[str]) -> list[Triplet]:
@@ -61,9 +90,10 @@ class TripletAdapter:
         triplets: list[Triplet] = []
         skipped = {k: 0 for k in self.skipped}
         for rollout in store.query_rollouts(rollout_ids=list(rollout_ids)):
-            new, reason, missing_ids = self._adapt_one(store, rollout)
+            new, reason, counts = self._adapt_one(store, rollout)
             triplets += new
-            skipped["llm_spans_without_token_ids"] += missing_ids
+            for k, v in counts.items():
+                skipped[k] += v
             if reason is not None:
                 skipped[reason] += 1
         for k, v in skipped.items():
@@ -71,21 +101,30 @@ class TripletAdapter:
         self.last_skipped = skipped
         return triplets
 
-    def _adapt_one(self, store: LightningStore, rollout: Any) -> tuple[list[Triplet], Optional[str], int]:
-        """(triplets, skip reason or None, LLM spans without token IDs) of one rollout."""
+    def _adapt_one(self, store: LightningStore, rollout: Any) -> tuple[list[Triplet], Optional[str], dict[str, int]]:
+        """(triplets, skip reason or None, per-call counts of :attr:`COUNTS`) of one rollout."""
+        counts = dict.fromkeys(self.COUNTS, 0)
         if rollout.status != "succeeded":
-            return [], "not_succeeded", 0
+            return [], "not_succeeded", counts
         spans = store.query_spans(rollout.rollout_id, "latest")
         reward = final_reward(rollout.status, [s.attributes.get("reward") for s in spans if s.name == "reward"])
         if reward is None:
-            return [], "no_reward", 0
+            return [], "no_reward", counts
         calls = [s for s in spans if s.name == LLM_SPAN_NAME]
         if not calls:
-            return [], "no_llm_calls", 0
+            return [], "no_llm_calls", counts
+        step_rewards = attribute_intermediate_rewards(spans)
         group = str(rollout.metadata.get(self.group_key, rollout.rollout_id))
         out: list[Triplet] = []
+        matched = 0
         for turn, span in enumerate(calls):
             a = span.attributes
+            name = a.get(AGENT_NAME)
+            if self._agent_re is not None and (name is None or not self._agent_re.search(str(name))):
+                counts["llm_spans_not_matched"] += 1
+                counts["intermediate_rewards_dropped"] += len(step_rewards.get(span.span_id, ()))
+                continue
+            matched += 1
             if a.get(TOKEN_IDS_MISSING):
                 raise ConfigError(
                     f"rollout {rollout.rollout_id}: LLM span {span.span_id} has no token IDs ({a[TOKEN_IDS_MISSING]}); "
@@ -93,29 +132,71 @@ class TripletAdapter:
                     "with TransformersEngine or VLLMEngine (or an OpenAIEndpoint whose server honours "
                     "return_token_ids), and keep judge/eval endpoints out of training rollouts")
             if not a.get("completion_token_ids") or not a.get("prompt_token_ids"):
+                counts["llm_spans_without_token_ids"] += 1
+                counts["intermediate_rewards_dropped"] += len(step_rewards.get(span.span_id, ()))
                 continue
             out.append(Triplet(
                 rollout_id=rollout.rollout_id, attempt_id=span.attempt_id, group_id=group, turn=turn,
                 prompt_ids=list(a["prompt_token_ids"]), response_ids=list(a["completion_token_ids"]),
                 logprobs=list(a["logprobs"]) if a.get("logprobs") else None, reward=reward,
+                step_reward=sum(step_rewards.get(span.span_id, ())), agent_name=a.get(AGENT_NAME),
                 temperature=float(a.get("temperature", 1.0)), top_p=float(a.get("top_p", 1.0)),
                 weight_version=a.get("weight_version"),
                 finish_reason=(a.get("gen_ai.response.finish_reasons") or [None])[0],
                 prompt_text=str(a.get("gen_ai.prompt", "")), response_text=str(a.get("gen_ai.completion", "")),
             ))
-        missing = len(calls) - len(out)
-        return out, (None if out else "no_token_ids"), missing
+        if not matched:
+            return [], "no_matching_llm_calls", counts
+        return out, (None if out else "no_token_ids"), counts
 
 
-def triplets_df(triplets: Sequence[Triplet], advantages: Optional[dict[str, float]] = None) -> pd.DataFrame:
-    """One row per triplet: ids, turn, reward, advantage (if given), token counts, response text."""
-    columns = ["rollout_id", "group_id", "turn", "reward", "advantage", "prompt_tokens", "response_tokens",
-               "response_text"]
+def attribute_intermediate_rewards(spans: Sequence[Span]) -> dict[str, list[float]]:
+    """LLM span id -> the intermediate rewards attributed to that call, in emission order.
+
+    The rule (one place; :class:`TripletAdapter` applies it): an ``"intermediate_reward"`` span
+    (:func:`lightning_nb.emit_intermediate_reward`) belongs to the LLM call (span ``LLM_SPAN_NAME``)
+    that most recently ended before the reward span started: the call with the largest
+    ``(end_time, sequence_id)`` that is below ``(reward start_time, reward sequence_id)``, so a call
+    ending at the very instant the reward starts counts as before it when it was stored first. A
+    reward emitted before any call ended goes to the first call (by ``(start_time, sequence_id)``).
+    Times are the spans' own (seconds); the proxy's and the agent's clocks are the same machine's
+    clock here, and with remote runners they must agree to well under the time between calls.
+
+    All LLM calls of ``spans`` take part, whichever agent made them (``agent_match`` filters
+    afterwards), so a reward never jumps to a call it does not follow. ``spans`` without LLM
+    calls give ``{}`` (their intermediate rewards have no call to go to).
+    """
+    calls = sorted((s for s in spans if s.name == LLM_SPAN_NAME), key=lambda s: (s.end_time, s.sequence_id))
+    if not calls:
+        return {}
+    first = min(calls, key=lambda s: (s.start_time, s.sequence_id))
+    out: dict[str, list[float]] = {}
+    for r in sorted((s for s in spans if s.name == INTERMEDIATE_REWARD_SPAN_NAME), key=lambda s: s.sequence_id):
+        value = r.attributes.get("reward")
+        if value is None:
+            continue
+        before = [c for c in calls if (c.end_time, c.sequence_id) < (r.start_time, r.sequence_id)]
+        owner = before[-1] if before else first
+        out.setdefault(owner.span_id, []).append(float(value))
+    return out
+
+
+def triplets_df(triplets: Sequence[Triplet], advantages: Optional[dict[Any, float]] = None) -> pd.DataFrame:
+    """One row per triplet: ids, turn, reward, step_reward, agent_name, advantage (if given), token counts, text.
+
+    ``advantages`` is keyed by rollout id (one advantage per episode, ``trainer.last_advantages``)
+    or by ``(rollout_id, turn)`` (one per transition, ``trainer.last_turn_advantages``); a
+    ``(rollout_id, turn)`` key wins over the rollout id.
+    """
+    columns = ["rollout_id", "group_id", "turn", "reward", "step_reward", "agent_name", "advantage",
+               "prompt_tokens", "response_tokens", "response_text"]
+    adv = advantages or {}
     rows = []
     for t in triplets:
         rows.append({
             "rollout_id": t.rollout_id, "group_id": t.group_id, "turn": t.turn, "reward": t.reward,
-            "advantage": (advantages or {}).get(t.rollout_id), "prompt_tokens": len(t.prompt_ids),
+            "step_reward": t.step_reward, "agent_name": t.agent_name,
+            "advantage": adv.get((t.rollout_id, t.turn), adv.get(t.rollout_id)), "prompt_tokens": len(t.prompt_ids),
             "response_tokens": len(t.response_ids), "response_text": t.response_text,
         })
     return pd.DataFrame(rows, columns=columns)

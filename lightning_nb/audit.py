@@ -400,6 +400,8 @@ class _Checks:
             "no_llm_calls": "call the policy through the rollout's llm.endpoint with model=llm.model (an agent "
                             "that catches its own error and returns 0.0 makes no call)",
             "no_token_ids": "route policy calls through the proxy (llm.endpoint), which records token IDs",
+            "no_matching_llm_calls": "send the trained agent's name in the X-Agent-Name header, or widen "
+                                     "TripletAdapter(agent_match=...) (a regex searched in that name)",
         }
         reasons = {k: v for k, v in skipped.items() if k in fixes}
         self.finding(True, "no_triplets",
@@ -537,8 +539,10 @@ def batch_html(last_batch: Sequence[dict[str, Any]], tokenizer: Any, max_rows: i
     """The optimizer's-eye view of ``last_batch``: one block per sequence, one ``<span>`` per token.
 
     Trained tokens (response mask 1) have class ``lnb-tok lnb-resp`` and a background
-    coloured by the sequence's advantage (green positive, red negative, stronger the larger
-    ``|advantage|`` relative to the largest shown; grey when 0); context tokens (mask 0:
+    coloured by their own token's advantage (the row's per-token ``advantages``, which differ by
+    turn with ``GRPOConfig.credit="reward_to_go"``; rows without it use the sequence's
+    ``advantage``): green positive, red negative, stronger the larger ``|advantage|`` relative to
+    the largest shown; grey when 0. Context tokens (mask 0:
     prompt, tool results) have class ``lnb-tok lnb-ctx`` and grey text. Hovering a token
     shows its id and, when trained, the engine ("old") and trainer ("new") log-probs and
     the ratio (``title``). Trained tokens whose ratio lies outside
@@ -546,7 +550,7 @@ def batch_html(last_batch: Sequence[dict[str, Any]], tokenizer: Any, max_rows: i
     clip acts on them. Only the first ``max_rows`` sequences are shown.
     """
     shown = list(last_batch)[:max_rows]
-    scale = max((abs(float(s["advantage"])) for s in shown), default=0.0) or 1.0
+    scale = max((abs(float(a)) for s in shown for a in (s.get("advantages") or [s["advantage"]])), default=0.0) or 1.0
     blocks = [_sequence_html(seq, tokenizer, scale, clip_ratio) for seq in shown]
     more = (f'<div style="color:#57606a">… {len(last_batch) - len(shown)} more sequences (max_rows={max_rows})</div>'
             if len(last_batch) > len(shown) else "")
@@ -559,9 +563,8 @@ def batch_html(last_batch: Sequence[dict[str, Any]], tokenizer: Any, max_rows: i
 def _sequence_html(seq: dict[str, Any], tokenizer: Any, scale: float, clip_ratio: float) -> str:
     e = _esc
     adv = float(seq["advantage"])
-    alpha = 0.15 + 0.6 * min(abs(adv) / scale, 1.0)
-    bg = (f"rgba(26,127,55,{alpha:.2f})" if adv > 0 else f"rgba(207,34,46,{alpha:.2f})" if adv < 0
-          else "rgba(127,127,127,0.15)")
+    bg = _advantage_colour(adv, scale)
+    per_token = seq.get("advantages")
     new = seq.get("trainer_logprobs")
     pieces = tokenizer.batch_decode([[t] for t in seq["input_ids"]])
     spans = []
@@ -571,7 +574,8 @@ def _sequence_html(seq: dict[str, Any], tokenizer: Any, scale: float, clip_ratio
                          f'trained">{e(piece)}</span>')
             continue
         old = seq["engine_logprobs"][i]
-        title = f"id {tok} · old (engine) log-p {old:.4f}"
+        tok_adv = float(per_token[i]) if per_token is not None else adv
+        title = f"id {tok} · advantage {tok_adv:+.3f} · old (engine) log-p {old:.4f}"
         cls, extra = "lnb-tok lnb-resp", ""
         if new is not None:
             ratio = math.exp(new[i] - old)
@@ -580,7 +584,8 @@ def _sequence_html(seq: dict[str, Any], tokenizer: Any, scale: float, clip_ratio
                 cls, extra = cls + " lnb-clipped", ";text-decoration:underline wavy #cf222e"
         else:
             title += " · not forwarded"
-        spans.append(f'<span class="{cls}" style="background:{bg}{extra}" title="{e(title)}">{e(piece)}</span>')
+        spans.append(f'<span class="{cls}" style="background:{_advantage_colour(tok_adv, scale)}{extra}" '
+                     f'title="{e(title)}">{e(piece)}</span>')
     diffs = _logprob_diffs(seq)
     ratio_txt = f"{sum(math.exp(d) for d in diffs) / len(diffs):.4f}" if diffs else "–"
     head = (f"<code>{e(seq['rollout_id'])}</code> · group <code>{e(seq['group_id'])}</code> · advantage "
@@ -590,6 +595,13 @@ def _sequence_html(seq: dict[str, Any], tokenizer: Any, scale: float, clip_ratio
             f'style="margin:6px 0;padding:4px 6px;border-left:3px solid {bg}">'
             f'<div>{head}</div><div style="white-space:pre-wrap;font-family:monospace;font-size:12px">'
             f'{"".join(spans)}</div></div>')
+
+
+def _advantage_colour(adv: float, scale: float) -> str:
+    """CSS background of an advantage: green positive, red negative (stronger toward ``scale``), grey 0."""
+    alpha = 0.15 + 0.6 * min(abs(adv) / scale, 1.0)
+    return (f"rgba(26,127,55,{alpha:.2f})" if adv > 0 else f"rgba(207,34,46,{alpha:.2f})" if adv < 0
+            else "rgba(127,127,127,0.15)")
 
 
 def _esc(value: Any) -> str:

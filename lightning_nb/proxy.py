@@ -42,10 +42,13 @@ from lightning_nb.store.base import LightningStore
 from lightning_nb.tracer import Tracer
 from lightning_nb.types import LLMResource
 
-__all__ = ["LLMProxy", "ChatCompletionRequest", "LLM_SPAN_NAME", "TOKEN_IDS_MISSING"]
+__all__ = ["LLMProxy", "ChatCompletionRequest", "LLM_SPAN_NAME", "TOKEN_IDS_MISSING", "AGENT_NAME",
+           "AGENT_NAME_HEADER"]
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the cost map at import
 LLM_SPAN_NAME = "llm.chat.completions"
+AGENT_NAME_HEADER = "X-Agent-Name"  # request header the proxy records as the span attribute AGENT_NAME
+AGENT_NAME = "gen_ai.agent.name"  # OpenTelemetry GenAI semantic conventions
 TOKEN_IDS_MISSING = "lightning_nb.token_ids_missing"  # span attribute: why a call has no token IDs
 _OPTIONAL = ("stop", "seed", "n", "response_format", "frequency_penalty", "presence_penalty", "top_logprobs")
 
@@ -259,7 +262,8 @@ class LLMProxy:
                 req = self._validate(body)
                 engine = self._engine_for(req)
                 enforced = await self._rollout_sampling(rollout_id, attempt_id)
-                completion = await self._complete(req, engine, rollout_id, attempt_id, enforced)
+                completion = await self._complete(req, engine, rollout_id, attempt_id, enforced,
+                                                  agent_name=request.headers.get(AGENT_NAME_HEADER))
             except _HTTPError as exc:
                 return error(exc.status, exc.message, exc.param)
             if req.stream:
@@ -368,8 +372,12 @@ class LLMProxy:
 
     # ----- completion -----------------------------------------------------------------
     async def _complete(self, req: ChatCompletionRequest, engine: Engine, rollout_id: Optional[str],
-                        attempt_id: Optional[str], enforced: dict[str, Any]) -> dict[str, Any]:
-        """Complete ``req`` on ``engine`` and record one span per choice; returns the OpenAI response dict."""
+                        attempt_id: Optional[str], enforced: dict[str, Any], *,
+                        agent_name: Optional[str] = None) -> dict[str, Any]:
+        """Complete ``req`` on ``engine`` and record one span per choice; returns the OpenAI response dict.
+
+        ``agent_name``: the request's ``X-Agent-Name`` header, recorded as ``gen_ai.agent.name``.
+        """
         import litellm
 
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
@@ -405,7 +413,8 @@ class LLMProxy:
             message = str(getattr(exc, "message", exc))
             if rollout_id and attempt_id:
                 span = self.tracer.start_span(LLM_SPAN_NAME, rollout_id, attempt_id,
-                                              {"gen_ai.request.model": req.model, "error": message[:2000]})
+                                              {"gen_ai.request.model": req.model, "error": message[:2000],
+                                               **({AGENT_NAME: agent_name} if agent_name else {})})
                 await asyncio.to_thread(span.end)
             if status in (400, 404, 422):
                 raise _HTTPError(400, f"the engine refused the request: {message}") from None
@@ -429,12 +438,15 @@ class LLMProxy:
             lp_block = c.get("logprobs") or {}
             choices.append({"index": c["index"], "text": text, "content": content if content or not calls else None,
                             "tool_calls": calls, "token_ids": token_ids,
-                            "finish_reason": "tool_calls" if calls else c.get("finish_reason"),
+                            # a reply cut at max_tokens stays "length" (OpenAI's rule), also when a call parsed
+                            # before the cut: DAPO's overlong filter and the truncation counts read it
+                            "finish_reason": ("tool_calls" if calls and c.get("finish_reason") != "length"
+                                              else c.get("finish_reason")),
                             "logprobs_block": lp_block if lp_block.get("content") else None})
         usage = raw.get("usage") or {}
         if rollout_id and attempt_id:
             await self._record(req, messages, applied, not_applied, served_by, raw.get("id"), prompt_ids, choices,
-                               version, served_by.weight_version, rollout_id, attempt_id, t0)
+                               version, served_by.weight_version, rollout_id, attempt_id, t0, agent_name)
         out_choices = []
         for ch in choices:
             message: dict[str, Any] = {"role": "assistant", "content": ch["content"]}
@@ -451,10 +463,17 @@ class LLMProxy:
     async def _record(self, req: ChatCompletionRequest, messages: list[dict[str, Any]], applied: dict[str, Any],
                       not_applied: list[str], engine: Engine, response_id: Optional[str],
                       prompt_ids: Optional[list[int]], choices: list[dict[str, Any]], version: int, version_after: int,
-                      rollout_id: str, attempt_id: str, t0: int) -> None:
-        """One span per choice: what was requested, what was applied, and what was sampled."""
+                      rollout_id: str, attempt_id: str, t0: int, agent_name: Optional[str] = None) -> None:
+        """One span per choice: what was requested, what was applied, and what was sampled.
+
+        The request's ``X-Agent-Name`` header (``agent_name``; header names are case-insensitive) is
+        recorded as ``gen_ai.agent.name``, which :class:`~lightning_nb.adapter.TripletAdapter`'s
+        ``agent_match`` selects on. Agents set it per client, ``OpenAI(default_headers={"X-Agent-Name":
+        "solver"})``, or per call, ``extra_headers={"X-Agent-Name": "solver"}``.
+        """
         requested = {
             "gen_ai.system": "lightning_nb", "gen_ai.request.model": req.model,
+            **({AGENT_NAME: agent_name} if agent_name else {}),
             **{f"gen_ai.request.{k}": v for k, v in (("temperature", req.temperature), ("top_p", req.top_p),
                                                        ("max_tokens", req.max_completion_tokens or req.max_tokens),
                                                        ("seed", req.seed)) if v is not None},

@@ -41,13 +41,14 @@ from lightning_nb.errors import ConfigError, InvalidRewardError, LightningNbErro
 from lightning_nb.store.base import LightningStore
 from lightning_nb.types import Span
 
-__all__ = ["Tracer", "StoreSpanProcessor", "SpanLedger", "AttemptSpans", "emit_reward", "tool_span", "ROLLOUT_ID",
-           "ATTEMPT_ID"]
+__all__ = ["Tracer", "StoreSpanProcessor", "SpanLedger", "AttemptSpans", "emit_reward", "emit_intermediate_reward",
+           "tool_span", "ROLLOUT_ID", "ATTEMPT_ID", "INTERMEDIATE_REWARD_SPAN_NAME"]
 
 log = logging.getLogger(__name__)
 
 ROLLOUT_ID = "lightning_nb.rollout_id"
 ATTEMPT_ID = "lightning_nb.attempt_id"
+INTERMEDIATE_REWARD_SPAN_NAME = "intermediate_reward"  # never "reward": that name is the final reward's
 
 
 @dataclass(frozen=True)
@@ -323,6 +324,37 @@ def emit_reward(value: float, **attributes: Any) -> float:
     active = _active_or_raise("emit_reward")
     with active.tracer.otel.start_as_current_span("reward") as span:
         span.set_attribute("reward", reward)
+        for k, v in attributes.items():
+            span.set_attribute(k, v if isinstance(v, (str, bool, int, float)) else json.dumps(v, default=str))
+    return reward
+
+
+def emit_intermediate_reward(value: float, name: str = "tool_error", **attributes: Any) -> float:
+    """Record an intermediate reward (a reward for one step, not the episode) and return it.
+
+    Automatic Intermediate Rewarding (AIR; Agent Lightning paper, Luo et al. 2025, §3.4): signals
+    such as a tool call's success or failure, emitted while the agent runs, that the trainer
+    credits to a single LLM call rather than to the whole episode. The span is named
+    ``"intermediate_reward"`` (never ``"reward"``: the final reward is the last ``"reward"``
+    span, :func:`lightning_nb.store.rules.final_reward`, and this does not change it) and
+    carries ``reward`` (float) and ``reward.name`` (``name``, e.g. ``"tool_error"``), plus
+    ``attributes`` (non-scalar values as JSON).
+
+    :class:`~lightning_nb.adapter.TripletAdapter` attributes it to the LLM call that most
+    recently ended before this span started (one emitted before any call goes to the first
+    call) and sums it into that call's ``Triplet.step_reward``; ``GRPOConfig.credit`` says how
+    the trainer uses it. So emit it after the call whose output it judges, e.g. right after
+    running the tool that call asked for.
+
+    Raises:
+        InvalidRewardError: ``value`` is not a finite real number (nothing is recorded).
+        LightningNbError: called outside a rollout.
+    """
+    reward = check_reward(value, "intermediate reward")
+    active = _active_or_raise("emit_intermediate_reward")
+    with active.tracer.otel.start_as_current_span(INTERMEDIATE_REWARD_SPAN_NAME) as span:
+        span.set_attribute("reward", reward)
+        span.set_attribute("reward.name", str(name))
         for k, v in attributes.items():
             span.set_attribute(k, v if isinstance(v, (str, bool, int, float)) else json.dumps(v, default=str))
     return reward

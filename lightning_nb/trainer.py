@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import pandas as pd
 
@@ -27,12 +27,13 @@ from lightning_nb.device import check_device, check_dtype, place_model, set_grad
 from lightning_nb.engine import TransformersEngine
 from lightning_nb.errors import ConfigError
 from lightning_nb.types import Triplet
+from lightning_nb.weights import adapter_state_dict, add_lora, base_state_dict, has_lora, write_hf_folder
 
 if TYPE_CHECKING:
     from lightning_nb.algorithm import LightningRL
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "TrainerStopped", "group_advantages", "lr_factor", "overlong_penalty",
-           "pack_episode", "response_logprobs"]
+           "pack_episode", "response_logprobs", "reward_to_go", "transition_advantages"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,20 @@ class GRPOConfig:
     track_reference_kl: bool = field(default=True, metadata={
         "help": "Keep a frozen copy of the initial weights and report KL to it every step (costs one forward)."})
     norm_adv_by_std: bool = field(default=True, metadata={"help": "Divide group-relative advantages by the group std."})
+    credit: str = field(default="episode", metadata={
+        "help": "How rewards become per-turn credit (Triplet.reward = final reward R, Triplet.step_reward = s_t, the "
+                "intermediate rewards of turn t, emit_intermediate_reward). 'episode' (LightningRL, Agent Lightning "
+                "§3.2): every turn of episode i gets A_i, GRPO's group-normalised R_i = R + Σ_t s_t (+ overlong "
+                "penalty, + KL penalty with kl_mode='reward'); without intermediate rewards exactly the plain "
+                "LightningRL update. 'reward_to_go': turn t of T gets the discounted return G_t = Σ_{k≥t} γ^(k−t) "
+                "s_k + γ^(T−1−t) R (Sutton & Barto §3.3; s_k includes turn k's overlong penalty), normalised over "
+                "all transitions (i, t) of the group: A_it = (G_it − mean_g G) / (std_g G + 1e-6) (verl "
+                "compute_grpo_outcome_advantage, one item per transition), so episodes with more turns weigh more "
+                "in the group statistics. min_group_size still counts episodes; kl_mode='reward' is refused "
+                "(use kl_mode='loss')."})
+    gamma: float = field(default=1.0, metadata={
+        "help": "Discount γ in (0, 1] of credit='reward_to_go' per turn (LLM call), not per token; 1 = undiscounted. "
+                "credit='episode' refuses any other value."})
     min_group_size: int = field(default=2, metadata={
         "help": "Groups with fewer episodes than this (after failures, timeouts and adapter skips) are dropped "
                 "from the update and counted in groups_dropped; must be >= 2 (a group of one has no baseline)."})
@@ -116,8 +131,9 @@ class GRPOConfig:
     pack_turns: bool = field(default=True, metadata={
         "help": "Pack an episode's turns into one sequence when each prompt extends the previous turn."})
     skip_zero_advantage: bool = field(default=True, metadata={
-        "help": "Skip the forward/backward of sequences whose advantage is 0 when kl_coef == 0 (their gradient "
-                "is exactly 0); they still count in the loss denominator, so the step size is unchanged."})
+        "help": "Skip the forward/backward of sequences whose advantage is 0 on every trained token when kl_coef == 0 "
+                "(their gradient is exactly 0); they still count in the loss denominator, so the step size is "
+                "unchanged."})
     device: str = field(default="cpu", metadata={
         "help": "Where the model trains and the TransformersEngine serves it: 'cpu', 'cuda' or 'cuda:N'. "
                 "The trainer moves the engine's model (and the reference copy) there; set at construction."})
@@ -129,6 +145,19 @@ class GRPOConfig:
     gradient_checkpointing: bool = field(default=False, metadata={
         "help": "Recompute each decoder layer's activations in the backward pass: activation memory of one "
                 "layer instead of all, for about one extra forward of compute; same gradients. Set at construction."})
+    lora_rank: int = field(default=0, metadata={
+        "help": "0 = full fine-tuning. r >= 1 trains LoRA adapters of rank r (Hu et al. 2021) through peft "
+                "instead of the weights: each targeted linear layer computes W x + (lora_alpha / r) B A x with W "
+                "frozen. The reference policy is then the base model with the adapters disabled (no second "
+                "copy), checkpoints hold only the adapters, and save_pretrained() exports merged weights or the "
+                "adapter. LoRA wants a ~10x higher learning_rate than full fine-tuning. Set at construction."})
+    lora_alpha: float = field(default=32.0, metadata={
+        "help": "LoRA scale numerator: the adapters' update is scaled by lora_alpha / lora_rank (verl's and "
+                "peft's lora_alpha)."})
+    lora_target_modules: Union[str, list] = field(default="all-linear", metadata={
+        "help": "Layers that get adapters: 'all-linear' (every linear layer but the output head, as QLoRA and "
+                "verl's examples do) or module names such as ['q_proj', 'v_proj'] (peft's target_modules). "
+                "Set at construction."})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -172,6 +201,17 @@ class GRPOConfig:
              "set total_steps to the number of updates of the run (AlgorithmConfig.steps), or use "
              "lr_scheduler='constant'"),
             ("kl_mode", self.kl_mode in ("loss", "reward"), "'loss' or 'reward'", "pick one of them"),
+            ("credit", self.credit in ("episode", "reward_to_go"), "'episode' or 'reward_to_go'",
+             "use 'episode' (every turn gets its episode's advantage) or 'reward_to_go' (per-turn returns)"),
+            ("gamma", isinstance(self.gamma, (int, float)) and not isinstance(self.gamma, bool)
+             and 0 < self.gamma <= 1, "a float in (0, 1]", "use 1.0 for undiscounted returns"),
+            ("gamma", self.gamma == 1.0 or self.credit == "reward_to_go", "1.0 with credit='episode'",
+             "set credit='reward_to_go' to discount per turn (credit='episode' gives every turn the episode's "
+             "return, so there is nothing to discount)"),
+            ("kl_mode", not (self.credit == "reward_to_go" and self.kl_mode == "reward"),
+             "'loss' with credit='reward_to_go'",
+             "set kl_mode='loss' (the KL term is per token already), or credit='episode' to keep the KL penalty "
+             "in the reward"),
             ("clip_ratio_low", self.clip_ratio_low is None or 0 < self.clip_ratio_low < 1, "None or in (0, 1)",
              "use None to take clip_ratio"),
             ("clip_ratio_high", self.clip_ratio_high is None or self.clip_ratio_high > 0, "None or > 0",
@@ -187,6 +227,13 @@ class GRPOConfig:
             ("overlong_penalty_factor", self.overlong_penalty_factor >= 0, ">= 0", "DAPO uses 1.0"),
             ("tis_cap", self.tis_cap is None or self.tis_cap >= 1, "None or >= 1",
              "a cap below 1 would shrink the weight of on-policy tokens; Yao et al. use 2"),
+            ("lora_rank", isinstance(self.lora_rank, int) and self.lora_rank >= 0, "an int >= 0",
+             "use 0 for full fine-tuning, or 8-64 for LoRA"),
+            ("lora_alpha", self.lora_alpha > 0, "> 0", "use twice lora_rank, a common choice"),
+            ("lora_target_modules", self.lora_target_modules == "all-linear" or (
+                isinstance(self.lora_target_modules, (list, tuple)) and self.lora_target_modules
+                and all(isinstance(m, str) for m in self.lora_target_modules)),
+             "'all-linear' or a non-empty list of module names", "e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj']"),
             ("fail_on_fork", not self.fail_on_fork or self.pack_turns, "False when pack_turns is False",
              "set pack_turns=True (without packing every turn is its own sequence, so nothing forks)"),
         ]
@@ -285,6 +332,66 @@ def group_advantages(rewards: dict[str, float], groups: dict[str, str], *, min_g
     return {e: float(a) for e, a in zip(kept, adv_E[:, 0])}, dropped
 
 
+def reward_to_go(step_rewards: Sequence[float], final_reward: float, gamma: float = 1.0) -> list[float]:
+    """Discounted return of each turn of one episode (``GRPOConfig.credit="reward_to_go"``).
+
+    For turns ``t = 0..T-1`` with step rewards ``s_t`` (intermediate rewards, reward units) and
+    the episode's final reward ``R`` (arriving after the last turn)::
+
+        G_t = Σ_{k≥t} γ^(k−t) s_k + γ^(T−1−t) R         (Sutton & Barto 2018, §3.3)
+
+    computed backwards, ``G_{T−1} = s_{T−1} + R`` and ``G_t = s_t + γ G_{t+1}``. Steps ``[0.5, 0, 0]``,
+    ``R = 1`` and ``γ = 0.5`` give ``[0.75, 0.5, 1.0]``. ``[]`` gives ``[]``.
+    """
+    out = [0.0] * len(step_rewards)
+    ahead = float(final_reward)
+    for t in range(len(step_rewards) - 1, -1, -1):
+        out[t] = float(step_rewards[t]) + ahead
+        ahead = gamma * out[t]
+    return out
+
+
+def transition_advantages(returns: dict[tuple[str, int], float], groups: dict[str, str], *, min_group_size: int = 2,
+                          norm_by_std: bool = True) -> tuple[dict[tuple[str, int], float], dict[str, int]]:
+    """GRPO's group-relative advantage per transition, with groups of too few episodes dropped.
+
+    For the transitions ``(i, t)`` (episode i, turn t) of a group ``g`` with returns ``G_it``
+    (:func:`reward_to_go`): ``A_it = (G_it − mean_g G) / (std_g G + 1e-6)`` over all of the group's
+    transitions (unbiased std; ``norm_by_std=False``: ``G_it − mean_g G``), computed by
+    :func:`group_advantages` (verl's ``compute_grpo_outcome_advantage``) with one item per
+    transition. An episode with more turns puts more items into the mean and std, so it weighs
+    more in the group statistics than under per-episode normalization.
+
+    A group is dropped when it has fewer than ``min_group_size`` **episodes** (not transitions).
+
+    Args:
+        returns: ``(episode id, turn index)`` -> return.
+        groups: episode id -> group id (every episode of ``returns``).
+
+    Returns:
+        ``(advantages, dropped)``: ``(episode, turn)`` -> advantage for the kept groups, and group id -> episodes
+        for the dropped ones.
+
+    Raises:
+        ConfigError: ``min_group_size`` < 2, or ``groups`` lacks an episode of ``returns``.
+    """
+    if min_group_size < 2:
+        raise ConfigError(f"min_group_size must be >= 2, got {min_group_size}: a group of one has no baseline")
+    episodes = list(dict.fromkeys(e for e, _ in returns))
+    missing = [e for e in episodes if e not in groups]
+    if missing:
+        raise ConfigError(f"groups has no group for episode {missing[0]!r}")
+    sizes: dict[str, int] = {}
+    for e in episodes:
+        sizes[groups[e]] = sizes.get(groups[e], 0) + 1
+    dropped = {g: n for g, n in sizes.items() if n < min_group_size}
+    kept = {k: v for k, v in returns.items() if groups[k[0]] not in dropped}
+    # every kept group has >= 2 episodes, so >= 2 transitions: group_advantages drops nothing more
+    advantages, _ = group_advantages(kept, {k: groups[k[0]] for k in kept}, min_group_size=2,  # type: ignore[arg-type]
+                                     norm_by_std=norm_by_std)
+    return advantages, dropped  # type: ignore[return-value]
+
+
 @dataclass
 class _Sequence:
     """One training sequence: tokens, response mask (1 = trained token), behavior logprobs, advantage.
@@ -293,6 +400,12 @@ class _Sequence:
     length) are the trainer's log-probs at the start of the update, once it has scored the
     sequence. ``fork_at`` is set on a sequence that :func:`pack_episode` started because the
     turn's prompt did not extend the previous sequence: the first differing token position.
+
+    Advantages are per token, since one sequence can hold several turns: ``token_turns[j]`` is
+    the index (0..T−1, in turn order among the episode's T triplets) of the transition token j
+    came with (its prompt or its response), and ``token_advantages[j]`` that transition's
+    advantage; both as long as ``input_ids``. ``advantage`` is their mean over the response
+    tokens (mask 1), for displays; the loss uses ``token_advantages``.
     """
 
     input_ids: list[int]
@@ -308,11 +421,21 @@ class _Sequence:
     trained: bool = False
     trainer_logprobs: Optional[list[float]] = None
     kl_sum: float = 0.0
+    token_turns: list[int] = field(default_factory=list)
+    token_advantages: list[float] = field(default_factory=list)
+
+    def set_advantages(self, by_turn: dict[int, float]) -> None:
+        """Give token j the advantage ``by_turn[token_turns[j]]``; ``advantage`` becomes their response-token mean."""
+        self.token_advantages = [by_turn[k] for k in self.token_turns]
+        trained = [a for a, m in zip(self.token_advantages, self.mask) if m] or self.token_advantages
+        # one value exactly when all are equal (credit="episode"): a float mean of n copies can round
+        self.advantage = trained[0] if len(set(trained)) == 1 else (sum(trained) / len(trained) if trained else 0.0)
 
     def as_row(self) -> dict[str, Any]:
         """The sequence as :attr:`GRPOTrainer.last_batch` holds it (engine/trainer log-probs 0.0 off the mask)."""
         return {"rollout_id": self.rollout_id, "group_id": self.group_id, "input_ids": list(self.input_ids),
                 "response_mask": list(self.mask), "advantage": float(self.advantage),
+                "advantages": [a if m else 0.0 for a, m in zip(self.token_advantages, self.mask)],
                 "engine_logprobs": [lp if m else 0.0 for lp, m in zip(self.old_logprobs, self.mask)],
                 "trainer_logprobs": ([lp if m else 0.0 for lp, m in zip(self.trainer_logprobs, self.mask)]
                                      if self.trained and self.trainer_logprobs is not None else None)}
@@ -329,9 +452,11 @@ def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = Tru
     the prompt differs from the previous sequence (an episode packed into k sequences has
     k − 1 forks). With ``mask_truncated`` the response of a turn the engine cut at
     ``max_tokens`` (``finish_reason == "length"``) gets mask 0 (DAPO's overlong filtering).
+    Each token's ``token_turns`` entry is its transition's index in turn order (0..T−1), and every
+    token gets ``advantage`` (:meth:`_Sequence.set_advantages` sets per-turn ones).
     """
     out: list[_Sequence] = []
-    for t in sorted(triplets, key=lambda t: t.turn):
+    for k, t in enumerate(sorted(triplets, key=lambda t: t.turn)):
         lp = list(t.logprobs) if t.logprobs is not None else [0.0] * len(t.response_ids)
         keep = 0 if mask_truncated and t.finish_reason == "length" else 1  # response mask value
         cur = out[-1] if out else None
@@ -341,12 +466,16 @@ def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = Tru
             cur.mask += [0] * len(extra) + [keep] * len(t.response_ids)
             cur.old_logprobs += [0.0] * len(extra) + lp
             cur.has_old = cur.has_old and t.logprobs is not None
+            cur.token_turns += [k] * (len(extra) + len(t.response_ids))
+            cur.token_advantages += [advantage] * (len(extra) + len(t.response_ids))
         else:
             fork_at = _first_difference(cur.input_ids, t.prompt_ids) if pack and cur is not None else None
             out.append(_Sequence(list(t.prompt_ids) + list(t.response_ids),
                                  [0] * len(t.prompt_ids) + [keep] * len(t.response_ids),
                                  [0.0] * len(t.prompt_ids) + lp, t.logprobs is not None, advantage, t.temperature,
-                                 rollout_id=t.rollout_id, group_id=t.group_id, turn=t.turn, fork_at=fork_at))
+                                 rollout_id=t.rollout_id, group_id=t.group_id, turn=t.turn, fork_at=fork_at,
+                                 token_turns=[k] * (len(t.prompt_ids) + len(t.response_ids)),
+                                 token_advantages=[advantage] * (len(t.prompt_ids) + len(t.response_ids))))
     return out
 
 
@@ -382,11 +511,22 @@ class _Batch:
     seqs: list[_Sequence]
     rewards: dict[str, float]  # episode -> reward as emitted (episodes not dropped as stale)
     groups: dict[str, str]  # episode -> group
-    advantages: dict[str, float]  # kept episodes only
+    advantages: dict[str, float]  # kept episodes only (credit="reward_to_go": the mean over its turns)
+    turn_advantages: dict[str, dict[int, float]]  # kept episode -> turn index (0..T-1, in turn order) -> advantage
     dropped: dict[str, int]  # undersized group -> size
     staleness: dict[str, int]  # episode -> weight versions behind
     stale: list[str]
     forks: int
+
+
+def _per_triplet_turn(triplets: Sequence[Triplet],
+                      by_turn: dict[str, dict[int, float]]) -> dict[tuple[str, int], float]:
+    """``(rollout_id, Triplet.turn) -> advantage`` from the trainer's ``episode -> turn index -> advantage``."""
+    episodes: dict[str, list[Triplet]] = {}
+    for t in triplets:
+        episodes.setdefault(t.rollout_id, []).append(t)
+    return {(r, t.turn): advs[k] for r, advs in by_turn.items()
+            for k, t in enumerate(sorted(episodes[r], key=lambda t: t.turn))}
 
 
 def _shift_pad(rows: Sequence[Sequence[float]], T: int, device: Any) -> Any:
@@ -424,16 +564,26 @@ class GRPOTrainer(BackgroundLoop):
         self.model = engine.model
         self.config = config or GRPOConfig()
         cfg = self.config
+        self.peft_model = None  # the peft.PeftModel around self.model when training LoRA adapters
         with engine.lock:  # the engine serves the moved model from its next batch on (it reads the device each time)
             place_model(self.model, cfg.device, cfg.dtype)
-        self.reference = None
-        if cfg.track_reference_kl or cfg.kl_coef > 0:  # copied after the move: same device and dtype
+            if cfg.lora_rank:  # injected in place: the engine serves the adapted model with no copy
+                self.peft_model = add_lora(self.model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+            elif has_lora(self.model):
+                raise ConfigError(
+                    "GRPOConfig.lora_rank=0 (full fine-tuning), but this engine's model has LoRA adapters from an "
+                    "earlier trainer with lora_rank > 0; build this trainer with that trainer's lora_* fields, or "
+                    "build a new engine for full fine-tuning")
+        self.reference = None  # a frozen copy of the initial weights; with LoRA the base model is the reference
+        if self.peft_model is None and (cfg.track_reference_kl or cfg.kl_coef > 0):  # copied after the move
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
             set_gradient_checkpointing(self.reference, False)
         set_gradient_checkpointing(self.model, cfg.gradient_checkpointing)
-        self._placement = {k: getattr(cfg, k) for k in ("device", "dtype", "gradient_checkpointing")}
+        self._placement = {k: getattr(cfg, k) for k in ("device", "dtype", "gradient_checkpointing", "lora_rank",
+                                                         "lora_alpha", "lora_target_modules")}
+        self._trainable = [p for p in self.model.parameters() if p.requires_grad]  # the adapters only, with LoRA
         # created after the move, so its state lives beside the weights
-        self.optimizer = make_optimizer(self.model.parameters(), dtype=cfg.dtype, lr=cfg.learning_rate,
+        self.optimizer = make_optimizer(self._trainable, dtype=cfg.dtype, lr=cfg.learning_rate,
                                         weight_decay=cfg.weight_decay)
         # one scheduler step per update(); _sync_config re-applies lr_factor with the config as edited before each
         # update. The lambda holds the config, not self: a trainer -> scheduler -> trainer cycle would keep the
@@ -445,6 +595,7 @@ class GRPOTrainer(BackgroundLoop):
         self.config_changes: list[dict[str, Any]] = []  # {"step", "field", "old", "new"} per edit applied
         self.last_triplets: list[Triplet] = []
         self.last_advantages: dict[str, float] = {}
+        self.last_turn_advantages: dict[tuple[str, int], float] = {}  # (rollout_id, Triplet.turn) -> advantage
         self.last_batch: list[dict[str, Any]] = []  # the optimizer's-eye view of the last update (see update())
         self.algorithm: Optional["LightningRL"] = None
         self._pending_algorithm_state: Optional[dict[str, Any]] = None
@@ -460,10 +611,12 @@ class GRPOTrainer(BackgroundLoop):
           1. :meth:`_build_batch`: drop episodes sampled more than ``max_staleness`` weight
              versions ago; pack each episode's turns into sequences with a response mask
              (:func:`pack_episode`; forks are counted, or refused with ``fail_on_fork``); episode
-             reward (with DAPO's soft overlong penalty, and the KL penalty of ``kl_mode="reward"``)
-             → group-relative advantage (:func:`group_advantages`; groups = ``Triplet.group_id``;
-             groups under ``min_group_size`` are dropped), given to every sequence of the
-             episode (LightningRL);
+             reward (final reward + intermediate rewards, with DAPO's soft overlong penalty, and the
+             KL penalty of ``kl_mode="reward"``) → group-relative advantage (:func:`group_advantages`;
+             groups = ``Triplet.group_id``; groups under ``min_group_size`` are dropped), given to
+             every token of the episode (LightningRL); with ``credit="reward_to_go"`` each turn's
+             discounted return → a group-relative advantage per turn (:func:`reward_to_go`,
+             :func:`transition_advantages`), given to that turn's tokens;
           2. :meth:`_optimize`: ``ppo_epochs`` passes over mini-batches of ``mini_batch_size``
              sequences, one AdamW step each with gradient-norm clipping; each mini-batch is
              forwarded in micro-batches of ``micro_batch_size`` (:meth:`_micro_step`, gradients
@@ -473,10 +626,10 @@ class GRPOTrainer(BackgroundLoop):
              moves one step along its schedule (:func:`lr_factor`).
 
         The loss of a mini-batch M, over the response tokens t of its sequences i, with
-        ``r = π_θ(t) / π_old(t)``::
+        ``r = π_θ(t) / π_old(t)`` and A_it the advantage of the turn token t came with::
 
-            ℓ_it = w_it · max(−A_i r, −A_i clip(r, 1 − ε_low, 1 + ε_high))    PPO (Schulman et al. 2017)
-                   (for A_i < 0 also capped at −3 A_i: dual-clip, Ye et al. 2020; verl's clip_ratio_c)
+            ℓ_it = w_it · max(−A_it r, −A_it clip(r, 1 − ε_low, 1 + ε_high))  PPO (Schulman et al. 2017)
+                   (for A_it < 0 also capped at −3 A_it: dual-clip, Ye et al. 2020; verl's clip_ratio_c)
             token-mean               Σ_it ℓ_it / N_M                         verl default, DAPO
             seq-mean-token-mean      (1/G_M) Σ_i (1/|o_i|) Σ_t ℓ_it          GRPO paper
             seq-mean-token-sum       (1/G_M) Σ_i Σ_t ℓ_it
@@ -502,9 +655,11 @@ class GRPOTrainer(BackgroundLoop):
 
         After the update, :attr:`last_batch` holds one dict per sequence of the kept episodes
         (also those not forwarded): ``rollout_id``, ``group_id``, ``input_ids``,
-        ``response_mask``, ``advantage``, ``engine_logprobs`` and ``trainer_logprobs`` (π_start,
-        or None when the sequence was not forwarded), the log-prob lists as long as
-        ``input_ids`` with 0.0 where the mask is 0.
+        ``response_mask``, ``advantage`` (the mean of ``advantages`` over the trained tokens),
+        ``advantages`` (per token), ``engine_logprobs`` and ``trainer_logprobs`` (π_start, or None
+        when the sequence was not forwarded), the per-token lists as long as ``input_ids`` with 0.0
+        where the mask is 0. :attr:`last_advantages` holds each kept episode's advantage and
+        :attr:`last_turn_advantages` each triplet's, keyed ``(rollout_id, turn)``.
 
         Metrics (one row): ``step``, ``loss``, ``pg_loss`` and ``grad_norm`` (means over the
         optimizer steps), ``kl``, ``ppo_kl``, ``pg_clipfrac`` and ``tis_weight_mean`` (NaN without
@@ -516,6 +671,7 @@ class GRPOTrainer(BackgroundLoop):
         ``sequences_trained``, ``tokens_trained``, ``optimizer_steps``, ``turn_forks``
         (sequences started because a turn's prompt did not extend the previous turn's
         tokens), ``truncated_responses`` (triplets with ``finish_reason == "length"``),
+        ``intermediate_rewards`` (triplets with ``step_reward != 0``),
         ``update_seconds``, ``tokens_per_s``, ``lr`` (the learning rate this update used),
         ``config_changes`` (edits applied at this step, or "").
 
@@ -526,7 +682,8 @@ class GRPOTrainer(BackgroundLoop):
             ``mini_batch_size=None``), so clipping only bites on engine/trainer numeric
             mismatch or stale weights;
           * advantages are normalized per episode, not per transition, so an
-            episode with more LLM calls does not weigh more in the group statistics;
+            episode with more LLM calls does not weigh more in the group statistics
+            (``credit="reward_to_go"`` normalizes per transition, so there it does);
           * groups smaller than ``min_group_size`` are dropped, not trained with verl's
             size-1 rule;
           * turns sharing a prefix are packed into one sequence (same gradient, fewer tokens);
@@ -554,17 +711,23 @@ class GRPOTrainer(BackgroundLoop):
                 self.step += 1
             metrics = self._step_metrics(triplets, batch, stats, time.perf_counter() - t0, lr, changes)
             self.last_triplets, self.last_advantages = list(triplets), batch.advantages
+            self.last_turn_advantages = _per_triplet_turn(triplets, batch.turn_advantages)
             self.last_batch = [s.as_row() for s in batch.seqs]
             self.metrics.append(metrics)
             return metrics
 
     def _build_batch(self, triplets: Sequence[Triplet], core_algos: Any) -> _Batch:
-        """Episodes → packed sequences carrying their episode's advantage (step 1 of :meth:`update`).
+        """Episodes → packed sequences carrying per-token advantages (step 1 of :meth:`update`).
 
-        The reward that goes into the group normalization of episode i is::
+        With ``credit="episode"`` (the default) the reward that goes into the group normalization
+        of episode i, whose advantage every token of the episode gets, is::
 
-            R_i = r_i + Σ_turns overlong_penalty(|response|)     (overlong_buffer_len > 0)
+            R_i = r_i + Σ_turns s_turn                            (intermediate rewards, Triplet.step_reward)
+                      + Σ_turns overlong_penalty(|response|)     (overlong_buffer_len > 0)
                       − kl_coef · Σ_t kl_t                       (kl_mode="reward", kl_coef > 0)
+
+        With ``credit="reward_to_go"`` each turn gets its own advantage (:meth:`_advantages`), and
+        the tokens of a packed sequence carry the advantage of the turn they came with.
 
         * the soft overlong penalty of DAPO (:func:`overlong_penalty`), summed over the
           episode's LLM calls (one call: DAPO's single response);
@@ -598,29 +761,71 @@ class GRPOTrainer(BackgroundLoop):
         for r in stale:  # too old to correct by importance weighting
             del episodes[r]
         groups = {r: ts[0].group_id for r, ts in episodes.items()}
+        advantages, by_turn, dropped = self._advantages(episodes, groups)
+        seqs = [s for r in advantages for s in packed[r]]
+        if cfg.kl_coef > 0 and cfg.kl_mode == "reward" and seqs:  # credit="episode" (validated)
+            self._score_at_start([s for s in seqs if any(s.mask)], core_algos, with_reference=True)
+            kl_sums: dict[str, list[float]] = {}
+            for s in seqs:
+                kl_sums.setdefault(s.rollout_id, []).append(s.kl_sum)
+            advantages, by_turn, _ = self._advantages({r: episodes[r] for r in advantages}, groups, kl_sums)
+        for s in seqs:
+            s.set_advantages(by_turn[s.rollout_id])
+        return _Batch(seqs=seqs, rewards={r: ts[0].reward for r, ts in episodes.items()}, groups=groups,
+                      advantages=advantages, turn_advantages=by_turn, dropped=dropped, staleness=staleness,
+                      stale=stale, forks=len(forks))
+
+    def _advantages(self, episodes: dict[str, list[Triplet]], groups: dict[str, str],
+                    kl_sums: Optional[dict[str, list[float]]] = None,
+                    ) -> tuple[dict[str, float], dict[str, dict[int, float]], dict[str, int]]:
+        """The advantages of ``episodes`` under ``GRPOConfig.credit`` (one rule for :meth:`update` and
+        :meth:`signal_groups`).
+
+        * ``"episode"``: :func:`group_advantages` of :meth:`_episode_rewards` (minus ``kl_coef`` × each of
+          ``kl_sums[episode]``, the KL penalty of ``kl_mode="reward"``); every turn gets its episode's.
+        * ``"reward_to_go"``: :func:`reward_to_go` of the turns' step rewards (``Triplet.step_reward`` plus
+          the turn's :func:`overlong_penalty`) and the final reward, with ``gamma``, then
+          :func:`transition_advantages` over each group's transitions.
+
+        Returns:
+            ``(per_episode, per_turn, dropped)``: kept episode -> advantage (``reward_to_go``: the mean over its
+            turns, for displays); kept episode -> {turn index 0..T−1 in turn order -> advantage}; undersized
+            group -> episodes.
+        """
+        cfg = self.config
+        if cfg.credit == "reward_to_go":
+            returns: dict[tuple[str, int], float] = {}
+            for r, ts in episodes.items():
+                ordered = sorted(ts, key=lambda t: t.turn)
+                steps = [t.step_reward + overlong_penalty(len(t.response_ids), cfg.max_response_len or 0,
+                                                          cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+                         for t in ordered]
+                for k, g in enumerate(reward_to_go(steps, ordered[0].reward, cfg.gamma)):
+                    returns[(r, k)] = g
+            flat, dropped = transition_advantages(returns, groups, min_group_size=cfg.min_group_size,
+                                                  norm_by_std=cfg.norm_adv_by_std)
+            by_turn: dict[str, dict[int, float]] = {}
+            for (r, k), a in flat.items():
+                by_turn.setdefault(r, {})[k] = a
+            return {r: sum(v.values()) / len(v) for r, v in by_turn.items()}, by_turn, dropped
         shaped = self._episode_rewards(episodes)
+        for r, kls in (kl_sums or {}).items():
+            for kl in kls:  # one subtraction per packed sequence, in order
+                shaped[r] -= cfg.kl_coef * kl
         advantages, dropped = group_advantages(shaped, groups, min_group_size=cfg.min_group_size,
                                                norm_by_std=cfg.norm_adv_by_std)
-        seqs = [s for r in advantages for s in packed[r]]
-        if cfg.kl_coef > 0 and cfg.kl_mode == "reward" and seqs:
-            self._score_at_start([s for s in seqs if any(s.mask)], core_algos, with_reference=True)
-            for s in seqs:
-                shaped[s.rollout_id] -= cfg.kl_coef * s.kl_sum
-            advantages, _ = group_advantages({r: shaped[r] for r in advantages}, groups,
-                                             min_group_size=cfg.min_group_size, norm_by_std=cfg.norm_adv_by_std)
-        for s in seqs:
-            s.advantage = advantages[s.rollout_id]
-        return _Batch(seqs=seqs, rewards={r: ts[0].reward for r, ts in episodes.items()}, groups=groups,
-                      advantages=advantages, dropped=dropped, staleness=staleness, stale=stale, forks=len(forks))
+        return advantages, {r: dict.fromkeys(range(len(episodes[r])), a) for r, a in advantages.items()}, dropped
 
     def _episode_rewards(self, episodes: dict[str, list[Triplet]]) -> dict[str, float]:
-        """Each episode's reward plus the soft overlong penalty of its responses (0 unless overlong_buffer_len > 0)."""
+        """Each episode's final reward plus its turns' intermediate rewards (``Triplet.step_reward``) and the
+        soft overlong penalty of its responses (0 unless overlong_buffer_len > 0)."""
         cfg = self.config
+        shaped = {r: ts[0].reward + sum(t.step_reward for t in ts) for r, ts in episodes.items()}
         if cfg.overlong_buffer_len == 0:
-            return {r: ts[0].reward for r, ts in episodes.items()}
-        return {r: ts[0].reward + sum(overlong_penalty(len(t.response_ids), cfg.max_response_len,
-                                                       cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
-                                      for t in ts) for r, ts in episodes.items()}
+            return shaped
+        return {r: shaped[r] + sum(overlong_penalty(len(t.response_ids), cfg.max_response_len,
+                                                    cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+                                   for t in ts) for r, ts in episodes.items()}
 
     def _optimize(self, seqs: list[_Sequence], core_algos: Any) -> dict[str, float]:
         """``ppo_epochs`` passes over mini-batches of ``seqs``, one optimizer step each (step 2 of :meth:`update`).
@@ -635,8 +840,8 @@ class GRPOTrainer(BackgroundLoop):
 
         cfg = self.config
         skip = cfg.skip_zero_advantage and (cfg.kl_coef == 0 or cfg.kl_mode == "reward")
-        for s in seqs:  # without a KL loss term a zero advantage has exactly zero gradient
-            s.trained = any(s.mask) and not (skip and s.advantage == 0.0)
+        for s in seqs:  # without a KL loss term a zero advantage on every trained token has exactly zero gradient
+            s.trained = any(s.mask) and not (skip and all(a == 0.0 for a, m in zip(s.token_advantages, s.mask) if m))
         size = cfg.mini_batch_size or max(len(seqs), 1)
         minis = [m for m in (seqs[i: i + size] for i in range(0, len(seqs), size)) if any(s.trained for s in m)]
         if cfg.ppo_epochs * len(minis) > 1:  # fix π_start before the first step changes the weights
@@ -652,7 +857,7 @@ class GRPOTrainer(BackgroundLoop):
                     part = self._micro_step(trained[i: i + cfg.micro_batch_size], view, core_algos)
                     for k, v in part.items():
                         stats[k] = max(stats[k], v) if k == "logprob_diff_max" else stats[k] + v
-                stats["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                stats["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self._trainable,
                                                                            cfg.max_grad_norm))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -682,7 +887,7 @@ class GRPOTrainer(BackgroundLoop):
                 stats[k] = stats[k] / max(tokens, 1)
         kept_rewards = [batch.rewards[r] for r in batch.advantages]
         groups = batch.groups
-        signal = {groups[r] for r, a in batch.advantages.items() if a != 0.0}
+        signal = {groups[r] for r, advs in batch.turn_advantages.items() if any(a != 0.0 for a in advs.values())}
         metrics: dict[str, Any] = {"step": self.step, **stats}
         metrics.update({
             "reward_mean": _mean(kept_rewards), "reward_std": _std(kept_rewards),
@@ -696,6 +901,7 @@ class GRPOTrainer(BackgroundLoop):
             "lr": lr, "optimizer_steps": steps,
             "tis_weight_mean": tis_weight / tokens if self.config.tis_cap is not None and tokens else math.nan,
             "turn_forks": batch.forks, "truncated_responses": sum(1 for t in triplets if t.finish_reason == "length"),
+            "intermediate_rewards": sum(1 for t in triplets if t.step_reward != 0.0),
             "config_changes": "; ".join(changes),
         })
         return metrics
@@ -703,19 +909,18 @@ class GRPOTrainer(BackgroundLoop):
     def signal_groups(self, triplets: Sequence[Triplet]) -> set[str]:
         """Group ids of ``triplets`` that :meth:`update` would learn from: kept groups with a non-zero advantage.
 
-        The same rule as :meth:`update` (:func:`group_advantages` with this config, on the
-        rewards with the soft overlong penalty), so the algorithm's ``groups_with_signal``
-        counts exactly what the trainer can use. Only the KL penalty of ``kl_mode="reward"``
-        is left out (it needs a forward pass); it rarely makes a group's rewards all equal or unequal.
+        The same rule as :meth:`update` (:meth:`_advantages` with this config: ``credit``, intermediate
+        rewards, the soft overlong penalty), so the algorithm's ``groups_with_signal`` counts exactly
+        what the trainer can use; a group has signal when any of its turns has a non-zero advantage.
+        Only the KL penalty of ``kl_mode="reward"`` is left out (it needs a forward pass); it rarely
+        makes a group's rewards all equal or unequal.
         """
         episodes: dict[str, list[Triplet]] = {}
         for t in triplets:
             episodes.setdefault(t.rollout_id, []).append(t)
         groups = {r: ts[0].group_id for r, ts in episodes.items()}
-        advantages, _ = group_advantages(self._episode_rewards(episodes), groups,
-                                         min_group_size=self.config.min_group_size,
-                                         norm_by_std=self.config.norm_adv_by_std)
-        return {groups[r] for r, a in advantages.items() if a != 0.0}
+        _, by_turn, _ = self._advantages(episodes, groups)
+        return {groups[r] for r, advs in by_turn.items() if any(a != 0.0 for a in advs.values())}
 
     def _check_batch(self, triplets: Sequence[Triplet]) -> None:
         if not triplets:
@@ -758,12 +963,33 @@ class GRPOTrainer(BackgroundLoop):
                 _, _, ids_B_T, attn_B_T, mask_B_L, temp_B = self._inputs(micro)
                 logp_B_L = response_logprobs(self.model, ids_B_T, attn_B_T, mask_B_L, temp_B)
                 if with_reference:
-                    ref_B_L = response_logprobs(self.reference, ids_B_T, attn_B_T, mask_B_L, temp_B)
+                    ref_B_L = self._reference_logprobs(ids_B_T, attn_B_T, mask_B_L, temp_B)
                     kl_B = (core_algos.kl_penalty(logp_B_L, ref_B_L, self.config.kl_penalty) * mask_B_L).sum(-1)
                 for b, s in enumerate(micro):
                     s.trainer_logprobs = [0.0] + logp_B_L[b, : len(s.input_ids) - 1].tolist()
                     if with_reference:
                         s.kl_sum = float(kl_B[b])
+
+    def _reference_active(self) -> bool:
+        """Whether the update measures KL to the reference (a kept copy, or with LoRA the base model when
+        ``track_reference_kl`` or ``kl_coef > 0``)."""
+        if self.peft_model is not None:
+            return self.config.track_reference_kl or self.config.kl_coef > 0
+        return self.reference is not None
+
+    def _reference_logprobs(self, ids_B_T: Any, attn_B_T: Any, mask_B_L: Any, temp_B: Any) -> Any:
+        """Log-probs (B, T-1) under the reference policy, without grad (see :func:`response_logprobs`).
+
+        With LoRA that is the model itself with its adapters disabled (peft's ``disable_adapter``;
+        the engine lock held by :meth:`update` keeps the engine from generating meanwhile).
+        """
+        import torch
+
+        with torch.no_grad():
+            if self.peft_model is None:
+                return response_logprobs(self.reference, ids_B_T, attn_B_T, mask_B_L, temp_B)
+            with self.peft_model.disable_adapter():
+                return response_logprobs(self.model, ids_B_T, attn_B_T, mask_B_L, temp_B)
 
     def _micro_step(self, micro: list[_Sequence], view: _VerlActorView, core_algos: Any) -> dict:
         """Forward/backward one micro-batch; returns its token-weighted sums of the step's metrics.
@@ -776,7 +1002,7 @@ class GRPOTrainer(BackgroundLoop):
 
         cfg = self.config
         T, device, ids_B_T, attn_B_T, mask_B_L, temp_B = self._inputs(micro)
-        adv_B_L = torch.tensor([s.advantage for s in micro], device=device)[:, None] * mask_B_L
+        adv_B_L = _shift_pad([s.token_advantages for s in micro], T, device) * mask_B_L  # per token: turns differ
         logp_B_L = response_logprobs(self.model, ids_B_T, attn_B_T, mask_B_L, temp_B)
         if micro[0].trainer_logprobs is None:  # no step yet in this update: this forward is π_start
             start_B_L = logp_B_L.detach()
@@ -797,9 +1023,8 @@ class GRPOTrainer(BackgroundLoop):
         loss = pg_loss
         tokens = float(mask_B_L.sum())
         kl_sum = 0.0
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_B_L = response_logprobs(self.reference, ids_B_T, attn_B_T, mask_B_L, temp_B)
+        if self._reference_active():
+            ref_B_L = self._reference_logprobs(ids_B_T, attn_B_T, mask_B_L, temp_B)
             kl_B_L = core_algos.kl_penalty(logp_B_L, ref_B_L, cfg.kl_penalty)
             if cfg.kl_coef > 0 and cfg.kl_mode == "loss":
                 loss = loss + cfg.kl_coef * core_algos.agg_loss(
@@ -854,7 +1079,7 @@ class GRPOTrainer(BackgroundLoop):
                     f"GRPOConfig.{name} was {built!r} when this trainer was built and is now "
                     f"{getattr(self.config, name)!r}; it is set at construction: set it back, or save() and "
                     f"build a new GRPOTrainer with GRPOConfig({name}={getattr(self.config, name)!r}), then load()")
-        if self.config.kl_coef > 0 and self.reference is None:
+        if self.config.kl_coef > 0 and self.reference is None and self.peft_model is None:
             raise ConfigError(
                 f"GRPOConfig.kl_coef={self.config.kl_coef} needs a reference model, and this trainer was built "
                 "with kl_coef=0 and track_reference_kl=False, so it kept none; set kl_coef back to 0, or build "
@@ -912,7 +1137,7 @@ class GRPOTrainer(BackgroundLoop):
         Columns (:func:`lightning_nb.audit.batch_df`): ``rollout_id``, ``group_id``,
         ``advantage``, ``tokens``, ``response_tokens``, ``mean_ratio``,
         ``max_abs_logprob_diff`` (nats), ``response_text``. The triplets themselves, one row
-        per LLM call: ``lightning_nb.adapter.triplets_df(trainer.last_triplets, trainer.last_advantages)``.
+        per LLM call: ``lightning_nb.adapter.triplets_df(trainer.last_triplets, trainer.last_turn_advantages)``.
         """
         from lightning_nb.audit import batch_df  # audit imports this module
 
@@ -943,7 +1168,10 @@ class GRPOTrainer(BackgroundLoop):
         weights fingerprint and how to rebuild it (the initial weights of the default
         model); a model signature. It loads with ``torch.load(weights_only=True)``.
         Call it at a step boundary (paused, or after ``wait()``); it takes the update lock.
-        Size: weights + 2 × weights for AdamW (about 1.6 GB for SmolLM2-135M in float32).
+        Size: weights + 2 × weights for AdamW (about 1.6 GB for SmolLM2-135M in float32). With LoRA
+        (``lora_rank > 0``) it holds the adapters and their AdamW state instead of the weights (about
+        60 MB for SmolLM2-135M at rank 32), and a fingerprint of the frozen base weights, which
+        :meth:`load` checks.
         """
         import torch
 
@@ -956,7 +1184,8 @@ class GRPOTrainer(BackgroundLoop):
             latest = store.get_latest_resources() if store is not None else None
             state = {
                 "format": CHECKPOINT_FORMAT, "lightning_nb_version": __version__,
-                "model_signature": model_signature(self.model), "model": self.model.state_dict(),
+                "model_signature": model_signature(self.model),
+                "model": self.model.state_dict() if self.peft_model is None else adapter_state_dict(self.model),
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "step": self.step, "metrics": plain(self.metrics),
                 "config": asdict(self.config), "config_changes": plain(self.config_changes),
@@ -964,6 +1193,7 @@ class GRPOTrainer(BackgroundLoop):
                 "reference": None if self.reference is None else {
                     "fingerprint": weights_fingerprint(self.reference),
                     "source": getattr(self.engine, "model_source", None)},
+                "lora_base": None if self.peft_model is None else {"fingerprint": self._base_fingerprint()},
                 "algorithm": plain(self.algorithm.state_dict()) if self.algorithm is not None else None,
                 "resources_id": latest.resources_id if latest is not None else None,
             }
@@ -972,7 +1202,7 @@ class GRPOTrainer(BackgroundLoop):
             tmp.replace(path)
         return path
 
-    def load(self, path: str | Path) -> None:
+    def load(self, path: str | Path, *, keep_config: bool = False) -> None:
         """Restore a :meth:`save` checkpoint into this trainer, its engine's model and its algorithm.
 
         The algorithm's state is applied to the attached algorithm, or to the next one built
@@ -980,6 +1210,15 @@ class GRPOTrainer(BackgroundLoop):
         what the uninterrupted run would have. ``resources_id`` of the checkpoint is kept in
         :attr:`checkpoint_resources_id` (the proxy URL of a new process differs: publish the
         new one with ``store.add_resources``).
+
+        The config: by default :attr:`config` takes the checkpoint's values (edits made while
+        paused before the save included), so the run continues as it was; each field this
+        replaces is logged as a warning. Fields fixed at construction (``device``, ``dtype``,
+        ``gradient_checkpointing``, ``lora_*``) stay this trainer's. ``keep_config=True`` keeps
+        this trainer's config instead (as verl and TRL do on resume): the fields that differ from
+        the checkpoint's are applied at the next update and recorded in :attr:`config_changes`
+        and the ``config_changes`` metric, like edits made while paused. Edit :attr:`config`
+        after ``load()`` to change anything further.
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
@@ -1001,10 +1240,19 @@ class GRPOTrainer(BackgroundLoop):
             found = state.get("format", "no format tag") if isinstance(state, dict) else type(state).__name__
             raise ConfigError(f"checkpoint {path} has format {found!r}, this version reads {CHECKPOINT_FORMAT!r}; "
                               "save it again with this version's trainer.save()")
+        self._check_lora_matches(state, path)
         check_signature(state["model_signature"], self.model, path)
+        saved_config = self._saved_config(state.get("config") or {}, path, check=not keep_config)
         with self._updating, self.engine.lock:
             self._restore_reference(state.get("reference"), path)
-            self.model.load_state_dict(state["model"])
+            if self.peft_model is None:
+                self.model.load_state_dict(state["model"])
+            else:  # the adapters only; the base must be the one they were trained on
+                if not torch.equal(self._base_fingerprint(), state["lora_base"]["fingerprint"]):
+                    raise ConfigError(
+                        f"checkpoint {path} holds LoRA adapters trained on other base weights than this "
+                        "trainer's model; build the engine on the same base model as the run that saved it")
+                self.model.load_state_dict(state["model"], strict=False)
             self.optimizer.load_state_dict(state["optimizer"])
             self.step = int(state["step"])
             if state.get("scheduler") is not None:
@@ -1016,12 +1264,87 @@ class GRPOTrainer(BackgroundLoop):
             self.engine.load_weights(self.model, version=int(state["weight_version"]))
             self.checkpoint_resources_id = state.get("resources_id")
             set_rng_state(state["rng"])
-            self._applied_config = asdict(self.config)
+            if keep_config:  # the next update applies (and records) this trainer's values over the checkpoint's
+                self._applied_config = {**asdict(self.config), **saved_config}
+            else:
+                for name, value in saved_config.items():
+                    if getattr(self.config, name) != value:
+                        log.warning("trainer.load: config.%s = %r from the checkpoint (was %r here); pass "
+                                    "keep_config=True to keep this trainer's value", name, value,
+                                    getattr(self.config, name))
+                        setattr(self.config, name, value)
+                self._applied_config = asdict(self.config)
         if state.get("algorithm") is not None:
             if self.algorithm is not None:
                 self.algorithm.load_state_dict(state["algorithm"])
             else:
                 self._pending_algorithm_state = state["algorithm"]
+
+    def _saved_config(self, saved: dict[str, Any], path: Path, check: bool = True) -> dict[str, Any]:
+        """The checkpoint's GRPOConfig fields that :meth:`load` may apply (all but those fixed at construction,
+        and fields this version does not know), checked to form a valid config before anything is loaded."""
+        from dataclasses import fields, replace
+
+        known = {f.name for f in fields(GRPOConfig)} - set(self._placement)
+        out = {k: v for k, v in saved.items() if k in known}
+        if not check:
+            return out
+        try:
+            replace(self.config, **out)
+        except ConfigError as exc:
+            raise ConfigError(f"checkpoint {path} holds a config this version refuses ({exc}); load it with "
+                              "keep_config=True to train on with this trainer's config") from None
+        return out
+
+    def _base_fingerprint(self) -> Any:
+        """Per-tensor float64 sums of the frozen base weights of a LoRA model (see ``weights_fingerprint``)."""
+        import torch
+
+        with torch.no_grad():
+            return torch.stack([t.detach().to("cpu", torch.float64).sum() for t in base_state_dict(self.model).values()])
+
+    def _check_lora_matches(self, state: dict[str, Any], path: Path) -> None:
+        """Raise ConfigError when the checkpoint and this trainer disagree on LoRA (before the signature check,
+        whose message would only name a parameter)."""
+        saved = {k: state.get("config", {}).get(k, d) for k, d in (("lora_rank", 0), ("lora_alpha", 32.0),
+                                                                  ("lora_target_modules", "all-linear"))}
+        mine = {k: getattr(self.config, k) for k in saved}
+        if saved["lora_rank"] == 0 and mine["lora_rank"] == 0:
+            return
+        if saved != mine:
+            diff = ", ".join(f"{k}={saved[k]!r}" for k in saved if saved[k] != mine[k])
+            raise ConfigError(f"checkpoint {path} was saved by a trainer with {diff}; this trainer has "
+                              + ", ".join(f"{k}={mine[k]!r}" for k in saved if saved[k] != mine[k])
+                              + ": build the trainer with the checkpoint's values (GRPOConfig(" + diff + "))")
+
+    def save_pretrained(self, path: str | Path, *, merged: bool = True) -> Path:
+        """Export the trained policy as a folder that transformers and vLLM load. Returns ``path``.
+
+        * ``merged=True`` (the default): a Hugging Face model folder (:func:`lightning_nb.weights.write_hf_folder`:
+          ``model.safetensors``, ``config.json``, the tokenizer and a ``generation_config.json``
+          with the engine's stop tokens). With LoRA the adapters are merged into the weights
+          (``W + (alpha / r) B A``). Load it with ``AutoModelForCausalLM.from_pretrained(path)``,
+          ``TransformersEngine.from_pretrained(path)``, or ``vllm serve path``.
+        * ``merged=False`` (LoRA only): the adapter as peft writes it (``adapter_config.json``,
+          ``adapter_model.safetensors``, a few MB). Load it with
+          ``peft.PeftModel.from_pretrained(base_model, path)``, or serve it with vLLM as
+          ``vllm serve BASE --enable-lora --lora-modules NAME=path``.
+
+        Call it at a step boundary (paused, or after ``wait()``); it takes the update lock.
+
+        Raises:
+            ConfigError: ``merged=False`` for a trainer without LoRA (``lora_rank=0``).
+        """
+        if not merged and self.peft_model is None:
+            raise ConfigError("save_pretrained(merged=False) writes a LoRA adapter, and this trainer trains the full "
+                              "weights (GRPOConfig.lora_rank=0); use merged=True")
+        path = Path(path)
+        with self._updating, self.engine.lock:
+            if not merged:
+                self.peft_model.save_pretrained(str(path), save_embedding_layers=False)
+                return path
+            return write_hf_folder(self.model, self.engine.tokenizer, path,
+                                   stop_token_ids=self.engine.stop_token_ids, pad_token_id=self.engine.pad_token_id)
 
     def _restore_reference(self, saved: Optional[dict[str, Any]], path: Path) -> None:
         """Make this trainer's reference model the one the checkpoint was trained against."""

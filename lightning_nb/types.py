@@ -222,7 +222,11 @@ class Triplet(_Model):
     ``prompt_ids`` and ``response_ids`` are exactly the token IDs the engine used
     (never re-tokenized). ``logprobs`` (len == len(response_ids)) are the engine's
     log-probabilities of the response tokens under the sampling distribution.
-    ``reward`` is the episode reward the transition is credited with (LightningRL).
+    ``reward`` is the episode's final reward (LightningRL credit: every transition of the
+    episode carries it). ``step_reward`` is the sum of the intermediate rewards attributed to
+    this LLM call (:func:`lightning_nb.emit_intermediate_reward`, attributed by
+    :class:`~lightning_nb.adapter.TripletAdapter`; 0.0 without any); ``GRPOConfig.credit``
+    says how the trainer combines the two.
     """
 
     rollout_id: str
@@ -233,6 +237,11 @@ class Triplet(_Model):
     response_ids: list[int]
     logprobs: Optional[list[float]] = None
     reward: float
+    step_reward: float = Field(0.0, description=(
+        "Sum of the intermediate rewards (Agent Lightning's Automatic Intermediate Rewarding) attributed to this "
+        "call: those emitted after it ended and before the next call of the attempt ended; reward units."))
+    agent_name: Optional[str] = Field(None, description=(
+        "The X-Agent-Name header of the request (span attribute gen_ai.agent.name); None if not sent."))
     temperature: float = 1.0
     top_p: float = Field(1.0, description="Nucleus sampling cut of the call; the GRPO trainer refuses < 1.")
     weight_version: Optional[int] = Field(None, description="Engine weight version that sampled the response.")
@@ -241,9 +250,9 @@ class Triplet(_Model):
     prompt_text: str = ""
     response_text: str = ""
 
-    @field_validator("reward")
+    @field_validator("reward", "step_reward")
     @classmethod
     def _finite(cls, v: float) -> float:
         if not math.isfinite(v):
-            raise ValueError(f"reward must be a finite number, got {v!r}")
+            raise ValueError(f"reward and step_reward must be finite numbers, got {v!r}")
         return v

@@ -367,34 +367,14 @@ class VLLMEngine(Engine):
         weights`` and it keeps serving the old output projection while the input
         embeddings change), so the served model never ties them. Same values, so the same
         logits; about 110 MB more memory in the server for SmolLM2-135M.
+
+        A model with LoRA adapters (``GRPOConfig.lora_rank``) is written merged
+        (:func:`lightning_nb.weights.merged_state_dict`), so the server needs no LoRA support.
         """
-        import copy
-        import json
+        from lightning_nb.weights import write_hf_folder
 
-        from safetensors.torch import save_file
-
-        if path.exists():  # left by an earlier engine in the same workdir
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-        tensors: dict[str, Any] = {}
-        storages: set[int] = set()
-        for name, tensor in self.model.state_dict().items():
-            t = tensor.detach().to("cpu")
-            ptr = t.untyped_storage().data_ptr()
-            tensors[name] = t.clone() if ptr in storages else t.contiguous()  # safetensors refuses shared storage
-            storages.add(ptr)
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-        config = copy.deepcopy(self.model.config)
-        if "lm_head.weight" in tensors and getattr(config, "tie_word_embeddings", False):
-            config.tie_word_embeddings = False
-        config.save_pretrained(path)
-        if with_tokenizer:
-            self.tokenizer.save_pretrained(path)
-            gen = self.model.generation_config.to_diff_dict() if getattr(self.model, "generation_config", None) else {}
-            gen = {k: v for k, v in gen.items() if not k.startswith("_") and k != "transformers_version"}
-            gen["eos_token_id"] = self.stop_token_ids  # vLLM stops on every id listed here
-            gen["pad_token_id"] = self.pad_token_id
-            (path / "generation_config.json").write_text(json.dumps(gen, indent=2, default=str))
+        write_hf_folder(self.model, self.tokenizer, path, stop_token_ids=self.stop_token_ids,
+                        pad_token_id=self.pad_token_id, untie_lm_head=True, with_tokenizer=with_tokenizer)
 
     def _start(self, model_dir: Path, port: int, env_vars: dict[str, str], extra: list[str], timeout: float) -> None:
         attempts = 3 if port == 0 else 1

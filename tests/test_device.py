@@ -318,3 +318,37 @@ def test_the_engine_serves_on_cuda_in_bfloat16_over_http():
         assert seeded[0] == seeded[1]  # the CUDA generator is forked and seeded per request
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+def test_lora_grpo_update_on_cuda_bfloat16(tmp_path):
+    pytest.importorskip("verl", reason="GRPOTrainer.update imports verl.trainer.ppo.core_algos; this environment "
+                                       "has no verl")
+    _default_model_or_skip()
+    from lightning_nb.weights import base_state_dict
+
+    engine = TransformersEngine.from_default(max_batch_size=16)
+    try:
+        trainer = GRPOTrainer(engine, GRPOConfig(device="cuda", dtype="bfloat16", gradient_checkpointing=True,
+                                                 micro_batch_size=8, lora_rank=32, lora_alpha=32.0,
+                                                 learning_rate=2e-4))
+        base = {k: v.detach().clone() for k, v in base_state_dict(engine.model).items()}
+        torch.manual_seed(0)
+        torch.cuda.reset_peak_memory_stats()
+        for step in range(3):
+            gens = [f.result() for f in [engine.submit(_prompt(engine), temperature=1.0, max_tokens=64)
+                                         for _ in range(16)]]
+            t0 = time.perf_counter()
+            m = trainer.update(_batch(gens))
+            torch.cuda.synchronize()
+            print(f"\ncuda bf16 LoRA r=32 SmolLM2-135M step {step}: update {time.perf_counter() - t0:.3f} s, "
+                  f"{m['tokens_per_s']:.0f} tokens/s, kl {m['kl']:.5f}, logprob_diff_max {m['logprob_diff_max']:.4f}")
+        print(f"peak CUDA memory allocated: {_cuda_peak_gib():.2f} GiB")
+        assert m["grad_norm"] > 0 and m["kl"] > 0
+        assert all(torch.equal(v, base[k]) for k, v in base_state_dict(engine.model).items())
+        from transformers import AutoModelForCausalLM
+
+        merged = AutoModelForCausalLM.from_pretrained(trainer.save_pretrained(tmp_path / "merged"))
+        assert merged.config.vocab_size == engine.model.config.vocab_size
+    finally:
+        engine.close()

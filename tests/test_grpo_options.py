@@ -334,7 +334,7 @@ def test_last_batch_holds_every_sequence_of_the_kept_episodes(engine, pristine):
     trainer, _ = _update(engine, start, batch)
     rows = {row["rollout_id"]: row for row in trainer.last_batch}
     assert list(rows) == ["a", "b", "c", "d"]
-    keys = {"rollout_id", "group_id", "input_ids", "response_mask", "advantage", "engine_logprobs",
+    keys = {"rollout_id", "group_id", "input_ids", "response_mask", "advantage", "advantages", "engine_logprobs",
             "trainer_logprobs"}
     for name, gen in zip("abcd", (a, b, c, d)):
         row = rows[name]

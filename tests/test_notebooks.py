@@ -20,7 +20,15 @@ EXPECTED = {
                             "checkpoint.pt ("],  # the save cell printed the checkpoint's path and size
     "02_widgets.ipynb": ["application/vnd.jupyter.widget-view+json",  # the dashboard
                          "'running'", "InMemoryStore</b>", "RunnerGroup</b>"],  # trainer.state and the HTML reprs
+    "03_inspect_and_steer.ipynb": ["<b>Preflight</b>",  # algo.preflight()'s report rendered as HTML
+                                   "'paused'",  # trainer.state after pause()
+                                   "max_abs_logprob_diff", "<b>Last batch</b>",  # last_batch_df and last_batch_html
+                                   "LLM calls in",  # the token-fidelity audit's count of checked calls
+                                   "learning_rate 2e-05 → 1e-05",  # metrics' config_changes records the edit
+                                   "loaded: step 2"],  # trainer.load() in a fresh trainer continued the saved step
 }
+# notebooks written by a script: notebooks/make_<notebook name>.py writes notebooks/<notebook name>.ipynb (its OUT)
+GENERATORS = sorted((ROOT / "notebooks").glob("make_*.py"))
 BIG_FILE = 10_000_000  # bytes: a smoke run may leave small temp files, never a checkpoint (~1.6 GB)
 
 
@@ -28,14 +36,17 @@ def test_every_notebook_has_expectations():
     assert sorted(EXPECTED) == [p.name for p in NOTEBOOKS]
 
 
-def test_widgets_notebook_is_what_its_generator_writes():
-    """02_widgets.ipynb is generated: edit notebooks/make_02_widgets.py and rerun it, never the .ipynb."""
-    spec = importlib.util.spec_from_file_location("make_02_widgets", ROOT / "notebooks" / "make_02_widgets.py")
+@pytest.mark.parametrize("generator", GENERATORS, ids=[p.name for p in GENERATORS])
+def test_notebook_is_what_its_generator_writes(generator):
+    """Generated notebooks (02_widgets, 03_inspect_and_steer) are committed without outputs: edit the generator
+    notebooks/make_*.py and rerun it, never the .ipynb."""
+    spec = importlib.util.spec_from_file_location(generator.stem, generator)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    committed = json.loads((ROOT / "notebooks" / "02_widgets.ipynb").read_text())
+    assert module.OUT.parent == generator.parent and module.OUT.name in EXPECTED
+    committed = json.loads(module.OUT.read_text())
     assert committed == json.loads(nbformat.writes(module.build())), \
-        "run `python notebooks/make_02_widgets.py` to regenerate notebooks/02_widgets.ipynb"
+        f"run `python notebooks/{generator.name}` to regenerate notebooks/{module.OUT.name}"
 
 
 @pytest.mark.slow

@@ -342,6 +342,31 @@ def test_load_weights_serves_new_weights_and_restores_old_ones(vllm):
     assert _max_diff(slps, _hf_logprobs(model, story["prompt_token_ids"], sids, 0.0)) < LOGPROB_TOL
 
 
+def test_a_lora_trainer_pushes_merged_weights_to_the_server(vllm):
+    """GRPOConfig(lora_rank=8) on a VLLMEngine: the update injects adapters into the in-process model and
+    load_weights writes W + ΔW under the base names (lightning_nb.weights.merged_state_dict), so the server,
+    which knows nothing of LoRA, serves exactly the adapted model. Runs last on this server: the adapters
+    stay in ``vllm.model``."""
+    from lightning_nb import GRPOConfig, GRPOTrainer
+    from lightning_nb.types import Triplet
+
+    messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "What is 9 + 4?"}]
+    resps = [_chat(vllm, messages, max_tokens=12, temperature=1.0, seed=s) for s in range(4)]
+    batch = [Triplet(rollout_id=f"r{i}", attempt_id=f"a{i}", group_id="g", turn=0,
+                     prompt_ids=r["prompt_token_ids"], response_ids=_ids_lps(r)[0], logprobs=_ids_lps(r)[1],
+                     reward=float(i == 0), temperature=1.0) for i, r in enumerate(resps)]
+    ids0, lps0 = _ids_lps(_chat(vllm, messages, max_tokens=24))
+    trainer = GRPOTrainer(vllm, GRPOConfig(lora_rank=8, lora_alpha=16.0, learning_rate=1e-3, track_reference_kl=False))
+    v0 = vllm.weight_version
+    assert trainer.update(batch)["optimizer_steps"] == 1 and vllm.weight_version == v0 + 1
+    after = _chat(vllm, messages, max_tokens=24)
+    ids1, lps1 = _ids_lps(after)
+    assert (ids1, lps1[:3]) != (ids0, lps0[:3])
+    diff = _max_diff(lps1, _hf_logprobs(vllm.model, after["prompt_token_ids"], ids1, 0.0))
+    print(f"\nLoRA update served by vLLM: max |logprob vLLM - transformers (adapted)| = {diff:.2e}")
+    assert diff < LOGPROB_TOL
+
+
 def test_close_stops_the_whole_process_group(vllm):
     import httpx
 

@@ -1,0 +1,192 @@
+"""LoRA (GRPOConfig.lora_rank) on the real SmolLM2-135M through peft: only the adapters train, the engine
+serves them in place, the reference is the base with the adapters disabled, checkpoints hold the adapters,
+and both exports (merged weights, adapter) load back in transformers / peft with the trained logits.
+
+LoRA changes the module tree of the model it is injected into, so these tests build their own engines
+instead of using the session engine of conftest (which other tests train as a plain model).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lightning_nb import GRPOConfig, GRPOTrainer
+from lightning_nb.engine import TransformersEngine, load_default_model
+from lightning_nb.errors import ConfigError
+from lightning_nb.trainer import response_logprobs
+from lightning_nb.types import Triplet
+from lightning_nb.weights import adapter_state_dict, base_state_dict, merged_state_dict
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "What is 17 + 25? Answer with a number."
+LORA = dict(lora_rank=8, lora_alpha=16.0)
+
+
+@pytest.mark.parametrize("fields, name", [
+    (dict(lora_rank=-1), "lora_rank"), (dict(lora_rank=8, lora_alpha=0.0), "lora_alpha"),
+    (dict(lora_rank=8, lora_target_modules=[]), "lora_target_modules"),
+    (dict(lora_rank=8, lora_target_modules="q_proj"), "lora_target_modules"),
+])
+def test_invalid_lora_fields_name_the_field(fields, name):
+    with pytest.raises(ConfigError, match=f"GRPOConfig.{name}="):
+        GRPOConfig(**fields)
+
+
+@pytest.fixture(scope="module")
+def lora_engine():
+    eng = TransformersEngine.from_default(max_batch_size=4)
+    eng.base_state = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
+    yield eng
+    eng.stop()
+
+
+def _batch(engine, n=4, seed=0):
+    """``n`` distinct sampled completions of one prompt as one GRPO group; only the first is rewarded."""
+    prompt = engine.apply_chat_template([{"role": "user", "content": QUESTION}])
+    torch.manual_seed(seed)
+    seen, gens = set(), []
+    while len(gens) < n:
+        g = engine.generate(prompt, temperature=1.0, max_tokens=10)
+        if tuple(g.completion_ids) not in seen:
+            seen.add(tuple(g.completion_ids))
+            gens.append(g)
+    return [Triplet(rollout_id=f"r{i}", attempt_id=f"a{i}", group_id="g", turn=0, prompt_ids=g.prompt_ids,
+                    response_ids=g.completion_ids, logprobs=g.logprobs, reward=1.0 if i == 0 else 0.0,
+                    temperature=1.0) for i, g in enumerate(gens)]
+
+
+def _seq_logprob(model, t: Triplet) -> float:
+    ids = torch.tensor([t.prompt_ids + t.response_ids])
+    P = len(t.prompt_ids)
+    mask = torch.tensor([[0.0] * (P - 1) + [1.0] * len(t.response_ids)])
+    with torch.no_grad():
+        return float(response_logprobs(model, ids, torch.ones_like(ids), mask, torch.tensor([1.0])).sum())
+
+
+def test_lora_trains_only_the_adapters_and_the_engine_serves_them(lora_engine):
+    eng = lora_engine
+    batch = _batch(eng)
+    before = [_seq_logprob(eng.model, t) for t in batch]
+    trainer = GRPOTrainer(eng, GRPOConfig(learning_rate=5e-4, track_reference_kl=True, **LORA))
+    assert trainer.reference is None  # no second copy: the base with adapters disabled is the reference
+    trainable = [n for n, p in eng.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    # B starts at 0: the adapted model is exactly the base model
+    assert [_seq_logprob(eng.model, t) for t in batch] == before
+
+    first = trainer.update(batch)
+    assert first["kl"] == 0.0 and first["optimizer_steps"] == 1  # the first forward is the base itself
+    second = trainer.update(batch)
+    assert second["kl"] > 0.0  # measured against the adapters-disabled base, which stayed put
+    base_now = base_state_dict(eng.model)
+    assert all(torch.equal(v, eng.base_state[k.replace(".base_layer.", ".")]) for k, v in base_now.items())
+    assert any(bool(v.abs().sum()) for k, v in adapter_state_dict(eng.model).items() if ".lora_B." in k)
+
+    after = [_seq_logprob(eng.model, t) for t in batch]
+    # the rewarded completion (advantage +1.5) became likelier, the others (-0.5 each) less likely
+    assert after[0] > before[0]
+    assert sum(after[1:]) < sum(before[1:])
+    # the engine samples from the adapted model: its log-probs are the trained model's, not the base's
+    g = eng.generate(batch[0].prompt_ids, temperature=1.0, max_tokens=8)
+    served = Triplet(rollout_id="x", attempt_id="x", group_id="x", turn=0, prompt_ids=g.prompt_ids,
+                     response_ids=g.completion_ids, reward=0.0)
+    assert sum(g.logprobs) == pytest.approx(_seq_logprob(eng.model, served), abs=1e-3)
+    with trainer.peft_model.disable_adapter():
+        base_lp = _seq_logprob(eng.model, served)
+    assert abs(sum(g.logprobs) - base_lp) > 1e-2
+
+    # a second trainer on the same engine (a re-run notebook cell) continues with the same adapters
+    again = GRPOTrainer(eng, GRPOConfig(learning_rate=5e-4, **LORA))
+    assert again.peft_model is trainer.peft_model
+    with pytest.raises(ConfigError, match="already has LoRA adapters"):
+        GRPOTrainer(eng, GRPOConfig(lora_rank=16))
+    with pytest.raises(ConfigError, match="lora_rank=0"):
+        GRPOTrainer(eng, GRPOConfig())
+
+
+def test_merged_weights_match_peft_merge_and_both_exports_load_back(lora_engine, tmp_path):
+    eng = lora_engine
+    trainer = GRPOTrainer(eng, GRPOConfig(learning_rate=5e-4, track_reference_kl=False, **LORA))
+    if not any(bool(v.abs().sum()) for k, v in adapter_state_dict(eng.model).items() if ".lora_B." in k):
+        trainer.update(_batch(eng))  # when run alone: train the adapters first
+    ours = merged_state_dict(eng.model)
+    theirs = copy.deepcopy(trainer.peft_model).merge_and_unload().state_dict()
+    assert set(ours) == set(theirs) == set(eng.base_state)
+    assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) < 1e-6
+    assert any(not torch.equal(ours[k], eng.base_state[k]) for k in ours)
+
+    ids = torch.tensor([_batch(eng, n=1, seed=3)[0].prompt_ids])
+    with torch.no_grad():
+        trained = eng.model(input_ids=ids).logits
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged_dir = trainer.save_pretrained(tmp_path / "merged")
+    assert (merged_dir / "model.safetensors").exists() and (merged_dir / "tokenizer.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(merged_dir)
+    adapter_dir = trainer.save_pretrained(tmp_path / "adapter", merged=False)
+    assert (adapter_dir / "adapter_config.json").exists()
+    base, _ = load_default_model()
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+        merged_logits = loaded(input_ids=ids).logits
+        adapted_logits = PeftModel.from_pretrained(base, adapter_dir).eval()(input_ids=ids).logits
+    assert float((merged_logits - trained).abs().max()) < 1e-3
+    assert float((adapted_logits - trained).abs().max()) < 1e-3
+    assert float((base_logits - trained).abs().max()) > 1e-2  # the exports carry the training, not the base
+
+
+def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora_engine, engine, tmp_path):
+    eng = lora_engine
+    trainer = GRPOTrainer(eng, GRPOConfig(learning_rate=5e-4, track_reference_kl=False, **LORA))
+    trainer.update(_batch(eng, seed=1))
+    trainer.config.learning_rate = 2e-4  # an edit made while paused travels with the checkpoint
+    path = trainer.save(tmp_path / "lora.pt")
+    assert path.stat().st_size < 100e6  # adapters + their AdamW state, not the 1.6 GB of a full checkpoint
+
+    fresh = TransformersEngine.from_default(max_batch_size=4)
+    try:
+        resumed = GRPOTrainer(fresh, GRPOConfig(learning_rate=5e-4, track_reference_kl=False, **LORA))
+        resumed.load(path)
+        assert resumed.config.learning_rate == 2e-4  # the run continues with the config it was saved with
+        assert resumed.step == trainer.step
+        assert [(m["step"], m["loss"]) for m in resumed.metrics] == [(m["step"], m["loss"]) for m in trainer.metrics]
+        assert all(torch.equal(v, adapter_state_dict(eng.model)[k]) for k, v in adapter_state_dict(fresh.model).items())
+        batch = _batch(eng, seed=2)
+        assert resumed.update(batch)["loss"] == pytest.approx(trainer.update(batch)["loss"], abs=1e-6)
+        assert all(torch.equal(v, adapter_state_dict(eng.model)[k]) for k, v in adapter_state_dict(fresh.model).items())
+        # keep_config=True keeps this trainer's values; the next update applies them and records the change
+        kept = GRPOTrainer(fresh, GRPOConfig(learning_rate=5e-4, track_reference_kl=False, **LORA))
+        kept.load(path, keep_config=True)
+        assert kept.config.learning_rate == 5e-4
+        row = kept.update(batch)
+        assert row["lr"] == 5e-4 and "learning_rate 0.0002 → 0.0005" in row["config_changes"]
+        assert kept.config_changes[-1] == {"step": kept.step, "field": "learning_rate", "old": 2e-4, "new": 5e-4}
+    finally:
+        fresh.stop()
+
+    with pytest.raises(ConfigError, match="lora_rank=8"):  # a LoRA checkpoint into a full fine-tuning trainer
+        GRPOTrainer(engine, GRPOConfig(track_reference_kl=False)).load(path)
+
+
+def test_lora_in_bfloat16_with_gradient_checkpointing_trains_float32_adapters():
+    """The GPU recipe on the CPU: bf16 base (frozen), float32 adapters (peft's autocast_adapter_dtype), gradient
+    checkpointing through the frozen layers (non-reentrant, so no input needs requires_grad)."""
+    eng = TransformersEngine.from_default(max_batch_size=4, dtype="bfloat16")
+    try:
+        base = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
+        trainer = GRPOTrainer(eng, GRPOConfig(dtype="bfloat16", gradient_checkpointing=True, learning_rate=5e-4,
+                                              **LORA))
+        assert {p.dtype for p in trainer._trainable} == {torch.float32}
+        batch = _batch(eng)
+        before = _seq_logprob(eng.model, batch[0])
+        m = trainer.update(batch)
+        assert m["optimizer_steps"] == 1 and m["grad_norm"] > 0 and m["kl"] == 0.0
+        assert _seq_logprob(eng.model, batch[0]) > before  # the rewarded completion became likelier
+        assert all(torch.equal(v, base[k.replace(".base_layer.", ".")]) for k, v in base_state_dict(eng.model).items())
+    finally:
+        eng.stop()
