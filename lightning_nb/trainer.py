@@ -452,6 +452,8 @@ def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = Tru
     the prompt differs from the previous sequence (an episode packed into k sequences has
     k − 1 forks). With ``mask_truncated`` the response of a turn the engine cut at
     ``max_tokens`` (``finish_reason == "length"``) gets mask 0 (DAPO's overlong filtering).
+    A turn sampled at another temperature than the sequence it extends starts a new sequence
+    (not a fork: ``fork_at`` stays None), since a sequence is scored at one temperature.
     Each token's ``token_turns`` entry is its transition's index in turn order (0..T−1), and every
     token gets ``advantage`` (:meth:`_Sequence.set_advantages` sets per-turn ones).
     """
@@ -460,7 +462,8 @@ def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = Tru
         lp = list(t.logprobs) if t.logprobs is not None else [0.0] * len(t.response_ids)
         keep = 0 if mask_truncated and t.finish_reason == "length" else 1  # response mask value
         cur = out[-1] if out else None
-        if pack and cur is not None and t.prompt_ids[: len(cur.input_ids)] == cur.input_ids:
+        extends = cur is not None and t.prompt_ids[: len(cur.input_ids)] == cur.input_ids
+        if pack and extends and t.temperature == cur.temperature:
             extra = t.prompt_ids[len(cur.input_ids):]
             cur.input_ids += extra + t.response_ids
             cur.mask += [0] * len(extra) + [keep] * len(t.response_ids)
@@ -469,7 +472,8 @@ def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = Tru
             cur.token_turns += [k] * (len(extra) + len(t.response_ids))
             cur.token_advantages += [advantage] * (len(extra) + len(t.response_ids))
         else:
-            fork_at = _first_difference(cur.input_ids, t.prompt_ids) if pack and cur is not None else None
+            fork_at = (_first_difference(cur.input_ids, t.prompt_ids) if pack and cur is not None and not extends
+                       else None)
             out.append(_Sequence(list(t.prompt_ids) + list(t.response_ids),
                                  [0] * len(t.prompt_ids) + [keep] * len(t.response_ids),
                                  [0.0] * len(t.prompt_ids) + lp, t.logprobs is not None, advantage, t.temperature,

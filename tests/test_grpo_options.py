@@ -324,6 +324,20 @@ def test_turn_forks_count_turns_that_do_not_extend_the_previous_tokens(engine, p
     assert strict.step == 0 and engine.weight_version == version and _same(start, _weights(engine.model))
 
 
+def test_a_turn_at_another_temperature_starts_its_own_sequence_without_a_fork():
+    """A packed sequence is scored at one temperature, so a turn sampled at another one is not appended."""
+    def turn(k, prompt, response, temperature):
+        return Triplet(rollout_id="r", attempt_id="a", group_id="g", turn=k, prompt_ids=prompt, response_ids=response,
+                       logprobs=[-0.5] * len(response), reward=1.0, temperature=temperature)
+
+    first = turn(0, [1, 2, 3], [4, 5], 0.7)
+    same = pack_episode([first, turn(1, [1, 2, 3, 4, 5, 9], [6], 0.7)], 1.0)
+    assert len(same) == 1 and same[0].input_ids == [1, 2, 3, 4, 5, 9, 6] and same[0].mask == [0, 0, 0, 1, 1, 0, 1]
+    split = pack_episode([first, turn(1, [1, 2, 3, 4, 5, 9], [6], 1.0)], 1.0)
+    assert [s.input_ids for s in split] == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 9, 6]]
+    assert [s.temperature for s in split] == [0.7, 1.0] and split[1].fork_at is None
+
+
 # ----- the optimizer's-eye view -------------------------------------------------------------------
 def test_last_batch_holds_every_sequence_of_the_kept_episodes(engine, pristine):
     a, b, c, d = _generations(engine, 4)
