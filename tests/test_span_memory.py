@@ -52,9 +52,11 @@ def _plain(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _same_views(store: InMemoryStore, rollout_id=None):
-    fast, slow = store.spans_df(rollout_id), LightningStore.spans_df(store, rollout_id)
-    assert list(fast.columns) == list(slow.columns)
-    pd.testing.assert_frame_equal(_plain(fast), _plain(slow), check_dtype=False)
+    for flatten in (None, True):
+        fast = store.spans_df(rollout_id, flatten=flatten)
+        slow = LightningStore.spans_df(store, rollout_id, flatten=flatten)
+        assert list(fast.columns) == list(slow.columns) and fast.dtypes.astype(str).equals(slow.dtypes.astype(str))
+        pd.testing.assert_frame_equal(_plain(fast), _plain(slow), check_dtype=False)
     # the columnar fast path agrees with the generic one (which reads query_spans)
     ids = [r.rollout_id for r in store.query_rollouts()]
     assert store._latest_attempt_rewards(ids) == LightningStore._latest_attempt_rewards(store, ids)
@@ -69,7 +71,8 @@ def test_columnar_spans_df_matches_the_generic_view():
     _same_views(store, ids[3])
     df = store.spans_df()
     assert len(df) == 60 and df["name"].tolist()[:5] == ["llm"] * 4 + ["reward"]  # enqueue, attempt, seq order
-    assert df.loc[0, "token_ids"] == [1, 2, 0] and df["reward"].notna().sum() == 12
+    assert df.loc[0, "attributes"]["token_ids"] == [1, 2, 0] and df["reward"].notna().sum() == 12
+    assert store.spans_df(flatten=["token_ids"]).loc[0, "token_ids"] == [1, 2, 0]
     assert store.spans_df(ids[0])["sequence_id"].tolist() == [1, 2, 3, 4, 5]
 
 
@@ -87,6 +90,9 @@ def test_eviction_keeps_memory_bounded_and_never_touches_running_rollouts():
     s = store.add_span(Span(rollout_id=running[0], attempt_id=it.attempt_id, trace_id="t", span_id="x",
                             name="late", start_time=1.0, end_time=2.0))
     assert s.sequence_id == 31
+    # the columns kept per span (well-known cells, list flags) were compacted with the rows
+    fast, slow = store.spans_df(), LightningStore.spans_df(store)
+    pd.testing.assert_frame_equal(_plain(fast), _plain(slow), check_dtype=False)
 
 
 def test_spill_to_sqlite_loses_nothing(tmp_path):
@@ -106,6 +112,9 @@ def test_spill_to_sqlite_loses_nothing(tmp_path):
         assert dumps(bounded, a.rollout_id) == dumps(free, b.rollout_id)
         assert bounded.final_reward(a.rollout_id) == free.final_reward(b.rollout_id)
     _same_views(bounded)
+    # the spill path (spans as objects) and the columnar fast path of a store that never spilled agree
+    spilled, kept = (_plain(s.spans_df(flatten=True)).drop(columns=["rollout_id", "attempt_id"]) for s in (bounded, free))
+    pd.testing.assert_frame_equal(spilled, kept)
     odd = [s for s in bounded.query_spans() if "odd" in s.attributes]
     assert len(odd) == 2 and all(math.isnan(s.attributes["odd"]) for s in odd)  # NaN survives the spill file
     assert {s.rollout_id for s in odd} & bounded._spilled_rollouts

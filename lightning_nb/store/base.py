@@ -39,6 +39,7 @@ import pandas as pd
 
 from lightning_nb.errors import ConfigError, NotFoundError
 from lightning_nb.store.rules import final_reward
+from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES, Flatten, check_flatten, frame_from_spans
 from lightning_nb.types import (
     ROLLOUT_TERMINAL,
     Attempt,
@@ -325,26 +326,41 @@ class LightningStore(ABC):
             df[col] = df[col].astype(dtype)
         return df
 
-    def spans_df(self, rollout_id: Optional[str] = None) -> pd.DataFrame:
-        """One row per span.
+    def spans_df(self, rollout_id: Optional[str] = None, *, flatten: Flatten = None) -> pd.DataFrame:
+        """One row per span (of every rollout, or of ``rollout_id``), in rollout enqueue order, attempt, sequence_id.
 
-        Columns: rollout_id, attempt_id, sequence_id, name, start_time, end_time,
-        duration_s, status, prompt_tokens, completion_tokens, reward, then every
-        attribute flattened to one column (lists of numbers, such as token IDs,
-        are kept as lists; nested JSON strings are left as strings).
+        The columns are fixed, whatever the attributes (:data:`~lightning_nb.store.spanframe.SPAN_COLUMNS`):
+        rollout_id, attempt_id, sequence_id, name; prompt (``gen_ai.prompt``, the messages as
+        JSON text), completion (``gen_ai.completion``), reward (``reward``), prompt_tokens and
+        completion_tokens (``gen_ai.usage.input_tokens``/``output_tokens``), finish_reason
+        (``gen_ai.response.finish_reasons``, joined by commas), model
+        (``gen_ai.request.model``), agent_name (``gen_ai.agent.name``); status, start_time and
+        end_time (datetimes, UTC, timezone-naive), duration_s (float seconds), span_id,
+        trace_id, parent_id; and ``attributes``: each span's full attribute dict, a copy
+        (changing it never changes the store). Missing values are NaN in every column.
+        Dtypes are the same on every backend, also when there are no spans (see
+        :mod:`lightning_nb.store.spanframe`). Memory grows with the spans' data, not with
+        spans × distinct attribute keys.
+
+        Args:
+            rollout_id: only this rollout's spans; None: all.
+            flatten: None (default): no attribute columns beyond the fixed ones. A list of
+                attribute keys: those keys as columns too (named by the key; NaN where a
+                span lacks it), placed before ``attributes``. True: every attribute key
+                as a column, first seen first, except keys named like a fixed column;
+                refused above :data:`~lightning_nb.store.spanframe.FLATTEN_MAX_KEYS`
+                (1,000) distinct keys.
+
+        Raises:
+            ConfigError: a bad ``flatten`` (not None/bool/list of keys, or a key named like a
+                fixed column), or ``flatten=True`` over more than 1,000 distinct keys.
+            NotFoundError: ``rollout_id`` is not in the store.
+
+        Implementations may build it faster; they must return the same frame. This one
+        reads :meth:`query_spans`, whose spans the caller owns, so they are not copied again.
         """
-        rows = []
-        for s in self.query_spans(rollout_id):
-            row = {k: getattr(s, k) for k in _SPAN_BASE_COLUMNS if hasattr(s, k)}
-            row.update(span_summary(s))
-            row.update(s.attributes)
-            rows.append(row)
-        df = pd.DataFrame(rows)
-        if df.empty:
-            return pd.DataFrame(columns=_SPAN_COLUMNS)
-        for col in ("start_time", "end_time"):
-            df[col] = pd.to_datetime(df[col], unit="s")
-        return df
+        check_flatten(flatten)
+        return frame_from_spans(self.query_spans(rollout_id), flatten=flatten, copy=False)
 
     def rewards_df(self) -> pd.DataFrame:
         """One row per reward span: rollout_id, attempt_id, mode, reward, time."""
@@ -426,16 +442,14 @@ class LightningStore(ABC):
 
 
 def span_summary(span: Span) -> dict[str, Any]:
-    """The flattened columns every span view shares: duration_s, prompt_tokens, completion_tokens, reward.
+    """Values span exports share with :meth:`LightningStore.spans_df`: duration_s, prompt_tokens, completion_tokens, reward.
 
     ``duration_s`` is float seconds; the others are the raw attribute values
-    (``gen_ai.usage.input_tokens``, ``gen_ai.usage.output_tokens``, ``reward``) or None.
+    (:data:`~lightning_nb.store.spanframe.KNOWN_ATTRIBUTES`) or None.
     """
     return {
         "duration_s": span.end_time - span.start_time,
-        "prompt_tokens": span.attributes.get("gen_ai.usage.input_tokens"),
-        "completion_tokens": span.attributes.get("gen_ai.usage.output_tokens"),
-        "reward": span.attributes.get("reward"),
+        **{col: span.attributes.get(KNOWN_ATTRIBUTES[col]) for col in ("prompt_tokens", "completion_tokens", "reward")},
     }
 
 
@@ -465,8 +479,3 @@ _EPISODE_COLUMNS = [
     "duration_s", "error",
 ]
 _MODES = get_args(RolloutMode)
-_SPAN_BASE_COLUMNS = [
-    "rollout_id", "attempt_id", "sequence_id", "name", "start_time", "end_time", "status",
-    "trace_id", "span_id", "parent_id",
-]
-_SPAN_COLUMNS = _SPAN_BASE_COLUMNS + ["duration_s", "prompt_tokens", "completion_tokens", "reward"]

@@ -2,11 +2,12 @@
 
 Spans are kept as columns (Python lists and typed ``array`` s), not as one pydantic
 object each: that keeps a few hundred bytes per span instead of about 2 KB, and lets
-``spans_df()`` build a DataFrame of a million spans in under a second, since every
-attribute is already a column (stored sparsely: row numbers and values) and the
-strings that repeat (ids, names, statuses) are dictionary-encoded: ``spans_df()``
-returns ``rollout_id``, ``attempt_id``, ``name``, ``status``, ``trace_id`` and
-``parent_id`` as pandas ``category`` columns and string attributes as ``object``.
+``spans_df()`` build a DataFrame of a million spans in about a second, since the
+strings that repeat (ids, names, statuses) are dictionary-encoded and become pandas
+``category`` columns without a pass over the strings. Each span's attributes stay one
+dict (no per-key index), so memory and ``add_span`` cost follow the data, however
+many distinct keys the spans have; the frame's columns are
+:mod:`lightning_nb.store.spanframe`'s.
 
 Not thread-safe by itself: the store calls it with its lock held.
 """
@@ -24,25 +25,11 @@ import numpy as np
 import pandas as pd
 
 from lightning_nb.errors import LightningNbError
+from lightning_nb.store.spanframe import CATEGORY_COLUMNS as _CODED
+from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES, NUMBER_COLUMNS, copy_attributes, holds_list, known_cells
 from lightning_nb.types import Span
 
-__all__ = ["SpanTable", "SpanSpill", "frame_from_spans", "copy_attributes"]
-
-_BASE = ("rollout_id", "attempt_id", "sequence_id", "name", "start_time", "end_time", "status",
-         "trace_id", "span_id", "parent_id")
-_CODED = ("rollout_id", "attempt_id", "name", "status", "trace_id", "parent_id")  # repeat a lot: categorical
-_SUMMARY = {"prompt_tokens": "gen_ai.usage.input_tokens", "completion_tokens": "gen_ai.usage.output_tokens",
-            "reward": "reward"}
-
-
-def copy_attributes(attributes: dict[str, Any]) -> dict[str, Any]:
-    """A copy of span attributes that shares no list with ``attributes``.
-
-    Attribute values are scalars or flat lists of scalars (OpenTelemetry), so copying
-    the lists one level deep is a full copy, and much cheaper than ``copy.deepcopy``.
-    """
-    return {k: (list(v) if isinstance(v, list) else v) for k, v in attributes.items()}
-
+__all__ = ["SpanTable", "SpanSpill"]
 
 class SpanTable:
     """Spans as columns; rows are appended and removed in batches (``drop``).
@@ -59,7 +46,9 @@ class SpanTable:
         self.start, self.end = array("d"), array("d")
         self.rank, self.aseq, self.seq = array("q"), array("q"), array("q")  # sort keys: rollout, attempt, span
         self.attrs: list[dict[str, Any]] = []
-        self.attr_cols: dict[str, tuple[array, list[Any]]] = {}  # key -> (row numbers, values)
+        self.has_list = bytearray()  # 1 where the attributes hold a list (token IDs): spans_df copies those lists
+        # the spans_df cells of the well-known attributes, kept as each span arrives (spanframe.known_cells)
+        self.known: list[Any] = [array("d") if col in NUMBER_COLUMNS else [] for col in KNOWN_ATTRIBUTES]
         self.by_attempt: dict[str, list[int]] = {}
 
     def __len__(self) -> int:
@@ -67,7 +56,6 @@ class SpanTable:
 
     def append(self, span: Span, rollout_id: str, attempt_id: str, rank: int, aseq: int) -> None:
         """Add one span (its ``sequence_id`` already assigned); ids are the store's own strings."""
-        row = len(self.attrs)
         code = self._code
         code("rollout_id", rollout_id)
         code("attempt_id", attempt_id)
@@ -81,15 +69,12 @@ class SpanTable:
         self.rank.append(rank)
         self.aseq.append(aseq)
         self.seq.append(span.sequence_id)
+        self.by_attempt.setdefault(attempt_id, []).append(len(self.attrs))
         attrs = copy_attributes(span.attributes)
         self.attrs.append(attrs)
-        for key, value in attrs.items():
-            col = self.attr_cols.get(key)
-            if col is None:
-                col = self.attr_cols[key] = (array("q"), [])
-            col[0].append(row)
-            col[1].append(value)
-        self.by_attempt.setdefault(attempt_id, []).append(row)
+        self.has_list.append(holds_list(attrs))
+        for col, cell in zip(self.known, known_cells(attrs)):
+            col.append(cell)
 
     def _code(self, col: str, value: Optional[str]) -> None:
         if value is None:
@@ -137,7 +122,6 @@ class SpanTable:
         dropped = [(self.rank[r], self.aseq[r], self.span(r)) for r in gone.tolist()]
         if not len(gone):
             return dropped
-        remap = np.cumsum(keep) - 1
         keep_list = keep.tolist()
         self.span_ids = list(compress(self.span_ids, keep_list))
         for c in _CODED:  # re-encode, forgetting values no kept row uses
@@ -153,13 +137,9 @@ class SpanTable:
             kept = np.frombuffer(old, dtype=np.float64 if old.typecode == "d" else np.int64)[keep]
             setattr(self, name, array(old.typecode, kept.tobytes()))
         self.attrs = list(compress(self.attrs, keep_list))
-        for key, (idx, values) in list(self.attr_cols.items()):
-            rows = np.frombuffer(idx, dtype=np.int64)
-            mask = keep[rows] if len(rows) else np.zeros(0, dtype=bool)
-            if not mask.any():
-                del self.attr_cols[key]
-                continue
-            self.attr_cols[key] = (array("q", remap[rows[mask]].tobytes()), list(compress(values, mask.tolist())))
+        self.has_list = bytearray(compress(self.has_list, keep_list))
+        self.known = [array(col.typecode, np.frombuffer(col, dtype=np.float64)[keep].tobytes())
+                      if isinstance(col, array) else list(compress(col, keep_list)) for col in self.known]
         by_attempt: dict[str, list[int]] = {}
         cats = self.cats["attempt_id"]
         for row, code in enumerate(self.codes["attempt_id"]):
@@ -167,98 +147,48 @@ class SpanTable:
         self.by_attempt = by_attempt
         return dropped
 
-    def frame(self, rows: Optional[list[int]] = None) -> tuple[pd.DataFrame, np.ndarray]:
-        """The ``spans_df`` columns for ``rows`` (all when None), unsorted, and their sort keys."""
-        n = len(self) if rows is None else len(rows)
-        sel = None if rows is None else np.asarray(rows, dtype=np.int64)
+    def columns(self, rows: Optional[list[int]] = None) -> dict[str, Any]:
+        """The arguments of :func:`~lightning_nb.store.spanframe.spans_frame` for ``rows`` (all when None).
 
-        def nums(arr: array) -> np.ndarray:
-            out = np.frombuffer(arr, dtype=np.float64 if arr.typecode == "d" else np.int64) if len(arr) else \
-                np.zeros(0, dtype=np.float64 if arr.typecode == "d" else np.int64)
-            return out.copy() if sel is None else out[sel]
+        Sorted by (rollout, attempt, sequence id). Cheap (no per-attribute work), so the
+        store calls it with its lock held and builds the frame after releasing it: the
+        attribute dicts handed out are never changed in place by the table.
+        """
+        sel = np.arange(len(self), dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
 
-        def objs(values: list) -> pd.Series:
-            out = np.empty(len(values), dtype=object)
-            out[:] = values
-            return pd.Series(out if sel is None else out[sel], dtype=object, copy=False)
+        def nums(arr: array) -> np.ndarray:  # a copy: a view would keep the array from growing
+            dtype = np.float64 if arr.typecode == "d" else np.int64
+            return (np.frombuffer(arr, dtype=dtype) if len(arr) else np.zeros(0, dtype=dtype))[sel]
 
-        def coded(col: str) -> pd.Categorical:
-            codes = np.frombuffer(self.codes[col], dtype=np.int32) if len(self) else np.zeros(0, np.int32)
-            cats = pd.Index(self.cats[col], dtype=object)
-            return pd.Categorical.from_codes(codes if sel is None else codes[sel], categories=cats)
-
-        start, end = nums(self.start), nums(self.end)
-        data: dict[str, Any] = {}
-        for c in _BASE:
-            if c == "sequence_id":
-                data[c] = nums(self.seq)
-            elif c == "start_time":
-                data[c] = pd.to_datetime(start, unit="s")
-            elif c == "end_time":
-                data[c] = pd.to_datetime(end, unit="s")
-            elif c == "span_id":
-                data[c] = objs(self.span_ids)
-            else:
-                data[c] = coded(c)
-        data["duration_s"] = end - start
-        attrs = {key: col for key in self.attr_cols if (col := self._attr_column(key, sel, n)) is not None}
-        for col, key in _SUMMARY.items():
-            data[col] = attrs[key] if key in attrs else pd.Series(np.full(n, None, dtype=object), dtype=object)
-        for key, values in attrs.items():
-            if key not in data:
-                data[key] = values
-        keys = np.stack([nums(self.rank), nums(self.aseq), nums(self.seq)]) if n else np.zeros((3, 0), np.int64)
-        return pd.DataFrame(data, copy=False), keys
-
-    def _attr_column(self, key: str, sel: Optional[np.ndarray], n: int) -> Optional[pd.Series]:
-        """One attribute as a column (NaN where a span lacks it); None if no selected span has it."""
-        idx, values = self.attr_cols[key]
-        rows = np.frombuffer(idx, dtype=np.int64) if len(idx) else np.zeros(0, dtype=np.int64)
-        if sel is not None:  # a few rows: map the selection through a small lookup
-            pos = {r: i for i, r in enumerate(rows.tolist())}
-            picked = [pos.get(r) for r in sel.tolist()]
-            if all(p is None for p in picked):
-                return None
-            return _series([values[p] if p is not None else np.nan for p in picked])
-        series = _series(values)
-        if len(rows) == n:
-            return series
-        if series.dtype.kind in "iuf":
-            out = np.full(n, np.nan)
-            out[rows] = series.to_numpy(dtype=np.float64)
-            return pd.Series(out, copy=False)
-        out = np.full(n, np.nan, dtype=object)
-        out[rows] = series.to_numpy(dtype=object)
-        return pd.Series(out, dtype=object, copy=False)
+        order = np.lexsort((nums(self.seq), nums(self.aseq), nums(self.rank)))
+        if (order[1:] < order[:-1]).any():
+            sel = sel[order]
+        codes = {c: (np.frombuffer(self.codes[c], dtype=np.int32) if len(self) else np.zeros(0, np.int32))[sel]
+                 for c in _CODED}
+        picked = sel.tolist()
+        span_ids, attrs = self.span_ids, self.attrs
+        has_list = np.frombuffer(self.has_list, dtype=np.uint8) if len(self) else np.zeros(0, np.uint8)
+        known = [nums(col) if isinstance(col, array) else _pick(col, sel) for col in self.known]
+        return {"ids": {c: _recode(codes[c], self.cats[c]) for c in _CODED},
+                "span_id": [span_ids[r] for r in picked], "sequence_id": nums(self.seq),
+                "start": nums(self.start), "end": nums(self.end), "attributes": [attrs[r] for r in picked],
+                "known": dict(zip(KNOWN_ATTRIBUTES, known)), "lists_at": np.flatnonzero(has_list[sel]).tolist()}
 
 
-def _series(values: list) -> pd.Series:
-    try:
-        return pd.Series(values, dtype=_dtype(values))
-    except (TypeError, ValueError):  # the sample missed a value of another type
-        return pd.Series(values, dtype=object)
+def _pick(values: list, sel: np.ndarray) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out[sel]
 
 
-def _dtype(values: list) -> Any:
-    """float64 / int64 / bool when every value has that type, else object (lists stay lists)."""
-    if not values:
-        return object
-    kinds = {type(v) for v in values[:1000]} | {type(values[-1])}
-    if kinds <= {float, int} and float in kinds:
-        return np.float64
-    if kinds == {int}:
-        return np.int64
-    if kinds == {bool}:
-        return bool
-    return object  # strings stay Python objects: converting a million of them costs more than the rest
-
-
-def frame_from_spans(items: list[tuple[int, int, Span]]) -> tuple[pd.DataFrame, np.ndarray]:
-    """``SpanTable.frame`` for spans held as objects (the spilled ones)."""
-    table = SpanTable()
-    for rank, aseq, span in items:
-        table.append(span, span.rollout_id, span.attempt_id, rank, aseq)
-    return table.frame()
+def _recode(codes: np.ndarray, cats: list[str]) -> pd.Categorical:
+    """Table codes (-1: None) as a categorical of the used values only, first seen first (as the generic view)."""
+    new, uniq = pd.factorize(codes)
+    if (uniq < 0).any():  # the code of None: missing, not a category
+        gone = int(np.flatnonzero(uniq < 0)[0])
+        new = np.where(new == gone, -1, new - (new > gone))
+        uniq = np.delete(uniq, gone)
+    return pd.Categorical.from_codes(new, categories=pd.Index([cats[u] for u in uniq.tolist()], dtype=object))
 
 
 class SpanSpill:

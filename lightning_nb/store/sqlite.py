@@ -13,7 +13,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from pydantic_core import PydanticSerializationError
+import numpy as np
+import pandas as pd
+from pydantic_core import PydanticSerializationError, from_json
 
 try:
     import fcntl
@@ -22,6 +24,7 @@ except ImportError:  # Windows
 
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
+from lightning_nb.store.spanframe import CATEGORY_COLUMNS, Flatten, check_flatten, spans_frame
 from lightning_nb.store.rules import (
     DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, coerce_resources, follow_attempt, new_rollout,
     overdue, start_attempt, worker_on_attempt, worker_on_dequeue, worker_update,
@@ -389,24 +392,50 @@ class SqliteStore(LightningStore):
             return stored
 
     def query_spans(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> list[Span]:
-        order = " ORDER BY r.seq, a.sequence_id, s.sequence_id"
-        sql = ("SELECT s.data FROM spans s JOIN attempts a ON a.attempt_id = s.attempt_id "
-               "JOIN rollouts r ON r.rollout_id = a.rollout_id")
         with self._locked():
-            if rollout_id is None:
-                if attempt_id is not None:
-                    raise ConfigError("query_spans: attempt_id needs rollout_id; pass both or neither")
-                rows = self._rows(sql + order)
-            elif attempt_id is None:
-                self._rollout(rollout_id)
-                rows = self._rows(sql + " WHERE r.rollout_id = ?" + order, rollout_id)
-            else:
-                if attempt_id == "latest":
-                    attempt_id = self._latest_attempt_id(self._rollout(rollout_id).rollout_id)
-                else:
-                    self._attempt(rollout_id, attempt_id)
-                rows = self._rows(sql + " WHERE a.attempt_id = ?" + order, attempt_id) if attempt_id else []
-            return [Span.model_validate_json(data) for (data,) in rows]
+            return [Span.model_validate_json(data) for (data,) in self._span_rows(rollout_id, attempt_id)]
+
+    def spans_df(self, rollout_id: Optional[str] = None, *, flatten: Flatten = None) -> pd.DataFrame:
+        """As :meth:`LightningStore.spans_df`, parsing the stored JSON row by row straight into columns.
+
+        No :class:`Span` objects and no list of every row's JSON text, so memory stays near the frame's own.
+        """
+        check_flatten(flatten)
+        cols: dict[str, list[Any]] = {c: [] for c in _SPAN_FIELDS}
+        appends = [(c, cols[c].append) for c in _SPAN_FIELDS]
+        loads = from_json  # pydantic's JSON parser: faster than json.loads on span-sized documents
+        with self._locked():
+            for (data,) in self._span_rows(rollout_id, None):
+                span = loads(data)
+                for c, append in appends:
+                    append(span[c])
+        ids = {c: cols[c] for c in CATEGORY_COLUMNS}
+        return spans_frame(ids, cols["span_id"], np.array(cols["sequence_id"], dtype=np.int64),
+                           np.array(cols["start_time"], dtype=np.float64), np.array(cols["end_time"], dtype=np.float64),
+                           cols["attributes"], flatten=flatten, copy=False)  # freshly parsed: the caller's own
+
+    def _span_rows(self, rollout_id: Optional[str], attempt_id: Optional[str]) -> Iterator[tuple[str]]:
+        """A cursor over the JSON of the spans :meth:`query_spans` selects, in its order (lock held)."""
+        order = " ORDER BY r.seq, a.sequence_id, s.sequence_id"
+        # CROSS JOIN fixes the join order (rollouts by seq, their attempts, their spans): rows come out
+        # in order from the indexes, instead of SQLite sorting every span's JSON in a temporary b-tree
+        sql = ("SELECT s.data FROM rollouts r CROSS JOIN attempts a ON a.rollout_id = r.rollout_id "
+               "CROSS JOIN spans s ON s.attempt_id = a.attempt_id")
+        if rollout_id is None:
+            if attempt_id is not None:
+                raise ConfigError("query_spans: attempt_id needs rollout_id; pass both or neither")
+            return self._conn().execute(sql + order)
+        if attempt_id is None:
+            self._rollout(rollout_id)
+            return self._conn().execute(sql + " WHERE r.rollout_id = ?" + order, (rollout_id,))
+        if attempt_id == "latest":
+            attempt_id = self._latest_attempt_id(self._rollout(rollout_id).rollout_id)
+        else:
+            self._attempt(rollout_id, attempt_id)
+        if not attempt_id:
+            return iter(())
+        return self._conn().execute("SELECT s.data FROM spans s WHERE s.attempt_id = ? ORDER BY s.sequence_id",
+                                    (attempt_id,))
 
     def _latest_attempt_rewards(self, rollout_ids: Sequence[str]) -> dict[str, list[Any]]:
         """One query instead of one per rollout (:meth:`LightningStore._latest_attempt_rewards`, same result)."""
@@ -658,3 +687,7 @@ def _json(model: Any, what: str) -> str:
         return model.model_dump_json()
     except PydanticSerializationError as exc:
         raise ConfigError(f"SqliteStore stores JSON: {what} must be JSON-serializable ({exc})") from None
+
+
+_SPAN_FIELDS = ("rollout_id", "attempt_id", "sequence_id", "name", "status", "trace_id", "span_id", "parent_id",
+                "start_time", "end_time", "attributes")
