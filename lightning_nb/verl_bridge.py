@@ -135,8 +135,7 @@ def triplets_to_dataproto(triplets: Sequence[Triplet], *, pad_token_id: int, max
             ``(rollout_id, turn)`` (one per triplet, e.g. ``GRPOTrainer.last_turn_advantages``).
 
     Raises:
-        ValueError: no triplets, an empty response, an episode whose triplets name two groups, turns
-            sampled at different temperatures that would pack into one row,
+        ValueError: no triplets, an empty response, an episode whose triplets name two groups,
             a prompt or response longer than ``max_prompt_len`` / ``max_response_len``, or an
             ``advantages`` mapping without an entry for some episode or turn.
     """
@@ -203,12 +202,7 @@ def _rows(triplets: Sequence[Triplet], pack_turns: bool,
         seqs = pack_episode(ordered, 0.0, pack_turns)
         for i, s in enumerate(seqs):
             first = ordered[s.token_turns[0]]
-            temperatures = {_temperature(ordered[k]) for k in dict.fromkeys(s.token_turns)}
-            if len(temperatures) > 1:
-                raise ValueError(
-                    f"rollout {rollout_id!r}: turns sampled at temperatures {sorted(temperatures)} pack into one "
-                    "sequence, and verl divides the logits by one temperature per row; sample an episode at one "
-                    "temperature, or pass pack_turns=False")
+            # one temperature per row: pack_episode starts a new sequence for a turn sampled at another one
             p = len(first.prompt_ids)
             turns = s.token_turns[p:]
             mask = s.mask[p:]

@@ -115,10 +115,9 @@ def test_bad_batches_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="one group"):
         triplets_to_dataproto([_t("a", 0, [1], [2], 1.0, group="x"), _t("a", 1, [1, 2, 3], [4], 1.0, group="y")],
                               pad_token_id=PAD)
+    # turns at two temperatures are not packed into one row (verl divides a row's logits by one temperature)
     mixed = [_t("m", 0, [1], [2], 1.0, temperature=0.8), _t("m", 1, [1, 2, 3], [4], 1.0, temperature=1.0)]
-    with pytest.raises(ValueError, match="one temperature per row"):
-        triplets_to_dataproto(mixed, pad_token_id=PAD)
-    assert len(triplets_to_dataproto(mixed, pad_token_id=PAD, pack_turns=False)) == 2
+    assert triplets_to_dataproto(mixed, pad_token_id=PAD).batch["temperature"].tolist() == pytest.approx([0.8, 1.0])
     with pytest.raises(ValueError, match="no entry for rollout 'b'"):
         triplets_to_dataproto([_t("a", 0, [1], [2], 1.0), _t("b", 0, [1], [3], 0.0)], pad_token_id=PAD,
                               advantages={"a": 1.0})
