@@ -313,15 +313,7 @@ def group_advantages(rewards: dict[str, float], groups: dict[str, str], *, min_g
     import torch
     from verl.trainer.ppo import core_algos
 
-    if min_group_size < 2:
-        raise ConfigError(f"min_group_size must be >= 2, got {min_group_size}: a group of one has no baseline")
-    missing = [e for e in rewards if e not in groups]
-    if missing:
-        raise ConfigError(f"groups has no group for episode {missing[0]!r}")
-    sizes: dict[str, int] = {}
-    for e in rewards:
-        sizes[groups[e]] = sizes.get(groups[e], 0) + 1
-    dropped = {g: n for g, n in sizes.items() if n < min_group_size}
+    dropped = _undersized_groups(rewards, groups, min_group_size)
     kept = [e for e in rewards if groups[e] not in dropped]
     if not kept:
         return {}, dropped
@@ -330,6 +322,24 @@ def group_advantages(rewards: dict[str, float], groups: dict[str, str], *, min_g
         token_level_rewards=rewards_E[:, None], response_mask=torch.ones(len(kept), 1),
         index=[groups[e] for e in kept], norm_adv_by_std_in_grpo=norm_by_std)
     return {e: float(a) for e, a in zip(kept, adv_E[:, 0])}, dropped
+
+
+def _undersized_groups(episodes: Sequence[str] | dict[str, Any], groups: dict[str, str],
+                       min_group_size: int) -> dict[str, int]:
+    """Group id -> number of episodes, for the groups of ``episodes`` with fewer than ``min_group_size``.
+
+    Raises:
+        ConfigError: ``min_group_size`` < 2, or ``groups`` lacks one of ``episodes``.
+    """
+    if min_group_size < 2:
+        raise ConfigError(f"min_group_size must be >= 2, got {min_group_size}: a group of one has no baseline")
+    missing = [e for e in episodes if e not in groups]
+    if missing:
+        raise ConfigError(f"groups has no group for episode {missing[0]!r}")
+    sizes: dict[str, int] = {}
+    for e in episodes:
+        sizes[groups[e]] = sizes.get(groups[e], 0) + 1
+    return {g: n for g, n in sizes.items() if n < min_group_size}
 
 
 def reward_to_go(step_rewards: Sequence[float], final_reward: float, gamma: float = 1.0) -> list[float]:
@@ -375,16 +385,7 @@ def transition_advantages(returns: dict[tuple[str, int], float], groups: dict[st
     Raises:
         ConfigError: ``min_group_size`` < 2, or ``groups`` lacks an episode of ``returns``.
     """
-    if min_group_size < 2:
-        raise ConfigError(f"min_group_size must be >= 2, got {min_group_size}: a group of one has no baseline")
-    episodes = list(dict.fromkeys(e for e, _ in returns))
-    missing = [e for e in episodes if e not in groups]
-    if missing:
-        raise ConfigError(f"groups has no group for episode {missing[0]!r}")
-    sizes: dict[str, int] = {}
-    for e in episodes:
-        sizes[groups[e]] = sizes.get(groups[e], 0) + 1
-    dropped = {g: n for g, n in sizes.items() if n < min_group_size}
+    dropped = _undersized_groups(list(dict.fromkeys(e for e, _ in returns)), groups, min_group_size)
     kept = {k: v for k, v in returns.items() if groups[k[0]] not in dropped}
     # every kept group has >= 2 episodes, so >= 2 transitions: group_advantages drops nothing more
     advantages, _ = group_advantages(kept, {k: groups[k[0]] for k in kept}, min_group_size=2,  # type: ignore[arg-type]
