@@ -131,3 +131,24 @@ def weights_snapshot():
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     return snap
+
+
+@pytest.fixture
+def distinct_generations():
+    """``distinct_generations(engine, prompt, n, temperature=1.0, max_tokens=12)``: ``n`` distinct completions of
+    ``prompt`` sampled from ``engine`` (torch seeded with 0 first, so a test samples the same ones every run)."""
+    import torch
+
+    def sample(engine, prompt, n, temperature=1.0, max_tokens=12):
+        torch.manual_seed(0)
+        seen, out = set(), []
+        for _ in range(50):
+            g = engine.generate(prompt, temperature=temperature, max_tokens=max_tokens)
+            if tuple(g.completion_ids) not in seen:
+                seen.add(tuple(g.completion_ids))
+                out.append(g)
+            if len(out) == n:
+                return out
+        raise AssertionError("the model kept sampling the same completion")
+
+    return sample

@@ -32,19 +32,6 @@ def _triplet(gen, rollout_id, group, reward, **kw) -> Triplet:
                    reward=reward, temperature=gen.temperature, **kw)
 
 
-def _distinct_generations(engine, prompt, n, temperature=1.0, max_tokens=12):
-    torch.manual_seed(0)
-    seen, out = set(), []
-    for _ in range(50):
-        g = engine.generate(prompt, temperature=temperature, max_tokens=max_tokens)
-        if tuple(g.completion_ids) not in seen:
-            seen.add(tuple(g.completion_ids))
-            out.append(g)
-        if len(out) == n:
-            return out
-    raise AssertionError("the model kept sampling the same completion")
-
-
 def _seq_logprob(model, gen) -> float:
     """Sum of log-probs of ``gen``'s completion under ``model`` (at its sampling temperature)."""
     ids = gen.prompt_ids + gen.completion_ids
@@ -74,9 +61,9 @@ def test_group_advantages_match_the_grpo_formula_and_drop_small_groups():
         GRPOConfig(min_group_size=1)
 
 
-def test_a_lone_survivor_of_a_group_is_dropped_not_trained_on_its_raw_reward(engine, pristine):
+def test_a_lone_survivor_of_a_group_is_dropped_not_trained_on_its_raw_reward(engine, pristine, distinct_generations):
     prompt = _prompt(engine)
-    (g,) = _distinct_generations(engine, prompt, 1)
+    (g,) = distinct_generations(engine, prompt, 1)
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
     before, version = _weights(engine.model), engine.weight_version
     m = trainer.update([_triplet(g, "r1", "grp", 1.0)])
@@ -87,9 +74,10 @@ def test_a_lone_survivor_of_a_group_is_dropped_not_trained_on_its_raw_reward(eng
 
 
 # ----- direction of learning ----------------------------------------------------------
-def test_one_update_raises_the_logprob_of_positive_advantage_and_lowers_negative(engine, pristine):
+def test_one_update_raises_the_logprob_of_positive_advantage_and_lowers_negative(
+        engine, pristine, distinct_generations):
     prompt = _prompt(engine)
-    good, bad = _distinct_generations(engine, prompt, 2)
+    good, bad = distinct_generations(engine, prompt, 2)
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
     good_before, good_tok = _seq_logprob(engine.model, good)
     bad_before, bad_tok = _seq_logprob(engine.model, bad)
@@ -105,7 +93,7 @@ def test_one_update_raises_the_logprob_of_positive_advantage_and_lowers_negative
     assert bad_after < bad_before - 1e-3, (bad_before, bad_after)
 
 
-def test_logprobs_go_through_the_models_own_forward(engine):
+def test_logprobs_go_through_the_models_own_forward(engine, distinct_generations):
     """A model that soft-caps its logits in forward() (as Gemma 2 does) is scored with the capped logits."""
 
     class SoftCapped(torch.nn.Module):
@@ -120,7 +108,7 @@ def test_logprobs_go_through_the_models_own_forward(engine):
             return out
 
     prompt = _prompt(engine)
-    (g,) = _distinct_generations(engine, prompt, 1)
+    (g,) = distinct_generations(engine, prompt, 1)
     ids_B_T = torch.tensor([g.prompt_ids + g.completion_ids])
     P = len(g.prompt_ids)
     mask_B_L = torch.tensor([[0.0] * (P - 1) + [1.0] * len(g.completion_ids)])
@@ -136,9 +124,9 @@ def test_logprobs_go_through_the_models_own_forward(engine):
 
 
 # ----- what a step counts ---------------------------------------------------------------
-def test_skip_zero_advantage_does_not_change_the_step(engine, pristine):
+def test_skip_zero_advantage_does_not_change_the_step(engine, pristine, distinct_generations):
     prompt = _prompt(engine)
-    a, b, c, d = _distinct_generations(engine, prompt, 4)
+    a, b, c, d = distinct_generations(engine, prompt, 4)
     batch = [_triplet(a, "a", "signal", 1.0), _triplet(b, "b", "signal", 0.0),
              _triplet(c, "c", "flat", 1.0), _triplet(d, "d", "flat", 1.0)]
     start = _weights(engine.model)
@@ -155,9 +143,9 @@ def test_skip_zero_advantage_does_not_change_the_step(engine, pristine):
     assert results[True]["groups_with_signal"] == 1 and results[True]["groups"] == 2
 
 
-def test_top_p_below_one_is_refused_for_training(engine):
+def test_top_p_below_one_is_refused_for_training(engine, distinct_generations):
     prompt = _prompt(engine)
-    (g,) = _distinct_generations(engine, prompt, 1)
+    (g,) = distinct_generations(engine, prompt, 1)
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
     with pytest.raises(ConfigError, match="top_p"):
         trainer.update([_triplet(g, "x", "g", 1.0, top_p=0.9), _triplet(g, "y", "g", 0.0)])
@@ -165,9 +153,9 @@ def test_top_p_below_one_is_refused_for_training(engine):
 
 
 # ----- config edits ---------------------------------------------------------------------
-def test_config_edits_take_effect_at_the_next_update_and_are_recorded(engine, pristine):
+def test_config_edits_take_effect_at_the_next_update_and_are_recorded(engine, pristine, distinct_generations):
     prompt = _prompt(engine)
-    a, b = _distinct_generations(engine, prompt, 2)
+    a, b = distinct_generations(engine, prompt, 2)
     batch = [_triplet(a, "a", "g", 1.0), _triplet(b, "b", "g", 0.0)]
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
     assert trainer.update(batch)["lr"] == 2e-5
@@ -189,9 +177,9 @@ def test_config_edits_take_effect_at_the_next_update_and_are_recorded(engine, pr
     assert trainer.step == 2
 
 
-def test_samples_older_than_max_staleness_are_dropped_and_counted(engine, pristine):
+def test_samples_older_than_max_staleness_are_dropped_and_counted(engine, pristine, distinct_generations):
     prompt = _prompt(engine)
-    a, b, c, d = _distinct_generations(engine, prompt, 4)
+    a, b, c, d = distinct_generations(engine, prompt, 4)
     v = engine.weight_version
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False, max_staleness=1))
     engine.load_weights(engine.model)  # two versions later: a and b were sampled at v, now v + 2

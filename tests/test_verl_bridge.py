@@ -232,19 +232,6 @@ def _prompt(engine, question="What is 17 + 25? Answer with a number."):
     return engine.apply_chat_template([{"role": "user", "content": question}])
 
 
-def _distinct_generations(engine, prompt, n, temperature=1.0, max_tokens=12):
-    torch.manual_seed(0)
-    seen, out = set(), []
-    for _ in range(50):
-        g = engine.generate(prompt, temperature=temperature, max_tokens=max_tokens)
-        if tuple(g.completion_ids) not in seen:
-            seen.add(tuple(g.completion_ids))
-            out.append(g)
-        if len(out) == n:
-            return out
-    raise AssertionError("the model kept sampling the same completion")
-
-
 def _triplet(gen, rollout_id, reward, turn=0, group="q") -> Triplet:
     return Triplet(rollout_id=rollout_id, attempt_id=f"at-{rollout_id}", group_id=group, turn=turn,
                    prompt_ids=gen.prompt_ids, response_ids=gen.completion_ids, logprobs=gen.logprobs,
@@ -260,9 +247,9 @@ def _seq_logprob(model, gen) -> float:
 
 
 @pytest.mark.slow
-def test_verls_old_log_probs_match_the_engines_and_ours_on_single_and_multi_turn_rows(engine):
+def test_verls_old_log_probs_match_the_engines_and_ours_on_single_and_multi_turn_rows(engine, distinct_generations):
     prompt = _prompt(engine)
-    a, b = _distinct_generations(engine, prompt, 2, temperature=0.8)
+    a, b = distinct_generations(engine, prompt, 2, temperature=0.8)
     # a second turn that extends episode "a": its history, a tool result, the model's next reply
     tool = engine.tokenizer.encode("<|im_start|>user\nTool says: 42<|im_end|>\n<|im_start|>assistant\n")
     a2 = engine.generate(a.prompt_ids + a.completion_ids + tool, temperature=0.8, max_tokens=8)
@@ -288,9 +275,10 @@ def test_verls_old_log_probs_match_the_engines_and_ours_on_single_and_multi_turn
 
 
 @pytest.mark.slow
-def test_one_verl_actor_update_raises_the_rewarded_completion_and_lowers_the_others(engine, pristine):
+def test_one_verl_actor_update_raises_the_rewarded_completion_and_lowers_the_others(
+        engine, pristine, distinct_generations):
     prompt = _prompt(engine)
-    gens = _distinct_generations(engine, prompt, 4)
+    gens = distinct_generations(engine, prompt, 4)
     d = triplets_to_dataproto([_triplet(g, f"r{i}", 1.0 if i == 0 else 0.0) for i, g in enumerate(gens)],
                               pad_token_id=engine.pad_token_id)
     before = [_seq_logprob(engine.model, g) for g in gens]
@@ -316,11 +304,11 @@ def test_one_verl_actor_update_raises_the_rewarded_completion_and_lowers_the_oth
 
 
 @pytest.mark.slow
-def test_one_verl_update_takes_the_same_step_as_one_grpo_trainer_update(engine, pristine):
+def test_one_verl_update_takes_the_same_step_as_one_grpo_trainer_update(engine, pristine, distinct_generations):
     """Same batch, same optimizer settings, π_old = the engine's log-probs (verl's bypass mode): same weights."""
     from lightning_nb import GRPOConfig, GRPOTrainer
 
-    gens = _distinct_generations(engine, _prompt(engine), 4)
+    gens = distinct_generations(engine, _prompt(engine), 4)
     ts = [_triplet(g, f"r{i}", [1.0, 0.0, 0.5, 0.0][i]) for i, g in enumerate(gens)]
     initial = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))  # lr 2e-5, no weight decay, clip 1.0
