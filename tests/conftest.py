@@ -85,6 +85,16 @@ def proxied_store(engine):
 
 
 @pytest.fixture
+def proxied(engine):
+    """``(store, proxy)``: an empty InMemoryStore and an LLMProxy on the session engine writing to it."""
+    from lightning_nb.proxy import LLMProxy
+
+    store = InMemoryStore()
+    with LLMProxy(engine, store) as proxy:
+        yield store, proxy
+
+
+@pytest.fixture
 def agent_with_reward():
     """``agent_with_reward(values)``: an agent that makes one short LLM call and then returns
     ``values[i % len(values)]`` for its i-th rollout."""

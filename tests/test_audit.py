@@ -26,13 +26,6 @@ CALCULATOR = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 
 
-@pytest.fixture
-def proxied(engine):
-    store = InMemoryStore()
-    with LLMProxy(engine, store) as proxy:
-        yield store, proxy
-
-
 def _client(store, proxy):
     """A rollout of its own and an OpenAI client on its URL."""
     rid = store.enqueue_rollout("t").rollout_id

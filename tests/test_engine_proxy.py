@@ -33,13 +33,6 @@ def recorded(engine):
     engine._run_batch = original
 
 
-@pytest.fixture
-def proxied(engine):
-    store = InMemoryStore()
-    with LLMProxy(engine, store) as proxy:
-        yield store, proxy
-
-
 def test_engine_batches_and_reports_ids_and_logprobs(engine, recorded):
     prompts = [engine.apply_chat_template([{"role": "user", "content": f"Count to {i}."}]) for i in range(4)]
     futures = [engine.submit(p, max_tokens=12, temperature=0.0) for p in prompts]
