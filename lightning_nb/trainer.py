@@ -1290,7 +1290,7 @@ class GRPOTrainer(BackgroundLoop):
         and fields this version does not know), checked to form a valid config before anything is loaded."""
         from dataclasses import fields, replace
 
-        known = {f.name for f in fields(GRPOConfig)} - set(self._placement)
+        known = {f.name for f in fields(type(self.config))} - set(self._placement)  # a subclass's fields too
         out = {k: v for k, v in saved.items() if k in known}
         if not check:
             return out

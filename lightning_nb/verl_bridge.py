@@ -27,8 +27,8 @@ departures:
 1. ``_InProcessEngine(FSDPEngineWithLMHead)`` overrides three build hooks: ``_build_module``
    returns the given model (no ``from_pretrained``, no verl monkey patches), ``_build_fsdp_module``
    returns it unwrapped (autocast follows the model's own dtype: none in float32), and
-   ``_build_optimizer`` returns the given optimizer if one was passed (else verl's
-   ``build_optimizer``). ``initialize`` builds no FSDP checkpoint manager (checkpoints are the
+   ``_build_optimizer`` / ``_build_lr_scheduler`` return the given optimizer / scheduler if one
+   was passed (else verl's ``build_optimizer`` / its warmup schedules). ``initialize`` builds no FSDP checkpoint manager (checkpoints are the
    trainer's job). Forward, loss, micro-batching, gradient clipping (``clip_grad_norm_`` for a
    non-FSDP module is verl's own branch), the optimizer step and the LR scheduler are verl's code.
 2. A one-process ``torch.distributed`` group (gloo, or ``cpu:gloo,cuda:nccl`` on a GPU, over an
@@ -62,7 +62,7 @@ from typing import Any, Optional
 
 from lightning_nb.types import Triplet
 
-__all__ = ["triplets_to_dataproto", "grpo_advantages", "ppo_config", "VerlActor", "IN_PROCESS_OVERRIDES"]
+__all__ = ["triplets_to_dataproto", "grpo_advantages", "ppo_config", "VerlActor", "IN_PROCESS_OVERRIDES", "require_verl"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,21 @@ IN_PROCESS_OVERRIDES: tuple[str, ...] = (
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096",
     "algorithm.adv_estimator=grpo",
 )
+
+
+def require_verl() -> None:
+    """Import verl, or raise an ImportError that names the extra to install.
+
+    Raises:
+        ImportError: verl (or the ``ray`` package that ``verl/protocol.py`` imports) is not installed.
+    """
+    try:
+        import verl  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            f"lightning_nb.verl_bridge and VerlTrainer need verl and the ray package it imports ({exc}); install "
+            "the tested set with pip install 'lightning-nb[verl]' (CPU, verl 0.9.0) or 'lightning-nb[gpu]' "
+            "(CUDA: verl[vllm]==0.9.1 with vllm 0.24.0, torch 2.11.0, transformers 5.9.0)") from exc
 
 
 # ----- triplets -> DataProto ------------------------------------------------------------
@@ -304,6 +319,7 @@ def ppo_config(overrides: Sequence[str] = ()) -> Any:
     Returns the ``omegaconf.DictConfig`` (printable with ``OmegaConf.to_yaml``); verl's dataclasses
     validate their sections when :class:`VerlActor` converts them.
     """
+    require_verl()
     import verl
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -331,13 +347,19 @@ class VerlActor:
             position_ids=...).logits``), on the device it will train on.
         config: :func:`ppo_config`'s result; None: ``ppo_config()``.
         optimizer: a torch optimizer over ``model``'s trainable parameters, or None.
+        lr_scheduler: the scheduler :meth:`update_policy` steps once per call, or None for verl's own
+            (built from ``actor_rollout_ref.actor.optim``).
+        forward_only: score only (e.g. the reference policy): no optimizer, no scheduler
+            (verl's ``engine_config.forward_only``).
     """
 
-    def __init__(self, model: Any, config: Any = None, *, optimizer: Any = None) -> None:
+    def __init__(self, model: Any, config: Any = None, *, optimizer: Any = None, lr_scheduler: Any = None,
+                 forward_only: bool = False) -> None:
         import functools
 
         import torch
 
+        require_verl()
         _use_cpu_platform_without_gpu()
         _use_torch_padding_without_flash_attn()
         _ensure_process_group()
@@ -365,6 +387,7 @@ class VerlActor:
         engine_config.micro_batch_size_per_gpu = cfg.actor.ppo_micro_batch_size_per_gpu
         engine_config.use_remove_padding = self.model_config.get("use_remove_padding", False)
         engine_config.use_fused_kernels = self.model_config.get("use_fused_kernels", False)
+        engine_config.forward_only = forward_only
         if self.model_config.lora_rank:
             raise ValueError("VerlActor adopts the model as it is: give it a peft model instead of "
                              "actor_rollout_ref.model.lora_rank > 0")
@@ -372,6 +395,7 @@ class VerlActor:
                                       optimizer_config=self.actor_config.optim,
                                       checkpoint_config=self.actor_config.checkpoint)
         self.engine.given_module, self.engine.given_optimizer = model, optimizer
+        self.engine.given_lr_scheduler = lr_scheduler
         with contextlib.redirect_stdout(io.StringIO()):  # verl prints the model size and the LR schedule
             self.engine.initialize()
         self.model, self.optimizer = self.engine.module, self.engine.optimizer
@@ -389,8 +413,12 @@ class VerlActor:
         tu.assign_non_tensor(td, **non_tensor)
         return td
 
-    def compute_log_prob(self, data: Any, *, calculate_entropy: bool = False) -> Any:
+    def compute_log_prob(self, data: Any, *, calculate_entropy: bool = False,
+                         max_token_len: Optional[int] = None) -> Any:
         """The current policy's log-probs of ``data``'s responses, as verl's ``_compute_old_log_prob``.
+
+        ``max_token_len``: the token budget of one forward (verl's dynamic micro-batching);
+        None: ``rollout.log_prob_max_token_len_per_gpu``.
 
         Returns a ``DataProto`` with ``old_log_probs`` (B, R) float32 (0 on padding; to be
         ``union``-ed into ``data``), and ``entropys`` (B, R) with ``calculate_entropy``.
@@ -402,7 +430,7 @@ class VerlActor:
         ec = self.engine.engine_config
         td = self._no_padding(data, calculate_entropy=calculate_entropy, compute_loss=False,
                               use_remove_padding=ec.use_remove_padding, use_dynamic_bsz=ec.use_dynamic_bsz,
-                              max_token_len_per_gpu=ec.infer_max_token_len_per_gpu,
+                              max_token_len_per_gpu=max_token_len or ec.infer_max_token_len_per_gpu,
                               micro_batch_size_per_gpu=ec.infer_micro_batch_size_per_gpu,
                               use_fused_kernels=ec.use_fused_kernels)
         was_training = self.model.training
@@ -416,48 +444,53 @@ class VerlActor:
             result["entropys"] = no_padding_2_padding(out["model_output"]["entropy"], td).float()
         return DataProto.from_tensordict(tu.get_tensordict(result))
 
-    def update_policy(self, data: Any) -> dict[str, float]:
+    def update_policy(self, data: Any, *, mini_batch_size: Optional[int] = None,
+                      max_token_len: Optional[int] = None) -> dict[str, float]:
         """verl's PPO update on ``data`` (``RayPPOTrainer._update_actor`` + ``TrainingWorker.train_mini_batch``).
 
         ``data`` needs ``old_log_probs`` and ``advantages`` (B, R) besides the keys of
-        :func:`triplets_to_dataproto`. The batch is cut into mini-batches of
-        ``ppo_mini_batch_size × rollout.n`` rows (capped at B: verl's config check refuses a
-        larger one), iterated ``ppo_epochs`` times by verl's ``make_iterator``; each mini-batch is one
-        ``engine.train_batch`` (micro-batches, ``ppo_loss``, ``clip_grad``, optimizer step); the LR
-        scheduler steps once per call. Returns the metrics averaged over the mini-batches: verl's
-        ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ... plus ``loss``, ``grad_norm``,
-        ``lr``, ``optimizer_steps``.
+        :func:`triplets_to_dataproto` (and ``ref_log_prob`` with ``actor.use_kl_loss``).
+        ``ppo_epochs`` times, the batch is cut into consecutive mini-batches of ``mini_batch_size``
+        rows (the last one may be smaller; None: ``ppo_mini_batch_size × rollout.n``, capped at B);
+        each mini-batch is one ``engine.train_batch`` (verl's dynamic micro-batches of at most
+        ``max_token_len`` tokens, ``ppo_loss`` normalised over the whole mini-batch, ``clip_grad``,
+        one optimizer step). verl's own ``make_iterator`` needs B to be a multiple of the mini-batch
+        size, which an agent batch (forks, dropped groups) rarely is; without ``actor.shuffle`` it
+        yields the same consecutive slices. The LR scheduler steps once per call. Returns the
+        metrics averaged over the mini-batches: verl's ``actor/pg_loss``, ``actor/pg_clipfrac``,
+        ``actor/ppo_kl``, ... plus ``loss``, ``grad_norm``, ``lr`` (after the step),
+        ``optimizer_steps``.
 
         Raises:
-            ValueError: a key is missing, or B is not a multiple of the mini-batch size.
+            ValueError: a key is missing, or ``actor.shuffle`` is set (not supported here).
         """
-        from verl.utils import tensordict_utils as tu
-
         missing = [k for k in ("old_log_probs", "advantages") if k not in data.batch.keys()]
         if missing:
             raise ValueError(f"update_policy() needs {missing} in data.batch: union compute_log_prob()'s result "
                              "(or rollout_log_probs as old_log_probs) and grpo_advantages()")
         cfg = self.config.actor_rollout_ref
-        B = len(data)
-        mini = min(cfg.actor.ppo_mini_batch_size * cfg.rollout.n, B)
-        if B % mini:
-            raise ValueError(f"the batch has {B} rows, not a multiple of the mini-batch size {mini} "
-                             "(actor_rollout_ref.actor.ppo_mini_batch_size × rollout.n)")
         ac, ec = self.actor_config, self.engine.engine_config
-        td = self._no_padding(
-            data, calculate_entropy=ac.calculate_entropy or ac.entropy_coeff != 0.0, distillation_use_topk=False,
-            distillation_only=False, global_batch_size=mini, compute_loss=True,
+        if ac.shuffle:
+            raise ValueError("actor_rollout_ref.actor.shuffle=true is not supported by the in-process actor; "
+                             "mini-batches are consecutive rows")
+        B = len(data)
+        mini = min(mini_batch_size or cfg.actor.ppo_mini_batch_size * cfg.rollout.n, B)
+        parts = [data[i: i + mini] for i in range(0, B, mini)]
+        tds = [self._no_padding(
+            part, calculate_entropy=ac.calculate_entropy or ac.entropy_coeff != 0.0, distillation_use_topk=False,
+            distillation_only=False, global_batch_size=len(part), compute_loss=True,
             use_remove_padding=ec.use_remove_padding, use_dynamic_bsz=ec.use_dynamic_bsz,
-            max_token_len_per_gpu=ec.max_token_len_per_gpu, micro_batch_size_per_gpu=ec.micro_batch_size_per_gpu,
-            use_fused_kernels=ec.use_fused_kernels)
+            max_token_len_per_gpu=max_token_len or ec.max_token_len_per_gpu,
+            micro_batch_size_per_gpu=ec.micro_batch_size_per_gpu, use_fused_kernels=ec.use_fused_kernels)
+            for part in parts]
         rows: list[dict[str, float]] = []
         was_training = self.model.training
         try:
             with self.engine.train_mode():
-                for mini_td in tu.make_iterator(td, mini_batch_size=mini, epochs=ac.ppo_epochs,
-                                                seed=ac.data_loader_seed, dataloader_kwargs={"shuffle": ac.shuffle}):
-                    out = self.engine.train_batch(mini_td, loss_function=self.loss_fn)
-                    rows.append(_reduce_metrics(out))
+                for _ in range(ac.ppo_epochs):
+                    for td in tds:
+                        out = self.engine.train_batch(td, loss_function=self.loss_fn)
+                        rows.append(_reduce_metrics(out))
             lr = self.engine.lr_scheduler_step()
         finally:
             self.model.train(was_training)
@@ -507,6 +540,7 @@ def _engine_class() -> type:
     class _InProcessEngine(FSDPEngineWithLMHead):
         given_module: Any = None
         given_optimizer: Any = None
+        given_lr_scheduler: Any = None
 
         def initialize(self) -> None:  # no FSDPCheckpointManager: checkpoints are the trainer's
             self._build_model_optimizer()
@@ -523,6 +557,11 @@ def _engine_class() -> type:
             if self.given_optimizer is not None:
                 return self.given_optimizer
             return super()._build_optimizer(module)
+
+        def _build_lr_scheduler(self, optimizer: Any) -> Any:
+            if self.given_lr_scheduler is not None:
+                return self.given_lr_scheduler
+            return super()._build_lr_scheduler(optimizer)
 
     return _InProcessEngine
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from _nbgen import main  # notebooks/_nbgen.py: build_notebook(CELLS) is the notebook
 
 OUT = Path(__file__).resolve().parent / "03_inspect_and_steer.ipynb"
 
@@ -241,15 +240,5 @@ trainer.state"""),
 ]
 
 
-def build() -> nbformat.NotebookNode:
-    nb = new_notebook(cells=[new_markdown_cell(src) if kind == "md" else new_code_cell(src) for kind, src in CELLS])
-    nb.metadata = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-                   "language_info": {"name": "python"}}
-    for i, cell in enumerate(nb.cells):
-        cell["id"] = f"cell-{i:02d}"
-    return nb
-
-
 if __name__ == "__main__":
-    nbformat.write(build(), OUT)
-    print(f"wrote {OUT}")
+    main(CELLS, OUT)

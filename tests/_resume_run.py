@@ -1,10 +1,16 @@
-"""One deterministic training run in its own process, for tests/test_resume.py.
+"""One deterministic training run in its own process, for tests/test_resume.py and tests/test_verl_trainer.py.
 
     python tests/_resume_run.py OUT.json --steps 4 [--save-at 2 --checkpoint C.pt] [--load C.pt] [--pauses]
+    python tests/_resume_run.py OUT.json --trainer verl --steps 3 --pause-after 1 --save-at 2 --checkpoint DIR
+    python tests/_resume_run.py OUT.json --trainer verl --steps 3 --load DIR
 
-One runner thread, so the engine decodes one request at a time and the torch RNG
-stream that sampling draws from is consumed in a fixed order. Writes the metrics
-row of every step it ran and a SHA-256 of the final weights.
+The calculator agent on SmolLM2-135M behind the LLM proxy, with one runner thread, so the engine
+decodes one request at a time and the torch RNG stream that sampling draws from is consumed in a
+fixed order. ``--trainer verl`` trains with VerlTrainer (checkpoints are folders in verl's layout).
+With ``--pause-after K`` the first ``--save-at`` steps run in the background (``trainer.start``);
+once step K is done the run is paused at a step boundary, inspected (metrics, the last batch, a chat
+with the model) and resumed; then it saves and runs the remaining steps in the foreground. Writes
+the metrics row of every step it ran, what the pauses showed, timings and a SHA-256 of the final weights.
 """
 
 from __future__ import annotations
@@ -50,29 +56,54 @@ def main() -> int:
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--load", default=None)
     parser.add_argument("--pauses", action="store_true", help="run in the background and pause/resume it")
+    parser.add_argument("--pause-after", type=int, default=0,
+                        help="run to --save-at in the background, pausing once after this step")
+    parser.add_argument("--trainer", choices=["grpo", "verl"], default="grpo")
     args = parser.parse_args()
 
     import torch
 
     from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy,
-                              TransformersEngine, start_runners)
+                              TransformersEngine, VerlConfig, VerlTrainer, start_runners)
     from lightning_nb.calc import calc_agent, load_tasks
 
+    t_start = time.perf_counter()
     torch.manual_seed(1234)
     engine = TransformersEngine.from_default(max_batch_size=8)
     store = InMemoryStore()
     proxy = LLMProxy(engine, store).start()
     store.add_resources({"main_llm": proxy.as_resource()})
     runners = start_runners(calc_agent, store, n=1)
-    trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=5e-5, micro_batch_size=2))
+    trainer_cls, config_cls = (VerlTrainer, VerlConfig) if args.trainer == "verl" else (GRPOTrainer, GRPOConfig)
+    trainer = trainer_cls(engine, config_cls(learning_rate=5e-5, micro_batch_size=2))
     algo = LightningRL(store, trainer, load_tasks("train"), config=AlgorithmConfig(
         tasks_per_step=2, group_size=3, max_tokens=16, temperature=1.0, max_sample_rounds=1, seed=7))
     if args.load:
         trainer.load(args.load)
     first = trainer.step
     pauses: list = []
+    step_seconds: list[float] = []
     try:
-        if args.pauses:
+        if args.pause_after:
+            t0 = time.perf_counter()
+            trainer.start(algo, steps=args.save_at - trainer.step)
+            while trainer.step < args.pause_after and trainer.running:
+                time.sleep(0.05)
+            parked = trainer.pause(timeout=600)
+            batch = trainer.last_batch_df()
+            pauses.append({"parked": parked, "step": trainer.step, "at": trainer.paused_at,
+                           "metrics_rows": len(trainer.metrics_df()), "batch_rows": len(batch),
+                           "batch_columns": list(batch.columns), "chat": engine.chat("What is 2 + 2?", max_tokens=6)})
+            trainer.resume()
+            trainer.wait(timeout=900)
+            step_seconds.append(time.perf_counter() - t0)
+            if args.checkpoint:
+                trainer.save(args.checkpoint)
+            while trainer.step < args.steps:
+                t0 = time.perf_counter()
+                algo.step()
+                step_seconds.append(time.perf_counter() - t0)
+        elif args.pauses:
             pauser = threading.Thread(target=_pauser, args=(trainer, engine, pauses), daemon=True)
             trainer.start(algo, steps=args.steps - trainer.step)
             pauser.start()
@@ -85,12 +116,14 @@ def main() -> int:
     finally:
         runners.stop()
         proxy.stop()
-    keys = ("step", "loss", "pg_loss", "grad_norm", "reward_mean", "tokens_trained", "kl")
+    keys = ("step", "trainer", "loss", "pg_loss", "grad_norm", "reward_mean", "tokens_trained", "kl", "ppo_kl",
+            "actor/pg_clipfrac", "optimizer_steps", "sequences_trained")
     rows = [{k: (None if isinstance(m.get(k), float) and math.isnan(m[k]) else m.get(k)) for k in keys}
             for m in trainer.metrics if m["step"] > first]
     with open(args.out, "w") as f:
         json.dump({"rows": rows, "weights": weights_sha256(engine.model), "pauses": pauses,
-                   "val_history": algo.val_history, "weight_version": engine.weight_version}, f)
+                   "val_history": algo.val_history, "weight_version": engine.weight_version,
+                   "step_seconds": step_seconds, "seconds": time.perf_counter() - t_start}, f)
     return 0
 
 

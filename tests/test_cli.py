@@ -54,3 +54,6 @@ def test_demo_rejects_bad_steps():
     proc = subprocess.run([sys.executable, "-m", "lightning_nb", "demo", "--resume", "/nonexistent/ck.pt"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "no such checkpoint file" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "lightning_nb", "demo", "--trainer", "verl", "--resume",
+                           "/nonexistent/checkpoints"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "no such checkpoint folder (--trainer verl writes OUT/checkpoints)" in proc.stderr

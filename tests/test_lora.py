@@ -22,7 +22,6 @@ from lightning_nb.weights import adapter_state_dict, base_state_dict, merged_sta
 
 pytestmark = pytest.mark.slow
 
-QUESTION = "What is 17 + 25? Answer with a number."
 LORA = dict(lora_rank=8, lora_alpha=16.0)
 
 
@@ -44,20 +43,6 @@ def lora_engine():
     eng.stop()
 
 
-def _batch(engine, n=4, seed=0):
-    """``n`` distinct sampled completions of one prompt as one GRPO group; only the first is rewarded."""
-    prompt = engine.apply_chat_template([{"role": "user", "content": QUESTION}])
-    torch.manual_seed(seed)
-    seen, gens = set(), []
-    while len(gens) < n:
-        g = engine.generate(prompt, temperature=1.0, max_tokens=10)
-        if tuple(g.completion_ids) not in seen:
-            seen.add(tuple(g.completion_ids))
-            gens.append(g)
-    return [Triplet(rollout_id=f"r{i}", attempt_id=f"a{i}", group_id="g", turn=0, prompt_ids=g.prompt_ids,
-                    response_ids=g.completion_ids, logprobs=g.logprobs, reward=1.0 if i == 0 else 0.0,
-                    temperature=1.0) for i, g in enumerate(gens)]
-
 
 def _seq_logprob(model, t: Triplet) -> float:
     ids = torch.tensor([t.prompt_ids + t.response_ids])
@@ -67,9 +52,9 @@ def _seq_logprob(model, t: Triplet) -> float:
         return float(response_logprobs(model, ids, torch.ones_like(ids), mask, torch.tensor([1.0])).sum())
 
 
-def test_lora_trains_only_the_adapters_and_the_engine_serves_them(lora_engine):
+def test_lora_trains_only_the_adapters_and_the_engine_serves_them(lora_engine, one_group):
     eng = lora_engine
-    batch = _batch(eng)
+    batch = one_group(eng)
     before = [_seq_logprob(eng.model, t) for t in batch]
     trainer = GRPOTrainer(eng, GRPOConfig(learning_rate=5e-4, track_reference_kl=True, **LORA))
     assert trainer.reference is None  # no second copy: the base with adapters disabled is the reference
@@ -108,18 +93,18 @@ def test_lora_trains_only_the_adapters_and_the_engine_serves_them(lora_engine):
         GRPOTrainer(eng, GRPOConfig())
 
 
-def test_merged_weights_match_peft_merge_and_both_exports_load_back(lora_engine, tmp_path):
+def test_merged_weights_match_peft_merge_and_both_exports_load_back(lora_engine, one_group, tmp_path):
     eng = lora_engine
     trainer = GRPOTrainer(eng, GRPOConfig(learning_rate=5e-4, track_reference_kl=False, **LORA))
     if not any(bool(v.abs().sum()) for k, v in adapter_state_dict(eng.model).items() if ".lora_B." in k):
-        trainer.update(_batch(eng))  # when run alone: train the adapters first
+        trainer.update(one_group(eng))  # when run alone: train the adapters first
     ours = merged_state_dict(eng.model)
     theirs = copy.deepcopy(trainer.peft_model).merge_and_unload().state_dict()
     assert set(ours) == set(theirs) == set(eng.base_state)
     assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) < 1e-6
     assert any(not torch.equal(ours[k], eng.base_state[k]) for k in ours)
 
-    ids = torch.tensor([_batch(eng, n=1, seed=3)[0].prompt_ids])
+    ids = torch.tensor([one_group(eng, n=1, seed=3)[0].prompt_ids])
     with torch.no_grad():
         trained = eng.model(input_ids=ids).logits
     from peft import PeftModel
@@ -140,10 +125,10 @@ def test_merged_weights_match_peft_merge_and_both_exports_load_back(lora_engine,
     assert float((base_logits - trained).abs().max()) > 1e-2  # the exports carry the training, not the base
 
 
-def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora_engine, engine, tmp_path):
+def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora_engine, one_group, engine, tmp_path):
     eng = lora_engine
     trainer = GRPOTrainer(eng, GRPOConfig(learning_rate=5e-4, track_reference_kl=False, **LORA))
-    trainer.update(_batch(eng, seed=1))
+    trainer.update(one_group(eng, seed=1))
     trainer.config.learning_rate = 2e-4  # an edit made while paused travels with the checkpoint
     path = trainer.save(tmp_path / "lora.pt")
     assert path.stat().st_size < 100e6  # adapters + their AdamW state, not the 1.6 GB of a full checkpoint
@@ -156,7 +141,7 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora_engine, eng
         assert resumed.step == trainer.step
         assert [(m["step"], m["loss"]) for m in resumed.metrics] == [(m["step"], m["loss"]) for m in trainer.metrics]
         assert all(torch.equal(v, adapter_state_dict(eng.model)[k]) for k, v in adapter_state_dict(fresh.model).items())
-        batch = _batch(eng, seed=2)
+        batch = one_group(eng, seed=2)
         assert resumed.update(batch)["loss"] == pytest.approx(trainer.update(batch)["loss"], abs=1e-6)
         assert all(torch.equal(v, adapter_state_dict(eng.model)[k]) for k, v in adapter_state_dict(fresh.model).items())
         # keep_config=True keeps this trainer's values; the next update applies them and records the change
@@ -173,7 +158,7 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora_engine, eng
         GRPOTrainer(engine, GRPOConfig(track_reference_kl=False)).load(path)
 
 
-def test_lora_in_bfloat16_with_gradient_checkpointing_trains_float32_adapters():
+def test_lora_in_bfloat16_with_gradient_checkpointing_trains_float32_adapters(one_group):
     """The GPU recipe on the CPU: bf16 base (frozen), float32 adapters (peft's autocast_adapter_dtype), gradient
     checkpointing through the frozen layers (non-reentrant, so no input needs requires_grad)."""
     eng = TransformersEngine.from_default(max_batch_size=4, dtype="bfloat16")
@@ -182,7 +167,7 @@ def test_lora_in_bfloat16_with_gradient_checkpointing_trains_float32_adapters():
         trainer = GRPOTrainer(eng, GRPOConfig(dtype="bfloat16", gradient_checkpointing=True, learning_rate=5e-4,
                                               **LORA))
         assert {p.dtype for p in trainer._trainable} == {torch.float32}
-        batch = _batch(eng)
+        batch = one_group(eng)
         before = _seq_logprob(eng.model, batch[0])
         m = trainer.update(batch)
         assert m["optimizer_steps"] == 1 and m["grad_norm"] > 0 and m["kl"] == 0.0

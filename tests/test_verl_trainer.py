@@ -1,0 +1,235 @@
+"""VerlTrainer: VerlConfig mapped onto verl's Hydra config and checked by verl, verl's actor update behind
+the GRPOTrainer surface, checkpoints in verl's layout, and the end-to-end run with pause / inspect /
+resume and save / load in a new process.
+
+verl runs for real (its Hydra config, ``validate_config``, ``compute_grpo_outcome_advantage``, its FSDP
+engine and ``ppo_loss`` in this process, see ``lightning_nb.verl_bridge``), on the real SmolLM2-135M.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_nb import GRPOConfig
+from lightning_nb.engine import TransformersEngine
+from lightning_nb.errors import ConfigError
+from lightning_nb.trainer import response_logprobs
+from lightning_nb.types import Triplet
+from lightning_nb.verl_trainer import MAPPED_KEYS, VerlConfig, VerlTrainer
+
+WORKER = Path(__file__).with_name("_resume_run.py")
+
+
+# ----- VerlConfig -> verl's Hydra config ------------------------------------------------
+def test_fields_become_verls_keys_in_the_config_verl_composes_and_checks():
+    config = VerlConfig(learning_rate=3e-5, weight_decay=0.01, max_grad_norm=0.5, clip_ratio=0.2, clip_ratio_high=0.28,
+                        kl_coef=0.01, kl_penalty="mse", ppo_epochs=2, mini_batch_size=4,
+                        loss_agg_mode="seq-mean-token-sum-norm", max_response_len=64, norm_adv_by_std=False,
+                        lr_scheduler="cosine", warmup_steps=2, total_steps=10,
+                        overrides=["actor_rollout_ref.actor.entropy_coeff=0.001"])
+    cfg = config.verl_config()
+    actor = cfg.actor_rollout_ref.actor
+    assert (actor.optim.lr, actor.optim.weight_decay, actor.grad_clip) == (3e-5, 0.01, 0.5)
+    assert (actor.clip_ratio, actor.clip_ratio_low, actor.clip_ratio_high) == (0.2, 0.2, 0.28)
+    assert (actor.use_kl_loss, actor.kl_loss_coef, actor.kl_loss_type) == (True, 0.01, "mse")
+    assert (actor.ppo_epochs, actor.ppo_mini_batch_size) == (2, 4)
+    assert (actor.loss_agg_mode, actor.loss_scale_factor) == ("seq-mean-token-sum-norm", 64)
+    assert (actor.optim.lr_scheduler_type, actor.optim.lr_warmup_steps, actor.optim.total_training_steps) == (
+        "cosine", 2, 10)
+    assert actor.entropy_coeff == 0.001  # the override reached verl's actor section
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.algorithm.norm_adv_by_std_in_grpo is False
+    assert cfg.algorithm.use_kl_in_reward is False
+    assert "clip_ratio_high: 0.28" in config.to_yaml() and "adv_estimator: grpo" in config.to_yaml(None)
+    # the defaults differ from verl's (lr 1e-6, no KL loss here) the way GRPOConfig's do
+    plain = VerlConfig().verl_config().actor_rollout_ref.actor
+    assert (plain.optim.lr, plain.use_kl_loss, plain.loss_scale_factor) == (2e-5, False, None)
+
+
+@pytest.mark.parametrize("fields, name", [
+    (dict(credit="reward_to_go"), "credit"), (dict(kl_mode="reward", kl_coef=0.1), "kl_mode"),
+    (dict(tis_cap=2.0), "tis_cap"), (dict(overlong_filter=True), "overlong_filter"),
+    (dict(overlong_buffer_len=4, max_response_len=16), "overlong_buffer_len"),
+    (dict(skip_zero_advantage=True), "skip_zero_advantage"),
+])
+def test_grpo_trainer_only_options_are_refused_naming_the_field(fields, name):
+    with pytest.raises(ConfigError, match=f"VerlConfig.{name}=.*not supported by VerlTrainer"):
+        VerlConfig(**fields)
+
+
+def test_overrides_must_be_hydra_strings_and_may_not_set_what_a_field_sets():
+    with pytest.raises(ConfigError, match="VerlConfig.clip_ratio"):
+        VerlConfig(overrides=["actor_rollout_ref.actor.clip_ratio=0.3"])
+    with pytest.raises(ConfigError, match="VerlConfig.learning_rate"):
+        VerlConfig(overrides=["+actor_rollout_ref.actor.optim.lr=1e-3"])
+    with pytest.raises(ConfigError, match="'key=value'"):
+        VerlConfig(overrides=["actor_rollout_ref.actor.entropy_coeff"])
+    with pytest.raises(ConfigError, match="list of 'key=value'"):
+        VerlConfig(overrides="actor_rollout_ref.actor.entropy_coeff=0.1")
+    assert set(MAPPED_KEYS.values()) >= {"learning_rate", "clip_ratio", "kl_coef", "ppo_epochs", "mini_batch_size"}
+
+
+def test_hydra_and_verls_own_checks_refuse_bad_overrides_with_a_config_error():
+    with pytest.raises(ConfigError, match="Hydra config refused.*no_such_key"):
+        VerlConfig(overrides=["actor_rollout_ref.actor.no_such_key=1"]).verl_config()
+    with pytest.raises(ConfigError, match="verl's checks refused"):  # verl's validate_config: sampling at temperature 0
+        VerlConfig(overrides=["actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                              "actor_rollout_ref.rollout.temperature=0"]).verl_config()
+
+
+def test_the_one_gpu_lora_preset_is_verls_0_5b_lora_example():
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="device"):
+            VerlConfig.one_gpu_lora()
+    config = VerlConfig.one_gpu_lora(device="cpu", dtype="float32")
+    assert (config.lora_rank, config.lora_alpha, config.lora_target_modules) == (32, 32.0, "all-linear")
+    assert (config.learning_rate, config.kl_coef, config.kl_penalty, config.gradient_checkpointing) == (
+        3e-5, 0.001, "low_var_kl", True)
+    actor = config.verl_config().actor_rollout_ref.actor
+    assert (actor.entropy_coeff, actor.kl_loss_coef, actor.use_kl_loss) == (0.001, 0.001, True)
+    assert VerlConfig.one_gpu_lora(device="cpu", dtype="float32", learning_rate=1e-5).learning_rate == 1e-5
+
+
+def test_without_verl_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "verl", None)  # what an environment without verl gives `import verl`
+    with pytest.raises(ImportError, match=r"lightning-nb\[verl\]"):
+        VerlConfig().verl_config()
+
+
+def test_a_grpo_config_is_refused(engine):
+    with pytest.raises(ConfigError, match="VerlTrainer takes a VerlConfig"):
+        VerlTrainer(engine, GRPOConfig())
+
+
+# ----- the update ------------------------------------------------------------------------
+def _seq_logprob(model, t: Triplet) -> float:
+    ids_B_T = torch.tensor([t.prompt_ids + t.response_ids])
+    mask_B_L = torch.tensor([[0.0] * (len(t.prompt_ids) - 1) + [1.0] * len(t.response_ids)])
+    with torch.no_grad():
+        return float(response_logprobs(model, ids_B_T, torch.ones_like(ids_B_T), mask_B_L,
+                                       torch.tensor([1.0])).sum())
+
+
+@pytest.mark.slow
+def test_an_update_is_verls_ppo_step_on_our_batch_and_the_engine_serves_it(engine, pristine, one_group):
+    triplets = one_group(engine)
+    before = [_seq_logprob(engine.model, t) for t in triplets]
+    trainer = VerlTrainer(engine, VerlConfig(learning_rate=2e-5, mini_batch_size=3, ppo_epochs=2))
+    version = engine.weight_version
+    m = trainer.update(triplets)
+    # 4 rows in mini-batches of 3 and 1 (verl's make_iterator would refuse 4 % 3), two epochs
+    assert m["trainer"] == "verl" and m["optimizer_steps"] == 4 and m["sequences_trained"] == 4
+    assert m["episodes"] == 4 and m["groups_with_signal"] == 1 and m["reward_mean"] == 0.25
+    assert m["kl"] == 0.0  # π_old and the reference are the same weights before the first step
+    assert m["logprob_diff_max"] < 1e-4  # verl's recomputed log-probs = the engine's sampling log-probs
+    assert m["grad_norm"] > 0 and m["actor/pg_loss"] == m["pg_loss"] and 0 <= m["actor/pg_clipfrac"] <= 1
+    assert engine.weight_version == version + 1
+    after = [_seq_logprob(engine.model, t) for t in triplets]
+    assert after[0] > before[0] and all(a < b for a, b in zip(after[1:], before[1:]))
+    # the optimizer's-eye view: one row per DataProto row, token-aligned like GRPOTrainer's
+    df = trainer.last_batch_df()
+    assert len(df) == 4 and set(df["rollout_id"]) == {"r0", "r1", "r2", "r3"}
+    row = trainer.last_batch[0]
+    t0 = triplets[0]
+    assert row["input_ids"] == t0.prompt_ids + t0.response_ids
+    assert row["response_mask"] == [0] * len(t0.prompt_ids) + [1] * len(t0.response_ids)
+    assert row["advantage"] == pytest.approx(1.5, abs=1e-4)  # (1 - 0.25) / std([1, 0, 0, 0]) = 0.75 / 0.5
+    assert max(abs(a - b) for a, b in zip(row["engine_logprobs"], row["trainer_logprobs"])) < 1e-4
+    assert trainer.last_advantages["r1"] == pytest.approx(-0.5, abs=1e-4)
+
+    # an edit made between updates reaches verl's loss (its actor config is rebuilt) and is recorded
+    trainer.config.clip_ratio = 0.1
+    m2 = trainer.update(one_group(engine, seed=1))
+    assert "clip_ratio" in m2["config_changes"]
+    assert (trainer.actor.actor_config.clip_ratio_low, trainer.actor.actor_config.clip_ratio_high) == (0.1, 0.1)
+    assert m2["kl"] > 0  # the policy has moved away from the reference
+    # one verl refuses is an error naming it, before any weight moves
+    weights = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    trainer.config.overrides = ["actor_rollout_ref.actor.no_such_key=1"]
+    with pytest.raises(ConfigError, match="no_such_key"):
+        trainer.update(one_group(engine, seed=2))
+    assert all(torch.equal(weights[k], v) for k, v in engine.model.state_dict().items())
+
+
+@pytest.mark.slow
+def test_lora_trains_only_the_adapters_with_the_base_model_as_the_reference(one_group):
+    engine = TransformersEngine.from_default(max_batch_size=4)
+    try:
+        base = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+        trainer = VerlTrainer(engine, VerlConfig(lora_rank=8, lora_alpha=16.0, learning_rate=2e-4, kl_coef=0.01))
+        assert trainer.reference is None and trainer.reference_actor is None  # no copy: adapters disabled instead
+        m1 = trainer.update(one_group(engine))
+        assert m1["kl"] == 0.0 and "kl_loss" in m1  # verl's KL loss term ran
+        m2 = trainer.update(one_group(engine, seed=1))
+        assert m2["kl"] > 0
+        state = engine.model.state_dict()
+        lora = [k for k in state if "lora_" in k]
+        assert lora and any(not torch.equal(state[k], torch.zeros_like(state[k])) for k in lora if "lora_B" in k)
+        frozen = [k for k in state if "lora_" not in k]
+        renamed = {k.replace("base_layer.", ""): k for k in frozen}
+        assert all(torch.equal(base[k], state[renamed[k]]) for k in base)  # the base weights did not move
+    finally:
+        engine.stop()
+
+
+# ----- checkpoints ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_checkpoints_use_verls_layout_and_resume_modes(engine, pristine, tmp_path, one_group):
+    trainer = VerlTrainer(engine, VerlConfig(learning_rate=2e-5, track_reference_kl=False))
+    trainer.update(one_group(engine))
+    trained = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    folder = trainer.save(tmp_path / "ckpt")
+    assert folder == tmp_path / "ckpt" / "global_step_1" and (folder / "trainer.pt").is_file()
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    with pytest.raises(ConfigError, match="takes a folder"):
+        trainer.save(tmp_path / "x.pt")
+
+    with engine.lock, torch.no_grad():
+        engine.model.load_state_dict(engine.initial_state)
+    fresh = VerlTrainer(engine, VerlConfig(learning_rate=2e-5, track_reference_kl=False))
+    fresh.load(tmp_path / "ckpt", resume_mode="disable")
+    assert fresh.step == 0
+    fresh.load(tmp_path / "ckpt")  # auto: the latest step
+    assert fresh.step == 1 and all(torch.equal(trained[k], v) for k, v in engine.model.state_dict().items())
+    fresh.load(folder, resume_mode="resume_path")
+    assert fresh.step == 1
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        fresh.load(tmp_path / "empty")
+    with pytest.raises(ConfigError, match="resume_mode"):
+        fresh.load(tmp_path / "ckpt", resume_mode="latest")
+
+
+# ----- end to end -------------------------------------------------------------------------
+def _run(tmp_path: Path, name: str, *args: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, str(WORKER), str(out), *args], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_two_steps_with_pause_inspect_resume_then_save_and_one_more_step_in_a_new_process(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    first = _run(tmp_path, "first", "--trainer", "verl", "--steps", "3", "--pause-after", "1", "--save-at", "2",
+                 "--checkpoint", str(ckpt))
+    print(f"VerlTrainer end to end on CPU: {first['seconds']:.0f} s in all; steps 1-2 in the background with a "
+          f"pause {first['step_seconds'][0]:.0f} s, step 3 {first['step_seconds'][1]:.0f} s; pause {first['pauses']}; "
+          f"rows {first['rows']}")
+    assert [r["step"] for r in first["rows"]] == [1, 2, 3] and {r["trainer"] for r in first["rows"]} == {"verl"}
+    assert any(r["tokens_trained"] for r in first["rows"]), "no step trained anything: the test would be vacuous"
+    (pause,) = first["pauses"]
+    assert pause["parked"] and pause["step"] == 1 and pause["metrics_rows"] == 1 and pause["at"]
+    assert pause["batch_rows"] > 0 and "advantage" in pause["batch_columns"] and pause["chat"]
+    assert (ckpt / "global_step_2" / "trainer.pt").is_file()
+
+    resumed = _run(tmp_path, "resumed", "--trainer", "verl", "--steps", "3", "--load", str(ckpt))
+    print(f"resumed in a new process: {resumed['seconds']:.0f} s; rows {resumed['rows']}")
+    # step 3 in the new process is step 3 of the uninterrupted run, bit for bit on CPU: the same tasks,
+    # the same completions (RNG states), the same verl update (weights + AdamW state)
+    assert resumed["rows"] == first["rows"][2:]
+    assert resumed["weights"] == first["weights"] and resumed["weight_version"] == first["weight_version"]
