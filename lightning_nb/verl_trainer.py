@@ -33,7 +33,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -308,9 +308,12 @@ class VerlTrainer(GRPOTrainer):
 
         self._check_batch(triplets)
         with self._updating:
+            # verl's loss reads its own config: an edited config is composed and checked by verl first (nothing is
+            # applied if verl refuses it), then verl's actor is rebuilt from it
+            edited = self.config.verl_config() if asdict(self.config) != self._applied_config else None
             changes = self._sync_config()
-            if changes:  # verl's loss reads its own config: rebuild it from the edited fields
-                self.verl_config = self.config.verl_config()
+            if edited is not None:
+                self.verl_config = edited
                 self._build_actors()
             lr = float(self.optimizer.param_groups[0]["lr"])
             t0 = time.perf_counter()

@@ -151,9 +151,11 @@ def test_an_update_is_verls_ppo_step_on_our_batch_and_the_engine_serves_it(engin
     # one verl refuses is an error naming it, before any weight moves
     weights = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
     trainer.config.overrides = ["actor_rollout_ref.actor.no_such_key=1"]
-    with pytest.raises(ConfigError, match="no_such_key"):
-        trainer.update(one_group(engine, seed=2))
-    assert all(torch.equal(weights[k], v) for k, v in engine.model.state_dict().items())
+    batch = one_group(engine, seed=2)
+    for _ in range(2):  # refused again: the edit was not taken as applied
+        with pytest.raises(ConfigError, match="no_such_key"):
+            trainer.update(batch)
+    assert all(torch.equal(weights[k], v) for k, v in engine.model.state_dict().items()) and trainer.step == 2
 
 
 @pytest.mark.slow
