@@ -9,6 +9,7 @@ engine and ``ppo_loss`` in this process, see ``lightning_nb.verl_bridge``), on t
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -204,6 +205,7 @@ def test_checkpoints_use_verls_layout_and_resume_modes(engine, pristine, tmp_pat
         fresh.load(tmp_path / "empty")
     with pytest.raises(ConfigError, match="resume_mode"):
         fresh.load(tmp_path / "ckpt", resume_mode="latest")
+    shutil.rmtree(tmp_path / "ckpt")  # 1.6 GB; pytest keeps the temp folders of its last runs
 
 
 # ----- end to end -------------------------------------------------------------------------
@@ -235,3 +237,4 @@ def test_two_steps_with_pause_inspect_resume_then_save_and_one_more_step_in_a_ne
     # the same completions (RNG states), the same verl update (weights + AdamW state)
     assert resumed["rows"] == first["rows"][2:]
     assert resumed["weights"] == first["weights"] and resumed["weight_version"] == first["weight_version"]
+    shutil.rmtree(ckpt)  # 1.6 GB; pytest keeps the temp folders of its last runs
