@@ -19,6 +19,7 @@ __all__ = [
     "AlgorithmConfig", "Engine", "GRPOConfig", "GRPOTrainer", "InMemoryStore", "LightningNbError", "LightningRL",
     "LightningStore", "LLMProxy", "LLMResource", "OpenAIEndpoint", "PromptTemplate", "Rollout", "RolloutConfig", "Span",
     "SqliteStore", "StoreClient", "StoreServer", "Tracer", "TransformersEngine", "Triplet", "TripletAdapter",
-    "VerlConfig", "VerlTrainer", "emit_intermediate_reward", "emit_reward", "load_default_model", "start_runners", "tool_span",
+    "VerlConfig", "VerlTrainer", "emit_intermediate_reward", "emit_reward", "load_default_model", "start_runners",
+    "tool_span",
 ]
 __version__ = "0.1.0"
