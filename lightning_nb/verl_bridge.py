@@ -24,12 +24,12 @@ it in FSDP), so :class:`VerlActor` drives the engine the way ``TrainingWorker.in
 ``train_mini_batch`` and ``RayPPOTrainer._compute_old_log_prob`` / ``_update_actor`` do. The
 departures:
 
-1. ``_InProcessEngine(FSDPEngineWithLMHead)`` overrides three build hooks: ``_build_module``
+1. ``_InProcessEngine(FSDPEngineWithLMHead)`` overrides four build hooks: ``_build_module``
    returns the given model (no ``from_pretrained``, no verl monkey patches), ``_build_fsdp_module``
    returns it unwrapped (autocast follows the model's own dtype: none in float32), and
    ``_build_optimizer`` / ``_build_lr_scheduler`` return the given optimizer / scheduler if one
-   was passed (else verl's ``build_optimizer`` / its warmup schedules). ``initialize`` builds no FSDP checkpoint manager (checkpoints are the
-   trainer's job). Forward, loss, micro-batching, gradient clipping (``clip_grad_norm_`` for a
+   was passed (else verl's ``build_optimizer`` / its warmup schedules). ``initialize`` builds no
+   FSDP checkpoint manager (checkpoints are the trainer's job). Forward, loss, micro-batching, gradient clipping (``clip_grad_norm_`` for a
    non-FSDP module is verl's own branch), the optimizer step and the LR scheduler are verl's code.
 2. A one-process ``torch.distributed`` group (gloo, or ``cpu:gloo,cuda:nccl`` on a GPU, over an
    in-memory ``HashStore``: no port, no Ray) because the engine all-reduces token counts.
@@ -62,7 +62,8 @@ from typing import Any, Optional
 
 from lightning_nb.types import Triplet
 
-__all__ = ["triplets_to_dataproto", "grpo_advantages", "ppo_config", "VerlActor", "IN_PROCESS_OVERRIDES", "require_verl"]
+__all__ = ["triplets_to_dataproto", "grpo_advantages", "ppo_config", "VerlActor", "IN_PROCESS_OVERRIDES",
+           "require_verl"]
 
 log = logging.getLogger(__name__)
 

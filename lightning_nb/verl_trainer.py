@@ -338,7 +338,11 @@ class VerlTrainer(GRPOTrainer):
             return metrics
 
     def _verl_step(self, kept: list[Triplet], core_algos: Any) -> tuple[Any, dict[str, float]]:
-        """DataProto → π_old (and π_ref) → verl's GRPO advantages → verl's PPO update. Returns (data, verl's metrics)."""
+        """DataProto → π_old (and π_ref) → verl's GRPO advantages → verl's PPO update.
+
+        Returns ``(data, stats)``: the DataProto with ``old_log_probs``, ``advantages`` (and ``ref_log_prob``), and
+        verl's metrics plus ``kl`` and ``logprob_diff_max``.
+        """
         from lightning_nb.verl_bridge import grpo_advantages, triplets_to_dataproto
 
         cfg = self.config
@@ -488,7 +492,8 @@ def _batch_rows(data: Any) -> list[dict[str, Any]]:
             "input_ids": prompt + response, "response_mask": [0] * len(prompt) + mask,
             "advantage": float(next((a for a, m in zip(adv, mask) if m), 0.0)),
             "advantages": zeros + [a if m else 0.0 for a, m in zip(adv, mask)],
-            "engine_logprobs": zeros + ([lp if m else 0.0 for lp, m in zip(b["rollout_log_probs"][i][:n].tolist(), mask)]
+            "engine_logprobs": zeros + ([lp if m else 0.0
+                                         for lp, m in zip(b["rollout_log_probs"][i][:n].tolist(), mask)]
                                         if "rollout_log_probs" in b.keys() else [0.0] * n),
             "trainer_logprobs": zeros + [lp if m else 0.0 for lp, m in zip(b["old_log_probs"][i][:n].tolist(), mask)],
         })
