@@ -143,44 +143,38 @@ def weights_snapshot():
     return snap
 
 
+def _distinct_generations(engine, prompt, n, temperature=1.0, max_tokens=12, seed=0):
+    """``n`` distinct completions of ``prompt`` sampled from ``engine`` after ``torch.manual_seed(seed)``."""
+    import torch
+
+    torch.manual_seed(seed)
+    seen, out = set(), []
+    for _ in range(50):
+        g = engine.generate(prompt, temperature=temperature, max_tokens=max_tokens)
+        if tuple(g.completion_ids) not in seen:
+            seen.add(tuple(g.completion_ids))
+            out.append(g)
+        if len(out) == n:
+            return out
+    raise AssertionError("the model kept sampling the same completion")
+
+
 @pytest.fixture
 def distinct_generations():
     """``distinct_generations(engine, prompt, n, temperature=1.0, max_tokens=12)``: ``n`` distinct completions of
     ``prompt`` sampled from ``engine`` (torch seeded with 0 first, so a test samples the same ones every run)."""
-    import torch
-
-    def sample(engine, prompt, n, temperature=1.0, max_tokens=12):
-        torch.manual_seed(0)
-        seen, out = set(), []
-        for _ in range(50):
-            g = engine.generate(prompt, temperature=temperature, max_tokens=max_tokens)
-            if tuple(g.completion_ids) not in seen:
-                seen.add(tuple(g.completion_ids))
-                out.append(g)
-            if len(out) == n:
-                return out
-        raise AssertionError("the model kept sampling the same completion")
-
-    return sample
+    return _distinct_generations
 
 
 @pytest.fixture
 def one_group():
     """``one_group(engine, n=4, seed=0)``: ``n`` distinct sampled completions (temperature 1, 10 tokens) of one
     question as the triplets of one GRPO group ``"g"``; only the first is rewarded (1.0, the others 0.0)."""
-    import torch
-
     from lightning_nb.types import Triplet
 
     def make(engine, n=4, seed=0):
         prompt = engine.apply_chat_template([{"role": "user", "content": "What is 17 + 25? Answer with a number."}])
-        torch.manual_seed(seed)
-        seen, gens = set(), []
-        while len(gens) < n:
-            g = engine.generate(prompt, temperature=1.0, max_tokens=10)
-            if tuple(g.completion_ids) not in seen:
-                seen.add(tuple(g.completion_ids))
-                gens.append(g)
+        gens = _distinct_generations(engine, prompt, n, temperature=1.0, max_tokens=10, seed=seed)
         return [Triplet(rollout_id=f"r{i}", attempt_id=f"a{i}", group_id="g", turn=0, prompt_ids=g.prompt_ids,
                         response_ids=g.completion_ids, logprobs=g.logprobs, reward=1.0 if i == 0 else 0.0,
                         temperature=1.0, weight_version=g.weight_version) for i, g in enumerate(gens)]
