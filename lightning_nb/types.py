@@ -39,7 +39,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "RolloutStatus",
@@ -209,11 +209,24 @@ class PromptTemplate(_Model):
 
 
 class ResourcesUpdate(_Model):
-    """A named, versioned set of resources (``{"main_llm": LLMResource(...), ...}``)."""
+    """A named, versioned set of resources (``{"main_llm": LLMResource(...), ...}``).
+
+    The store sets ``version`` and the times: ``version`` is 1 when ``resources_id`` is
+    first added and goes up by one each time ``add_resources`` writes that id again;
+    ``create_time`` is the first write, ``update_time`` the latest (epoch seconds).
+    """
 
     resources_id: str
     resources: dict[str, LLMResource | PromptTemplate]
+    version: int = Field(1, ge=1, description="1 on the first add of this id, +1 on each later add of the same id.")
     create_time: float = Field(default_factory=time.time)
+    update_time: Optional[float] = Field(None, description="Last write (epoch seconds); create_time if never rewritten.")
+
+    @model_validator(mode="after")
+    def _update_time(self) -> "ResourcesUpdate":
+        if self.update_time is None:  # sets written before versions existed (an older SqliteStore file)
+            self.__dict__["update_time"] = self.create_time
+        return self
 
 
 class Triplet(_Model):

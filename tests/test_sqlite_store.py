@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _span(rollout_id, attempt_id, name="x", **attrs):
-    return Span(rollout_id=rollout_id, attempt_id=attempt_id, trace_id="t" * 32, span_id="s" * 16,
+    return Span(rollout_id=rollout_id, attempt_id=attempt_id, trace_id="t" * 32, span_id=uuid.uuid4().hex[:16],
                 name=name, start_time=1.0, end_time=2.0, attributes=attrs)
 
 
@@ -128,6 +129,27 @@ def test_migrations_are_recorded_and_applied_once(tmp_path, monkeypatch):
         SqliteStore(path)
     assert [n for n, _ in applied()] == [*names, "900_extra"]
     assert "half" not in " ".join(_dump(path))  # the failed migration rolled back whole
+
+
+def test_a_file_from_before_span_ids_were_indexed_keeps_its_spans_and_gets_the_span_id_rule(tmp_path, monkeypatch):
+    path = tmp_path / "store.db"
+    monkeypatch.setattr(sqlite_mod, "MIGRATIONS", sqlite_mod.MIGRATIONS[:2])  # a file made before 003_span_ids
+    with SqliteStore(path) as s:
+        rid = s.enqueue_rollout("old").rollout_id
+        aid = s.dequeue_rollout("w").attempt.attempt_id
+    monkeypatch.undo()
+    old = _span(rid, aid, "llm")
+    db = sqlite3.connect(str(path))  # a span as the older code wrote it (no span_id column)
+    db.execute("INSERT INTO spans (attempt_id, sequence_id, rollout_id, name, data) VALUES (?, 1, ?, 'llm', ?)",
+               (aid, rid, old.model_copy(update={"sequence_id": 1}).model_dump_json()))
+    db.commit()
+    db.close()
+    with SqliteStore(path) as s:
+        assert [sp.span_id for sp in s.query_spans(rid)] == [old.span_id]
+        assert s.add_span(old).sequence_id == 1 and len(s.query_spans(rid)) == 1  # the same write: found by its id
+        with pytest.raises(ConfigError, match="already stored"):
+            s.add_span(old.model_copy(update={"name": "other"}))
+        assert s.add_span(_span(rid, aid, "next")).sequence_id == 2
 
 
 def test_bad_calls_raise_and_leave_the_database_unchanged(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import uuid
 import time
 
 import pandas as pd
@@ -13,7 +14,7 @@ from lightning_nb.types import LLMResource, RolloutConfig, Span
 
 
 def _span(rollout_id, attempt_id, name="x", **attrs):
-    return Span(rollout_id=rollout_id, attempt_id=attempt_id, trace_id="t" * 32, span_id="s" * 16,
+    return Span(rollout_id=rollout_id, attempt_id=attempt_id, trace_id="t" * 32, span_id=uuid.uuid4().hex[:16],
                 name=name, start_time=1.0, end_time=2.0, attributes=attrs)
 
 
@@ -176,8 +177,8 @@ def test_runner_step_records_spans_and_reward(store):
     assert [s.name for s in store.query_spans(done.rollout_id)] == ["reward", "agent"]
     assert seen == [f"http://127.0.0.1:9/rollout/{done.rollout_id}/attempt/"
                     f"{store.query_attempts(done.rollout_id)[0].attempt_id}/v1"]
-    again = runner.step({"x": 0.25})  # resources=None: the latest set
-    assert again.status == "succeeded" and again.resources_id is None
+    again = runner.step({"x": 0.25})  # resources=None: pinned to the latest set when it was started
+    assert again.status == "succeeded" and again.resources_id == done.resources_id
     assert store.final_reward(again.rollout_id) == 0.25
     assert store.dequeue_rollout() is None
     with pytest.raises(ConfigError, match="resources"):
@@ -208,7 +209,7 @@ def test_completed_since_returns_only_rollouts_finished_after(store):
 def _llm_span(rollout_id, attempt_id, text):
     from lightning_nb.proxy import LLM_SPAN_NAME
 
-    return Span(rollout_id=rollout_id, attempt_id=attempt_id, trace_id="t" * 32, span_id="l" * 16,
+    return Span(rollout_id=rollout_id, attempt_id=attempt_id, trace_id="t" * 32, span_id=uuid.uuid4().hex[:16],
                 name=LLM_SPAN_NAME, start_time=1.0, end_time=2.0,
                 attributes={"gen_ai.completion": text, "completion_token_ids": [1, 2]})
 
@@ -226,9 +227,9 @@ def test_rollouts_df_times_are_datetimes_and_numbers_are_never_none(store):
     store.update_attempt(failed.rollout.rollout_id, failed.attempt.attempt_id, status="failed", error="boom")
     running = store.start_rollout("running")
     df = store.rollouts_df().set_index("rollout_id")
-    assert list(store.rollouts_df().columns) == ["rollout_id", "input", "mode", "status", "resources_id",
-                                                 "enqueue_time", "start_time", "end_time", "num_attempts", "reward",
-                                                 "duration_s"]
+    assert list(store.rollouts_df().columns) == ["rollout_id", "input", "status", "reward", "mode", "num_attempts",
+                                                 "duration_s", "resources_id", "enqueue_time", "start_time",
+                                                 "end_time"]
     for col in ("enqueue_time", "start_time", "end_time"):
         assert str(df[col].dtype).startswith("datetime64"), (col, df[col].dtype)
     assert df["reward"].dtype == "float64" and df["duration_s"].dtype == "float64"
@@ -321,8 +322,9 @@ def test_watchdog_leaves_a_silent_workers_last_heartbeat_alone(store):
     store.dequeue_rollout("w-silent")
     (before,) = store.query_workers()
     time.sleep(0.3)
-    (ended,) = store.sweep_attempts()
-    assert ended.rollout_id == rid and ended.status == "unresponsive"
+    store.sweep_attempts()  # (a StoreServer's background sweep may have come first)
+    (ended,) = store.query_attempts(rid)
+    assert ended.status == "unresponsive"
     (after,) = store.query_workers()
     assert after.status == "unresponsive" and after.current_attempt_id is None
     assert after.last_heartbeat_time == before.last_heartbeat_time  # the watchdog is not a sign of life
@@ -361,3 +363,17 @@ def test_returned_and_given_objects_are_never_shared_with_the_store(store):
     stored.attributes["token_ids"].append(4)
     store.query_spans(r.rollout_id)[0].attributes["token_ids"].append(5)
     assert store.query_spans()[0].attributes["token_ids"] == [1, 2]
+    new_meta = {"labels": ["a"]}
+    updated = store.update_rollout(r.rollout_id, metadata=new_meta)
+    new_meta["labels"].append("b")
+    updated.metadata["labels"].append("c")
+    assert store.get_rollout_by_id(r.rollout_id).metadata == {"labels": ["a"]}
+    store.query_resources()[0].resources.clear()
+    store.query_resources()[0].resources["main_llm"].model = "mutated"
+    assert store.query_resources()[0].resources["main_llm"].model == "m"
+    store.update_attempt(r.rollout_id, item.attempt.attempt_id, status="failed")
+    retry = store.start_attempt(r.rollout_id)
+    retry.rollout.input["q"].append(6)
+    retry.attempt.error = "mutated"
+    assert store.get_rollout_by_id(r.rollout_id).input == {"q": [1, 2]}
+    assert store.query_attempts(r.rollout_id)[-1].error is None

@@ -18,10 +18,43 @@ Implementations must:
   attempt ends (``timeout`` / ``unresponsive``) and its rollout is requeued per its
   retry policy without any extra thread; a store server's store does this for its
   clients;
+* also run the watchdog, at most every ``watchdog_interval_s`` seconds, from the calls a
+  polling caller makes (``query_rollouts``, ``get_rollout_by_id``, ``query_attempts``,
+  so :meth:`completed_since` too), so a caller that polls instead of waiting still sees
+  a dead runner's attempt end; :class:`~lightning_nb.store.server.StoreServer` also
+  sweeps in the background while it serves;
 * keep one :class:`~lightning_nb.types.Worker` record per ``worker_id``:
   created or stamped by ``dequeue_rollout``/``start_rollout`` with a worker id,
-  by ``update_attempt(..., heartbeat=True)`` on an attempt that has a worker, and
-  by :meth:`update_worker` (rules ``worker_on_dequeue``/``worker_on_attempt``/``worker_update``).
+  by ``update_attempt(..., heartbeat=True)`` on an attempt that has a worker, by a
+  span of such an attempt, and by :meth:`update_worker` (rules
+  ``worker_on_dequeue``/``worker_on_attempt``/``worker_update``).
+
+Late updates to an ended attempt (the rule for ``unresponsive`` and ``timeout``):
+an attempt the watchdog ended is terminal like any other and is never revived. A
+late status change raises :class:`~lightning_nb.errors.InvalidStatusTransition`; a
+late heartbeat changes nothing and returns the attempt, whose ``status`` tells the
+runner to stop; a late span is stored (it is evidence of what the agent did) but
+moves nothing, and counts for no reward unless its attempt is still the rollout's
+latest one of a finished rollout (a ``failed`` rollout's reward is 0 anyway). The
+rollout has meanwhile been requeued or failed per its retry policy, so reviving the
+attempt could run the task twice at once.
+
+Spans (:meth:`add_span`): a span is a sign of life. A span for a ``preparing``
+attempt moves it (and its rollout) to ``running``; any span for a running attempt
+stamps its ``last_heartbeat_time`` and its worker's (at most every
+:data:`~lightning_nb.store.rules.SPAN_BEAT_MIN_S` seconds per attempt). A span's
+identity is its ``span_id`` within its attempt: adding the same span again (a retried
+write) returns the stored one and writes nothing; a different span with a stored
+``span_id`` raises ConfigError. ``sequence_id`` 0 (the default) gets the attempt's next
+id; a positive one given by the caller is kept if no other span of the attempt has it
+(ConfigError otherwise), and later automatic ids continue after the highest.
+
+Resources: each ``add_resources`` write gets a ``version`` (1 for a new id, +1 for each
+rewrite of the same id) and ``update_time``; the most recently written set is the
+latest. A rollout enqueued (or started) without ``resources_id`` is pinned at that moment
+to the latest set's id, if any, so it runs with the resources current when it was
+enqueued, not when a runner picks it up; one enqueued before any resources exist keeps
+``resources_id=None`` and its runner uses the latest set at its start.
 
 The DataFrame views (``rollouts_df`` ...) are built here from the query methods,
 so every backend gets them.
@@ -75,8 +108,9 @@ class LightningStore(ABC):
     ) -> Rollout:
         """Add a task to the queue in status ``queuing`` and return it.
 
-        Implementations must raise :class:`~lightning_nb.errors.NotFoundError` if
-        ``resources_id`` is given and unknown.
+        Without ``resources_id`` the rollout is pinned to the latest resources set, if
+        any (see the module docstring). Implementations must raise
+        :class:`~lightning_nb.errors.NotFoundError` if ``resources_id`` is given and unknown.
         """
 
     @abstractmethod
@@ -136,6 +170,26 @@ class LightningStore(ABC):
     def cancel_rollout(self, rollout_id: str) -> Rollout:
         """Move a non-terminal rollout to ``cancelled``; a queued one is never dequeued."""
 
+    @abstractmethod
+    def update_rollout(self, rollout_id: str, *, input: Any = None, mode: Optional[RolloutMode] = None,
+                       resources_id: Optional[str] = None, config: Optional[RolloutConfig | dict] = None,
+                       metadata: Optional[dict[str, Any]] = None, status: Optional[str] = None) -> Rollout:
+        """Change a rollout; returns it as stored. None leaves a field as it is.
+
+        What may change when (:func:`lightning_nb.store.rules.updated_rollout`):
+        ``metadata`` (replaced whole) always; ``config`` until the rollout ends (it
+        applies to the running attempt's watchdog and to later attempts); ``input``,
+        ``mode`` and ``resources_id`` while it waits in the queue. ``status="cancelled"``
+        cancels it; ``status="queuing"`` puts a finished rollout back in the queue for one
+        more attempt, and then every field may change in the same call.
+
+        Raises:
+            NotFoundError: unknown ``rollout_id`` or ``resources_id``.
+            ConfigError: an unknown ``status``/``mode`` or a bad ``config``/``metadata``.
+            InvalidStatusTransition: the change is not allowed in the rollout's status.
+            In each case the store is unchanged.
+        """
+
     # ----- attempts -------------------------------------------------------------------
     @abstractmethod
     def update_attempt(
@@ -158,6 +212,21 @@ class LightningStore(ABC):
         and on its worker's record; a heartbeat on a terminal attempt changes nothing
         else, and the returned attempt's ``status`` tells the runner it was ended
         (e.g. by the watchdog).
+        """
+
+    @abstractmethod
+    def start_attempt(self, rollout_id: str, worker_id: Optional[str] = None) -> AttemptedRollout:
+        """Start a new attempt of an existing rollout now, for the caller (a manual retry).
+
+        Works on a queued rollout (it leaves the queue, as if this caller dequeued it)
+        and on a finished one (succeeded, failed or cancelled: its ``end_time`` is
+        cleared), also past ``config.max_attempts``. The rollout and the attempt move to
+        ``preparing``; the caller then drives the attempt with :meth:`update_attempt`.
+
+        Raises:
+            NotFoundError: unknown ``rollout_id``.
+            InvalidStatusTransition: the rollout's latest attempt is still
+                ``preparing``/``running`` (nothing is changed).
         """
 
     @abstractmethod
@@ -197,8 +266,14 @@ class LightningStore(ABC):
     def add_span(self, span: Span) -> Span:
         """Store a finished span and return it with its ``sequence_id`` assigned.
 
-        Implementations must raise NotFoundError if the rollout or attempt is
-        unknown; sequence ids increase by one per attempt, starting at 1.
+        Sequence ids increase by one per attempt, starting at 1, unless the caller gives
+        one. The span is a heartbeat of its attempt, and a repeated ``span_id`` is either
+        the same write again or refused (the rules are in the module docstring).
+
+        Raises:
+            NotFoundError: the rollout or attempt is unknown.
+            ConfigError: a different span with this ``span_id`` is stored for the attempt,
+                or an explicit ``sequence_id`` is negative or taken.
         """
 
     @abstractmethod
@@ -211,7 +286,16 @@ class LightningStore(ABC):
     # ----- resources ------------------------------------------------------------------
     @abstractmethod
     def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
-        """Store a resources set; it becomes the latest. Returns the stored update."""
+        """Store a resources set; it becomes the latest. Returns the stored update.
+
+        A new ``resources_id`` (or None: a fresh id) gets ``version`` 1; writing an existing
+        id again replaces its resources and raises its ``version`` by one (rollouts pinned
+        to that id run with the new content from then on).
+        """
+
+    @abstractmethod
+    def query_resources(self) -> list[ResourcesUpdate]:
+        """Every stored resources set, least recently written first (the last one is the latest)."""
 
     @abstractmethod
     def get_latest_resources(self) -> Optional[ResourcesUpdate]:
@@ -225,11 +309,12 @@ class LightningStore(ABC):
     def rollouts_df(self) -> pd.DataFrame:
         """One row per rollout, in enqueue order.
 
-        Columns: rollout_id, input (short text), mode, status, resources_id,
-        enqueue_time, start_time, end_time (pandas datetimes in UTC, timezone-naive like
-        :meth:`spans_df`; NaT when not reached yet), num_attempts, reward (its final
-        reward, :meth:`final_rewards`; NaN when None, so always for a rollout not yet
-        finished) and duration_s (float seconds from start to end; NaN until it ended).
+        Columns, most useful first: rollout_id, input (short text), status, reward (its
+        final reward, :meth:`final_rewards`; NaN when None, so always for a rollout not
+        yet finished), mode, num_attempts, duration_s (float seconds from start to end;
+        NaN until it ended), resources_id (the set it is pinned to), enqueue_time,
+        start_time, end_time (pandas datetimes in UTC, timezone-naive like
+        :meth:`spans_df`; NaT when not reached yet).
         """
         rollouts = self.query_rollouts()
         rewards = self.final_rewards()  # after the rollouts: every finished one above has its reward
@@ -250,11 +335,58 @@ class LightningStore(ABC):
         return df
 
     def attempts_df(self) -> pd.DataFrame:
-        """One row per attempt."""
-        return pd.DataFrame([a.model_dump() for a in self.query_attempts()], columns=list(Attempt.model_fields))
+        """One row per attempt, oldest rollout first, then by attempt.
+
+        Columns: rollout_id, attempt_id, sequence_id (1 for the first attempt), status,
+        worker_id, start_time, end_time, last_heartbeat_time (datetimes in UTC,
+        timezone-naive; NaT when not reached), duration_s (float seconds from start to
+        end; NaN while it runs) and error. Missing values are NaN (NaT for times), as in
+        :meth:`spans_df`.
+        """
+        rows = []
+        for a in self.query_attempts():
+            row = a.model_dump()
+            row["duration_s"] = math.nan if a.end_time is None else a.end_time - a.start_time
+            rows.append(row)
+        df = pd.DataFrame(rows, columns=_ATTEMPT_COLUMNS)
+        for col in ("start_time", "end_time", "last_heartbeat_time"):
+            df[col] = _epoch_to_datetime(df[col])
+        df["sequence_id"] = df["sequence_id"].astype("int64")
+        df["duration_s"] = df["duration_s"].astype("float64")
+        for col in ("worker_id", "error"):
+            df[col] = df[col].astype(object).where(df[col].notna(), math.nan)
+        return df
+
+    def resources_df(self) -> pd.DataFrame:
+        """One row per resources set, least recently written first (the last row is the latest).
+
+        Columns: resources_id, version, names (the resource names, comma-separated),
+        llm (``model @ endpoint`` of each LLMResource, comma-separated), create_time and
+        update_time (datetimes in UTC, timezone-naive), latest (bool) and rollouts (how many
+        rollouts are pinned to the set).
+        """
+        updates = self.query_resources()
+        pinned: dict[Optional[str], int] = {}
+        for r in self.query_rollouts():
+            pinned[r.resources_id] = pinned.get(r.resources_id, 0) + 1
+        rows = [{
+            "resources_id": u.resources_id, "version": u.version, "names": ", ".join(u.resources),
+            "llm": ", ".join(f"{v.model} @ {v.endpoint}" for v in u.resources.values() if v.kind == "llm"),
+            "create_time": u.create_time, "update_time": u.update_time, "latest": i == len(updates) - 1,
+            "rollouts": pinned.get(u.resources_id, 0),
+        } for i, u in enumerate(updates)]
+        df = pd.DataFrame(rows, columns=["resources_id", "version", "names", "llm", "create_time", "update_time",
+                                         "latest", "rollouts"])
+        for col in ("create_time", "update_time"):
+            df[col] = _epoch_to_datetime(df[col])
+        for col, dtype in (("version", "int64"), ("latest", "bool"), ("rollouts", "int64")):
+            df[col] = df[col].astype(dtype)
+        return df
 
     def workers_df(self) -> pd.DataFrame:
         """One row per worker (:class:`~lightning_nb.types.Worker` fields), first seen first, plus ``heartbeat_age_s``.
+
+        The ``*_time`` columns are datetimes in UTC, timezone-naive (NaT when missing).
 
         ``heartbeat_age_s`` is float seconds since the worker's last heartbeat (NaN if it
         never sent one). Only the worker itself stamps its heartbeat: the watchdog ending
@@ -266,6 +398,8 @@ class LightningStore(ABC):
         rows = [{**w.model_dump(), "heartbeat_age_s": (now - w.last_heartbeat_time)
                  if w.last_heartbeat_time is not None else math.nan} for w in self.query_workers()]
         df = pd.DataFrame(rows, columns=[*Worker.model_fields, "heartbeat_age_s"])
+        for col in ("first_seen_time", "last_heartbeat_time", "last_dequeue_time"):
+            df[col] = _epoch_to_datetime(df[col])
         df["heartbeat_age_s"] = df["heartbeat_age_s"].astype("float64")
         return df
 
@@ -470,9 +604,13 @@ def _short(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-_ROLLOUT_COLUMNS = [
-    "rollout_id", "input", "mode", "status", "resources_id", "enqueue_time",
-    "start_time", "end_time", "num_attempts", "reward", "duration_s",
+_ROLLOUT_COLUMNS = [  # what a reader looks for first: the task, how it ended, its reward
+    "rollout_id", "input", "status", "reward", "mode", "num_attempts", "duration_s", "resources_id",
+    "enqueue_time", "start_time", "end_time",
+]
+_ATTEMPT_COLUMNS = [
+    "rollout_id", "attempt_id", "sequence_id", "status", "worker_id", "start_time", "end_time",
+    "last_heartbeat_time", "duration_s", "error",
 ]
 _EPISODE_COLUMNS = [
     "rollout_id", "mode", "status", "group_id", "input", "completions", "llm_calls", "reward", "attempts",

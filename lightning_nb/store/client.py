@@ -188,6 +188,17 @@ class StoreClient(LightningStore):
     def cancel_rollout(self, rollout_id: str) -> Rollout:
         return Rollout.model_validate(self._request("POST", self._path("rollouts", rollout_id, "cancel")))
 
+    def update_rollout(self, rollout_id: str, *, input: Any = None, mode: Optional[RolloutMode] = None,
+                       resources_id: Optional[str] = None, config: Optional[RolloutConfig | dict] = None,
+                       metadata: Optional[dict[str, Any]] = None, status: Optional[str] = None) -> Rollout:
+        body = {"input": _jsonable(input, "input"), "mode": mode, "resources_id": resources_id,
+                "config": _jsonable(config, "config"), "metadata": _jsonable(metadata, "metadata"), "status": status}
+        return Rollout.model_validate(self._request("PATCH", self._path("rollouts", rollout_id), body=body))
+
+    def start_attempt(self, rollout_id: str, worker_id: Optional[str] = None) -> AttemptedRollout:
+        path = self._path("rollouts", rollout_id, "attempts")
+        return AttemptedRollout.model_validate(self._request("POST", path, body={"worker_id": worker_id}))
+
     # ----- attempts -------------------------------------------------------------------
     def update_attempt(
         self,
@@ -239,6 +250,9 @@ class StoreClient(LightningStore):
     def get_latest_resources(self) -> Optional[ResourcesUpdate]:
         data = self._request("GET", "/resources/latest")
         return None if data is None else ResourcesUpdate.model_validate(data)
+
+    def query_resources(self) -> list[ResourcesUpdate]:
+        return [ResourcesUpdate.model_validate(x) for x in self._request("GET", "/resources")]
 
     def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate:
         # a query parameter carries any id, including "latest" and ids with "/"

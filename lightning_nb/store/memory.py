@@ -17,8 +17,9 @@ from lightning_nb.store.base import LightningStore
 from lightning_nb.store.spanframe import Flatten, check_flatten, frame_from_spans, spans_frame
 from lightning_nb.store.spantable import SpanSpill, SpanTable
 from lightning_nb.store.rules import (
-    ACTIVE, DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, coerce_resources, follow_attempt,
-    new_rollout, overdue, start_attempt, worker_on_attempt, worker_on_dequeue, worker_update,
+    ACTIVE, DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, check_manual_attempt, coerce_resources,
+    follow_attempt, new_rollout, next_resources, overdue, same_span, span_beats, span_sequence_id, start_attempt,
+    updated_rollout, worker_on_attempt, worker_on_dequeue, worker_update,
 )
 from lightning_nb.types import (
     ROLLOUT_TERMINAL,
@@ -107,7 +108,8 @@ class InMemoryStore(LightningStore):
         self.evicted_spans = 0  # dropped for good (no spill_path)
         self._spill = SpanSpill(spill_path) if spill_path is not None else None
         self._table = SpanTable()
-        self._span_counts: dict[str, int] = {}  # attempt_id -> spans ever added (spilled ones included)
+        self._span_counts: dict[str, int] = {}  # attempt_id -> highest sequence id so far (spilled ones included)
+        self._span_ids: dict[str, dict[str, int]] = {}  # attempt_id -> span_id -> sequence_id (spans ever added)
         self._rank: dict[str, int] = {}  # rollout_id -> enqueue order
         self._span_rollouts: OrderedDict[str, None] = OrderedDict()  # rollouts with spans in memory, oldest first
         self._spilled_rollouts: set[str] = set()
@@ -190,12 +192,14 @@ class InMemoryStore(LightningStore):
 
     def get_rollout_by_id(self, rollout_id: str) -> Rollout:
         with self._cond:
+            self._poll_sweep()
             return _deep_copy(self._rollout(rollout_id))
 
     def query_rollouts(
         self, *, status: Optional[Sequence[str]] = None, rollout_ids: Optional[Sequence[str]] = None
     ) -> list[Rollout]:
         with self._cond:
+            self._poll_sweep()
             if rollout_ids is not None:
                 items = [self._rollout(rid) for rid in rollout_ids]
             else:
@@ -234,6 +238,22 @@ class InMemoryStore(LightningStore):
             rollout.end_time = time.time()
             self._cond.notify_all()
             return _deep_copy(rollout)
+
+    def update_rollout(self, rollout_id: str, *, input: Any = None, mode: Optional[RolloutMode] = None,
+                       resources_id: Optional[str] = None, config: Optional[RolloutConfig | dict] = None,
+                       metadata: Optional[dict[str, Any]] = None, status: Optional[str] = None) -> Rollout:
+        input, config, metadata = _deep_copy(input), _deep_copy(config), _deep_copy(metadata)
+        with self._cond:
+            rollout = self._rollout(rollout_id)
+            if resources_id is not None:
+                self._resources_by_id(resources_id)
+            new, requeue = updated_rollout(rollout, input=input, mode=mode, resources_id=resources_id, config=config,
+                                           metadata=metadata, status=status, now=time.time())
+            self._rollouts[rollout_id] = new
+            if requeue:
+                self._queue.append(rollout_id)
+            self._cond.notify_all()
+            return _deep_copy(new)
 
     # ----- attempts -------------------------------------------------------------------
     def update_attempt(
@@ -275,9 +295,22 @@ class InMemoryStore(LightningStore):
                 self._workers[worker.worker_id] = worker
         self._cond.notify_all()
 
+    def start_attempt(self, rollout_id: str, worker_id: Optional[str] = None) -> AttemptedRollout:
+        with self._cond:
+            rollout = self._rollout(rollout_id)
+            attempts = self._attempts[rollout_id]
+            check_manual_attempt(rollout, attempts[-1] if attempts else None)
+            rollout.end_time = None  # a finished rollout runs again; a queued one is skipped by dequeue from now on
+            return self._start_attempt(rollout, worker_id)
+
     def sweep_attempts(self) -> list[Attempt]:
         with self._cond:
             return self._sweep()
+
+    def _poll_sweep(self) -> None:
+        """The watchdog for callers that poll instead of waiting, when it is due (lock held)."""
+        if self._active and self._clock.due():
+            self._sweep()
 
     def _sweep(self) -> list[Attempt]:
         """The watchdog (lock held): end overdue attempts; copies of those ended."""
@@ -307,6 +340,7 @@ class InMemoryStore(LightningStore):
 
     def query_attempts(self, rollout_id: Optional[str] = None) -> list[Attempt]:
         with self._cond:
+            self._poll_sweep()
             if rollout_id is not None:
                 self._rollout(rollout_id)
                 return [_deep_copy(a) for a in self._attempts[rollout_id]]
@@ -318,16 +352,36 @@ class InMemoryStore(LightningStore):
             if self._spill is not None:
                 self._spill.check_open()  # it may have to spill: refuse before storing anything
             attempt = self._attempt(span.rollout_id, span.attempt_id)
-            seq = self._span_counts[attempt.attempt_id] + 1
+            aid = attempt.attempt_id
+            ids = self._span_ids[aid]
+            if span.span_id in ids:
+                return self._repeated_span(span, attempt, ids[span.span_id])
+            last = self._span_counts[aid]
+            seq = span_sequence_id(span, last, 0 < span.sequence_id <= last and span.sequence_id in ids.values())
             stored = span.model_copy(update={"sequence_id": seq})
-            self._table.append(stored, attempt.rollout_id, attempt.attempt_id, self._rank[attempt.rollout_id],
-                               attempt.sequence_id)
-            self._span_counts[attempt.attempt_id] = seq
+            self._table.append(stored, attempt.rollout_id, aid, self._rank[attempt.rollout_id], attempt.sequence_id)
+            self._span_counts[aid] = max(last, seq)
+            ids[span.span_id] = seq
             self._span_rollouts[attempt.rollout_id] = None
+            now = time.time()
+            if span_beats(attempt, now):  # a span is a sign of life: preparing -> running, heartbeat stamped
+                self._update(self._rollouts[attempt.rollout_id], attempt, status="running", worker_id=None,
+                             error=None, heartbeat=True, now=now)
             if self.max_spans is not None and len(self._table) > self.max_spans:
                 self._shed()
             self._cond.notify_all()
             return stored  # its attributes are the caller's own; the table holds a copy
+
+    def _repeated_span(self, span: Span, attempt: Attempt, seq: int) -> Span:
+        """``add_span`` of a span id the attempt already has (lock held): the stored span, or ConfigError."""
+        table = self._table
+        found = [table.span(r) for r in table.by_attempt.get(attempt.attempt_id, ()) if table.seq[r] == seq]
+        if not found and attempt.rollout_id in self._spilled_rollouts:
+            found = [s for _, _, s in self._spill.read(attempt.rollout_id)  # type: ignore[union-attr]
+                     if s.attempt_id == attempt.attempt_id and s.sequence_id == seq]
+        if not found:  # evicted (no spill_path): nothing left to compare with
+            return span.model_copy(update={"sequence_id": seq})
+        return same_span(span, found[0])
 
     def _shed(self) -> None:
         """Spill or evict spans of rollouts that may leave memory, oldest first, down to 80 % of max_spans (lock held).
@@ -443,9 +497,14 @@ class InMemoryStore(LightningStore):
         update = ResourcesUpdate(resources_id=resources_id or new_id("res"),
                                  resources=_deep_copy(coerce_resources(resources)))  # not the caller's objects
         with self._cond:
+            update = next_resources(update, self._resources.get(update.resources_id), time.time())
             self._resources[update.resources_id] = update
             self._resources.move_to_end(update.resources_id)
             return _deep_copy(update)
+
+    def query_resources(self) -> list[ResourcesUpdate]:
+        with self._cond:
+            return [_deep_copy(u) for u in self._resources.values()]
 
     def get_latest_resources(self) -> Optional[ResourcesUpdate]:
         with self._cond:
@@ -455,16 +514,26 @@ class InMemoryStore(LightningStore):
 
     def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate:
         with self._cond:
-            if resources_id not in self._resources:
-                raise NotFoundError(f"resources_id {resources_id!r} is not in the store")
-            return _deep_copy(self._resources[resources_id])
+            return _deep_copy(self._resources_by_id(resources_id))
+
+    def _resources_by_id(self, resources_id: str) -> ResourcesUpdate:
+        """The stored set (lock held); NotFoundError naming the id."""
+        try:
+            return self._resources[resources_id]
+        except KeyError:
+            raise NotFoundError(f"resources_id {resources_id!r} is not in the store; add it with add_resources() "
+                                f"or list the stored ones with store.resources_df()") from None
 
     # ----- helpers (lock held) --------------------------------------------------------
     def _add_rollout(self, rollout: Rollout) -> None:
-        """Register a new rollout (not queued); raise NotFoundError for an unknown resources_id."""
-        if rollout.resources_id is not None and rollout.resources_id not in self._resources:
-            raise NotFoundError(f"resources_id {rollout.resources_id!r} is not in the store; "
-                                f"add it with add_resources()")
+        """Register a new rollout (not queued), pinned to the latest resources if it names none.
+
+        Raises NotFoundError for an unknown resources_id.
+        """
+        if rollout.resources_id is not None:
+            self._resources_by_id(rollout.resources_id)
+        elif self._resources:
+            rollout.resources_id = next(reversed(self._resources))
         self._rollouts[rollout.rollout_id] = rollout
         self._attempts[rollout.rollout_id] = []
         self._rank[rollout.rollout_id] = len(self._rank)
@@ -478,6 +547,7 @@ class InMemoryStore(LightningStore):
         if worker_id:
             self._workers[worker_id] = worker_on_dequeue(self._workers.get(worker_id), attempt, now)
         self._span_counts[attempt.attempt_id] = 0
+        self._span_ids[attempt.attempt_id] = {}
         self._cond.notify_all()
         return AttemptedRollout(rollout=_deep_copy(rollout), attempt=_deep_copy(attempt))
 

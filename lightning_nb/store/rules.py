@@ -12,16 +12,20 @@ from typing import Any, Optional, Sequence
 
 from lightning_nb.errors import ConfigError, InvalidStatusTransition
 from lightning_nb.types import (
-    ATTEMPT_TERMINAL, ROLLOUT_TERMINAL, Attempt, LLMResource, PromptTemplate, Rollout, RolloutConfig, RolloutMode,
-    Worker, new_id,
+    ATTEMPT_TERMINAL, ROLLOUT_TERMINAL, Attempt, LLMResource, PromptTemplate, ResourcesUpdate, Rollout, RolloutConfig,
+    RolloutMode, Span, Worker, new_id,
 )
 
 __all__ = ["ATTEMPT_NEXT", "ACTIVE", "new_rollout", "start_attempt", "apply_attempt_update", "follow_attempt",
            "coerce_resources", "overdue", "SweepClock", "worker_update", "worker_on_dequeue",
-           "worker_on_attempt", "DEFAULT_WATCHDOG_INTERVAL_S", "final_reward", "reward_or_zero"]
+           "worker_on_attempt", "DEFAULT_WATCHDOG_INTERVAL_S", "final_reward", "reward_or_zero",
+           "updated_rollout", "check_manual_attempt", "span_beats", "span_sequence_id", "same_span",
+           "next_resources", "SPAN_BEAT_MIN_S"]
 
 ACTIVE = ("preparing", "running")  # attempt statuses the watchdog looks at
 DEFAULT_WATCHDOG_INTERVAL_S = 0.5
+SPAN_BEAT_MIN_S = 0.25  # a span re-stamps a running attempt's heartbeat at most this often (seconds)
+_UNSET_STATUSES = ("queuing", "cancelled")  # what update_rollout(status=...) accepts
 
 ATTEMPT_NEXT: dict[str, set[str]] = {
     "preparing": {"running", "succeeded", "failed", "timeout", "unresponsive"},
@@ -95,6 +99,155 @@ def follow_attempt(rollout: Rollout, status: str, now: float) -> bool:
             return True
         rollout.status, rollout.end_time = "failed", now
     return False
+
+
+def updated_rollout(rollout: Rollout, *, input: Any = None, mode: Optional[str] = None,
+                    resources_id: Optional[str] = None, config: Optional[RolloutConfig | dict] = None,
+                    metadata: Optional[dict[str, Any]] = None, status: Optional[str] = None,
+                    now: float) -> tuple[Rollout, bool]:
+    """An ``update_rollout`` call applied to a copy of ``rollout``: ``(new rollout, must it join the queue)``.
+
+    None leaves a field as it is. The rules (the contract, :meth:`LightningStore.update_rollout`):
+
+    * ``metadata`` (replaced whole) may change in any status;
+    * ``config`` in any status but a terminal one (it applies to the running attempt's
+      watchdog and to later attempts), or together with ``status="queuing"``;
+    * ``input``, ``mode`` and ``resources_id`` only while the rollout waits in the queue
+      (``queuing``/``requeuing``), or together with ``status="queuing"``;
+    * ``status="cancelled"`` ends a non-terminal rollout (as ``cancel_rollout``);
+      ``status="queuing"`` puts a finished (succeeded, failed, cancelled) rollout back in
+      the queue for one more attempt (it becomes ``requeuing`` if it had attempts, and
+      its ``end_time`` is cleared); on a queued rollout it changes nothing.
+
+    The caller checks that ``resources_id`` exists.
+
+    Raises:
+        ConfigError: an unknown ``status`` or ``mode``, or a bad ``config``/``metadata``
+            (nothing is changed).
+        InvalidStatusTransition: the change is not allowed in the rollout's status.
+    """
+    if status is not None and status not in _UNSET_STATUSES:
+        raise ConfigError(f"update_rollout: status={status!r} cannot be set; use 'cancelled' (end it) or 'queuing' "
+                          f"(run it again); attempts move a rollout through its other statuses")
+    if mode is not None and mode not in ("train", "val", "test"):
+        raise ConfigError(f"update_rollout: mode={mode!r} is not a rollout mode; use 'train', 'val' or 'test'")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ConfigError(f"update_rollout: metadata must be a dict, got {type(metadata).__name__}")
+    if config is not None and not isinstance(config, RolloutConfig):
+        if not isinstance(config, dict):
+            raise ConfigError(f"update_rollout: config must be a RolloutConfig or a dict of its fields, "
+                              f"got {type(config).__name__}")
+        try:
+            config = RolloutConfig(**config)
+        except ValueError as exc:
+            raise ConfigError(f"update_rollout: config: {exc}") from None
+    rid, current = rollout.rollout_id, rollout.status
+    rerun = status == "queuing" and current in ROLLOUT_TERMINAL
+    queued = current in ("queuing", "requeuing")
+    if status == "queuing" and not (rerun or queued):
+        raise InvalidStatusTransition(f"rollout {rid} is {current!r} with an attempt in flight; end that attempt "
+                                      f"(update_attempt) or cancel the rollout before queuing it again")
+    if status == "cancelled" and current in ROLLOUT_TERMINAL:
+        raise InvalidStatusTransition(f"rollout {rid} is already {current}; only non-terminal rollouts can be "
+                                      f"cancelled")
+    task_fields = [name for name, value in (("input", input), ("mode", mode), ("resources_id", resources_id))
+                   if value is not None]
+    if task_fields and not (queued or rerun):
+        raise InvalidStatusTransition(f"rollout {rid} is {current!r}: {', '.join(task_fields)} can change only while "
+                                      f"it waits in the queue; pass status='queuing' as well to run it again with them")
+    if config is not None and current in ROLLOUT_TERMINAL and not rerun:
+        raise InvalidStatusTransition(f"rollout {rid} is {current}: config can change only before it ends, or "
+                                      f"together with status='queuing'")
+    new = rollout.model_copy(deep=True)
+    if input is not None:
+        new.input = input
+    if mode is not None:
+        new.mode = mode  # type: ignore[assignment]
+    if resources_id is not None:
+        new.resources_id = resources_id
+    if config is not None:
+        new.config = config.model_copy(deep=True)
+    if metadata is not None:
+        new.metadata = dict(metadata)
+    if status == "cancelled":
+        new.status, new.end_time = "cancelled", now
+    if rerun:
+        new.status, new.end_time = ("requeuing" if new.num_attempts else "queuing"), None
+    return new, rerun
+
+
+def check_manual_attempt(rollout: Rollout, latest: Optional[Attempt]) -> None:
+    """Refuse ``start_attempt`` on a rollout whose latest attempt is still in flight.
+
+    Raises:
+        InvalidStatusTransition: naming the attempt in flight.
+    """
+    if latest is not None and latest.status in ACTIVE:
+        raise InvalidStatusTransition(
+            f"rollout {rollout.rollout_id} has attempt {latest.attempt_id} still {latest.status!r}; end it "
+            f"(update_attempt) before starting another one")
+
+
+def span_beats(attempt: Attempt, now: float) -> bool:
+    """Whether a span arriving for ``attempt`` must update it (spans are heartbeats).
+
+    True for an attempt still ``preparing`` (the span moves it to ``running``) and for a
+    ``running`` one whose last heartbeat is older than :data:`SPAN_BEAT_MIN_S`; never for
+    a terminal attempt (a late span is stored but revives nothing).
+    """
+    if attempt.status == "preparing":
+        return True
+    if attempt.status != "running":
+        return False
+    last = attempt.last_heartbeat_time
+    return last is None or now - last >= SPAN_BEAT_MIN_S
+
+
+def span_sequence_id(span: Span, last: int, taken: bool) -> int:
+    """The sequence id a new span is stored with: the next one, or the caller's explicit one.
+
+    Args:
+        span: the span to store; ``sequence_id`` 0 (the default) asks the store for the next id.
+        last: the highest sequence id of the attempt so far (0 without spans).
+        taken: whether another span of the attempt already has ``span.sequence_id``.
+
+    Raises:
+        ConfigError: a negative ``sequence_id``, or one another span of the attempt has.
+    """
+    seq = span.sequence_id
+    if seq == 0:
+        return last + 1
+    if seq < 0 or taken:
+        why = "is negative" if seq < 0 else f"is taken by another span of attempt {span.attempt_id}"
+        raise ConfigError(f"span {span.span_id!r}: sequence_id={seq} {why}; leave sequence_id at 0 to let the store "
+                          f"assign the next one (it would be {last + 1})")
+    return seq
+
+
+def same_span(new: Span, stored: Span) -> Span:
+    """The rule for a second ``add_span`` with a ``span_id`` the attempt already has.
+
+    An identical span (every field but ``sequence_id``, unless that was given
+    explicitly) is a repeat of the same write, e.g. a retried request: ``stored`` is
+    returned and nothing is written. A different span with the same id is refused.
+
+    Raises:
+        ConfigError: naming the span id (the store is unchanged).
+    """
+    keep = {"sequence_id"} if new.sequence_id == 0 else set()
+    if new.model_dump_json(exclude=keep) == stored.model_dump_json(exclude=keep):
+        return stored
+    raise ConfigError(f"span_id {new.span_id!r} is already stored for attempt {new.attempt_id} "
+                      f"(sequence_id {stored.sequence_id}) with other content; span ids are unique within an "
+                      f"attempt: give each span its own span_id (an OpenTelemetry tracer does)")
+
+
+def next_resources(update: ResourcesUpdate, previous: Optional[ResourcesUpdate], now: float) -> ResourcesUpdate:
+    """``update`` (a new write of its ``resources_id``) with its version and times set from the previous write."""
+    if previous is None:
+        return update.model_copy(update={"version": 1, "create_time": now, "update_time": now})
+    return update.model_copy(update={"version": previous.version + 1, "create_time": previous.create_time,
+                                     "update_time": now})
 
 
 def coerce_resources(resources: dict[str, Any]) -> dict[str, LLMResource | PromptTemplate]:

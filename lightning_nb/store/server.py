@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lightning_nb._net import ThreadedServer, is_loopback
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
+from lightning_nb.store.rules import DEFAULT_WATCHDOG_INTERVAL_S
 from lightning_nb.types import AttemptedRollout, AttemptStatus, RolloutConfig, RolloutMode, Span
 
 __all__ = ["StoreServer", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_WAIT_S"]
@@ -83,6 +84,21 @@ class QueryRolloutsRequest(_Body):
 class WaitRequest(_Body):
     rollout_ids: list[str]
     timeout: Optional[float] = Field(None, allow_inf_nan=False, description="None or above max_wait_s: max_wait_s")
+
+
+class UpdateRolloutRequest(_Body):
+    """``update_rollout`` arguments; null leaves a field as it is. The store validates them."""
+
+    input: Any = None
+    mode: Optional[str] = None
+    resources_id: Optional[str] = None
+    config: Optional[dict[str, Any]] = None
+    metadata: Optional[Any] = None
+    status: Optional[str] = None
+
+
+class StartAttemptRequest(_Body):
+    worker_id: Optional[str] = None
 
 
 class UpdateAttemptRequest(_Body):
@@ -197,12 +213,21 @@ class StoreServer:
             otherwise) when ``host`` is not a loopback address.
         max_body_bytes: largest request body accepted (413 above it).
         max_wait_s: longest a single dequeue/wait request blocks.
+        sweep_interval_s: while serving, a background thread runs the store's watchdog
+            (``store.sweep_attempts()``) every this many seconds, so attempts of dead
+            runners end even when no client calls; None: no background sweep (waiting
+            and polling calls still run it, see the contract).
 
     Use as a context manager or call :meth:`start` / :meth:`stop`.
+
+    Raises:
+        ConfigError: a non-loopback ``host`` without ``token``, or a non-positive
+            ``max_body_bytes``, ``max_wait_s`` or ``sweep_interval_s``.
     """
 
     def __init__(self, store: LightningStore, host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None,
-                 *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> None:
+                 *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_wait_s: float = DEFAULT_MAX_WAIT_S,
+                 sweep_interval_s: Optional[float] = DEFAULT_WATCHDOG_INTERVAL_S) -> None:
         if not is_loopback(host) and not token:
             raise ConfigError(
                 f"host={host!r} is reachable from other machines, so token is required; "
@@ -210,9 +235,14 @@ class StoreServer:
             )
         if max_body_bytes <= 0 or max_wait_s <= 0:
             raise ConfigError("max_body_bytes and max_wait_s must be positive")
+        if sweep_interval_s is not None and not sweep_interval_s > 0:
+            raise ConfigError(f"sweep_interval_s must be positive seconds or None (no background sweep), "
+                              f"got {sweep_interval_s!r}")
         self.store, self.host, self.port, self.token = store, host, port, token
         self.max_body_bytes, self.max_wait_s = max_body_bytes, max_wait_s
+        self.sweep_interval_s = sweep_interval_s
         self._server: Any = None
+        self._sweeper: Optional[threading.Thread] = None
         self._stopping = threading.Event()
         self._wait_limiter: Optional[anyio.CapacityLimiter] = None
 
@@ -227,6 +257,9 @@ class StoreServer:
                                 timeout_keep_alive=65, timeout_graceful_shutdown=5)
         self.port = server.start()
         self._server = server
+        if self.sweep_interval_s is not None:
+            self._sweeper = threading.Thread(target=self._sweep_loop, name="store-server-watchdog", daemon=True)
+            self._sweeper.start()
         return self
 
     def stop(self) -> None:
@@ -235,6 +268,17 @@ class StoreServer:
         if self._server is not None:
             self._server.stop()
             self._server = None
+        if self._sweeper is not None:
+            self._sweeper.join()
+            self._sweeper = None
+
+    def _sweep_loop(self) -> None:
+        """The background watchdog: ``store.sweep_attempts()`` every ``sweep_interval_s`` until :meth:`stop`."""
+        while not self._stopping.wait(self.sweep_interval_s):
+            try:
+                self.store.sweep_attempts()
+            except Exception as exc:  # e.g. a closed SqliteStore: keep serving, say why once per sweep
+                log.warning("store server watchdog: sweep_attempts failed: %s: %s", type(exc).__name__, exc)
 
     def __enter__(self) -> "StoreServer":
         return self.start()
@@ -347,6 +391,16 @@ class StoreServer:
         async def cancel(rollout_id: str) -> _JSON:
             return await self._call(store.cancel_rollout, rollout_id)
 
+        @api.patch("/rollouts/{rollout_id}")
+        async def update_rollout(rollout_id: str, req: UpdateRolloutRequest) -> _JSON:
+            return await self._call(store.update_rollout, rollout_id, input=req.input, mode=req.mode,
+                                    resources_id=req.resources_id, config=req.config, metadata=req.metadata,
+                                    status=req.status)
+
+        @api.post("/rollouts/{rollout_id}/attempts")
+        async def start_attempt(rollout_id: str, req: StartAttemptRequest) -> _JSON:
+            return await self._call(store.start_attempt, rollout_id, req.worker_id)
+
         # attempts
         @api.patch("/rollouts/{rollout_id}/attempts/{attempt_id}")
         async def update_attempt(rollout_id: str, attempt_id: str, req: UpdateAttemptRequest) -> _JSON:
@@ -390,7 +444,9 @@ class StoreServer:
             return await self._call(store.get_latest_resources)
 
         @api.get("/resources")
-        async def resources_by_query(resources_id: str) -> _JSON:
+        async def resources_by_query(resources_id: Optional[str] = None) -> _JSON:
+            if resources_id is None:
+                return await self._call(store.query_resources)
             return await self._call(store.get_resources_by_id, resources_id)
 
         @api.get("/resources/{resources_id:path}")

@@ -26,8 +26,9 @@ from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningN
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.spanframe import CATEGORY_COLUMNS, Flatten, check_flatten, spans_frame
 from lightning_nb.store.rules import (
-    DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, coerce_resources, follow_attempt, new_rollout,
-    overdue, start_attempt, worker_on_attempt, worker_on_dequeue, worker_update,
+    DEFAULT_WATCHDOG_INTERVAL_S, SPAN_BEAT_MIN_S, SweepClock, apply_attempt_update, check_manual_attempt,
+    coerce_resources, follow_attempt, new_rollout, next_resources, overdue, same_span, span_beats, span_sequence_id,
+    start_attempt, updated_rollout, worker_on_attempt, worker_on_dequeue, worker_update,
 )
 from lightning_nb.types import (
     ROLLOUT_TERMINAL, Attempt, AttemptedRollout, AttemptStatus, ResourcesUpdate, Rollout,
@@ -63,6 +64,11 @@ MIGRATIONS: list[tuple[str, str]] = [
         CREATE TABLE workers (
             seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- first seen order
             worker_id TEXT NOT NULL UNIQUE, data TEXT NOT NULL);
+    """),
+    ("003_span_ids", """
+        ALTER TABLE spans ADD COLUMN span_id TEXT;
+        UPDATE spans SET span_id = json_extract(data, '$.span_id');
+        CREATE INDEX spans_span_id ON spans(attempt_id, span_id);
     """),
 ]
 
@@ -203,10 +209,13 @@ class SqliteStore(LightningStore):
 
     def _insert_rollout(self, rollout: Rollout, data: str, *, queued: bool) -> None:
         """Insert a new rollout, at the back of the queue or outside it (lock and transaction held)."""
-        if rollout.resources_id is not None and not self._rows("SELECT 1 FROM resources WHERE resources_id = ?",
-                                                               rollout.resources_id):
-            raise NotFoundError(f"resources_id {rollout.resources_id!r} is not in the store; "
-                                f"add it with add_resources()")
+        if rollout.resources_id is not None:
+            self._check_resources(rollout.resources_id)
+        else:  # pinned to the latest set at enqueue (the contract)
+            latest = self._rows("SELECT resources_id FROM resources ORDER BY seq DESC LIMIT 1")
+            if latest:
+                rollout.resources_id = latest[0][0]
+                data = rollout.model_dump_json()
         self._rows(f"INSERT INTO rollouts (rollout_id, status, queue_pos, data) "
                    f"VALUES (?, ?, {_BACK if queued else 'NULL'}, ?)", rollout.rollout_id, rollout.status, data)
 
@@ -239,12 +248,14 @@ class SqliteStore(LightningStore):
 
     def get_rollout_by_id(self, rollout_id: str) -> Rollout:
         with self._locked():
+            self._poll_sweep()
             return self._rollout(rollout_id)
 
     def query_rollouts(
         self, *, status: Optional[Sequence[str]] = None, rollout_ids: Optional[Sequence[str]] = None
     ) -> list[Rollout]:
         with self._locked():
+            self._poll_sweep()
             if rollout_ids is not None:
                 items = [self._rollout(rid) for rid in rollout_ids]
             else:
@@ -283,6 +294,36 @@ class SqliteStore(LightningStore):
             self._save_rollout(rollout, queued=False)
             self._cond.notify_all()
             return rollout
+
+    def update_rollout(self, rollout_id: str, *, input: Any = None, mode: Optional[RolloutMode] = None,
+                       resources_id: Optional[str] = None, config: Optional[RolloutConfig | dict] = None,
+                       metadata: Optional[dict[str, Any]] = None, status: Optional[str] = None) -> Rollout:
+        with self._locked(), self._tx():
+            rollout = self._rollout(rollout_id)
+            if resources_id is not None:
+                self._check_resources(resources_id)
+            new, requeue = updated_rollout(rollout, input=input, mode=mode, resources_id=resources_id, config=config,
+                                           metadata=metadata, status=status, now=time.time())
+            data = _json(new, "the rollout input and metadata")
+            queued = requeue or (new.status in ("queuing", "requeuing") and bool(self._rows(
+                "SELECT 1 FROM rollouts WHERE rollout_id = ? AND queue_pos IS NOT NULL", rollout_id)))
+            if queued and not requeue:  # still waiting: keep its place in the queue
+                self._rows("UPDATE rollouts SET status = ?, data = ? WHERE rollout_id = ?", new.status, data,
+                           rollout_id)
+            else:
+                self._save_rollout(new, queued=requeue, data=data)
+            self._cond.notify_all()
+            return new
+
+    def start_attempt(self, rollout_id: str, worker_id: Optional[str] = None) -> AttemptedRollout:
+        with self._locked(), self._tx():
+            rollout = self._rollout(rollout_id)
+            latest = self._latest_attempt_id(rollout_id)
+            check_manual_attempt(rollout, self._attempt(rollout_id, latest) if latest else None)
+            if rollout.end_time is not None:  # a finished rollout runs again
+                rollout.end_time = None
+                self._save_rollout(rollout, queued=False)
+            return self._start_attempt(rollout_id, worker_id)
 
     # ----- attempts -------------------------------------------------------------------
     def update_attempt(self, rollout_id: str, attempt_id: str, *, status: Optional[AttemptStatus] = None,
@@ -323,6 +364,11 @@ class SqliteStore(LightningStore):
     def sweep_attempts(self) -> list[Attempt]:
         with self._locked():
             return self._sweep()
+
+    def _poll_sweep(self) -> None:
+        """The watchdog for callers that poll instead of waiting, when it is due (lock held)."""
+        if self._clock.due():
+            self._sweep()
 
     def _sweep(self) -> list[Attempt]:
         """The watchdog (lock held): end overdue attempts, one transaction each."""
@@ -367,6 +413,7 @@ class SqliteStore(LightningStore):
 
     def query_attempts(self, rollout_id: Optional[str] = None) -> list[Attempt]:
         with self._locked():
+            self._poll_sweep()
             if rollout_id is not None:
                 self._rollout(rollout_id)
                 rows = self._rows("SELECT data FROM attempts WHERE rollout_id = ? ORDER BY sequence_id", rollout_id)
@@ -378,16 +425,28 @@ class SqliteStore(LightningStore):
     # ----- spans ----------------------------------------------------------------------
     def add_span(self, span: Span) -> Span:
         with self._locked(), self._tx():
-            ((found, last),) = self._rows(  # one statement: is it an attempt of that rollout, and its last span
-                "SELECT EXISTS (SELECT 1 FROM attempts WHERE attempt_id = ? AND rollout_id = ?), "
-                "(SELECT COALESCE(MAX(sequence_id), 0) FROM spans WHERE attempt_id = ?)",
-                span.attempt_id, span.rollout_id, span.attempt_id)
-            if not found:
+            # one statement: the attempt's status and last heartbeat (NULL: not an attempt of that rollout), its
+            # last sequence id, a stored span with this span_id, and whether an explicit sequence id is taken
+            ((status, beat, last, same, taken),) = self._rows(
+                "SELECT a.status, json_extract(a.data, '$.last_heartbeat_time'), "
+                "(SELECT COALESCE(MAX(sequence_id), 0) FROM spans WHERE attempt_id = ?1), "
+                "(SELECT data FROM spans WHERE attempt_id = ?1 AND span_id = ?2 LIMIT 1), "
+                "EXISTS (SELECT 1 FROM spans WHERE attempt_id = ?1 AND sequence_id = ?3) "
+                "FROM (SELECT 1) LEFT JOIN attempts a ON a.attempt_id = ?1 AND a.rollout_id = ?4",
+                span.attempt_id, span.span_id, span.sequence_id, span.rollout_id)
+            if status is None:
                 self._attempt(span.rollout_id, span.attempt_id)  # raises NotFoundError naming the missing id
-            stored = span.model_copy(update={"sequence_id": last + 1})
-            self._rows("INSERT INTO spans (attempt_id, sequence_id, rollout_id, name, data) VALUES (?, ?, ?, ?, ?)",
-                       stored.attempt_id, stored.sequence_id, stored.rollout_id, stored.name,
-                       _json(stored, "span attributes"))
+            if same is not None:
+                return same_span(span, Span.model_validate_json(same))
+            stored = span.model_copy(update={"sequence_id": span_sequence_id(span, last, bool(taken))})
+            self._rows("INSERT INTO spans (attempt_id, sequence_id, rollout_id, name, span_id, data) "
+                       "VALUES (?, ?, ?, ?, ?, ?)", stored.attempt_id, stored.sequence_id, stored.rollout_id,
+                       stored.name, stored.span_id, _json(stored, "span attributes"))
+            now = time.time()
+            if status == "preparing" or (status == "running" and (beat is None or now - beat >= SPAN_BEAT_MIN_S)):
+                attempt = self._attempt(span.rollout_id, span.attempt_id)
+                if span_beats(attempt, now):  # a span is a sign of life: preparing -> running, heartbeat stamped
+                    self._update(attempt, status="running", worker_id=None, error=None, heartbeat=True, now=now)
             self._cond.notify_all()
             return stored
 
@@ -457,11 +516,19 @@ class SqliteStore(LightningStore):
     def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
         update = ResourcesUpdate(resources_id=resources_id or new_id("res"), resources=coerce_resources(resources))
         with self._locked(), self._tx():
+            rows = self._rows("SELECT data FROM resources WHERE resources_id = ?", update.resources_id)
+            update = next_resources(update, ResourcesUpdate.model_validate_json(rows[0][0]) if rows else None,
+                                    time.time())
             # delete + insert gives it the highest seq: re-adding an id makes it the latest again
             self._rows("DELETE FROM resources WHERE resources_id = ?", update.resources_id)
             self._rows("INSERT INTO resources (resources_id, data) VALUES (?, ?)",
                        update.resources_id, update.model_dump_json())
             return update.model_copy()
+
+    def query_resources(self) -> list[ResourcesUpdate]:
+        with self._locked():
+            return [ResourcesUpdate.model_validate_json(d) for (d,) in self._rows(
+                "SELECT data FROM resources ORDER BY seq")]
 
     def get_latest_resources(self) -> Optional[ResourcesUpdate]:
         with self._locked():
@@ -472,8 +539,14 @@ class SqliteStore(LightningStore):
         with self._locked():
             rows = self._rows("SELECT data FROM resources WHERE resources_id = ?", resources_id)
             if not rows:
-                raise NotFoundError(f"resources_id {resources_id!r} is not in the store")
+                self._check_resources(resources_id)
             return ResourcesUpdate.model_validate_json(rows[0][0])
+
+    def _check_resources(self, resources_id: str) -> None:
+        """NotFoundError naming ``resources_id`` if it is not stored (lock held)."""
+        if not self._rows("SELECT 1 FROM resources WHERE resources_id = ?", resources_id):
+            raise NotFoundError(f"resources_id {resources_id!r} is not in the store; add it with add_resources() "
+                                f"or list the stored ones with store.resources_df()")
 
     # ----- opening and helpers (lock held) ---------------------------------------------
     def _migrate(self) -> None:
@@ -577,11 +650,11 @@ class SqliteStore(LightningStore):
             raise NotFoundError(f"rollout_id {rollout_id!r} is not in the store; list ids with store.rollouts_df()")
         return Rollout.model_validate_json(rows[0][0])
 
-    def _save_rollout(self, rollout: Rollout, *, queued: bool) -> None:
+    def _save_rollout(self, rollout: Rollout, *, queued: bool, data: Optional[str] = None) -> None:
         """Write the rollout back; ``queued`` puts it at the back of the queue, else takes it out."""
         self._rows(f"UPDATE rollouts SET status = ?, data = ?, queue_pos = CASE WHEN ? THEN {_BACK} END "
                    "WHERE rollout_id = ?",
-                   rollout.status, rollout.model_dump_json(), queued, rollout.rollout_id)
+                   rollout.status, data or rollout.model_dump_json(), queued, rollout.rollout_id)
 
     def _attempt(self, rollout_id: str, attempt_id: str) -> Attempt:
         rows = self._rows("SELECT data FROM attempts WHERE attempt_id = ? AND rollout_id = ?", attempt_id, rollout_id)
