@@ -1,7 +1,7 @@
 """lightning-nb: train AI agents with reinforcement learning from a Jupyter notebook."""
 
 from lightning_nb.adapter import TripletAdapter
-from lightning_nb.algorithm import AlgorithmConfig, LightningRL
+from lightning_nb.algorithm import AlgorithmConfig, LightningRL, SliceReport
 from lightning_nb.endpoint import OpenAIEndpoint
 from lightning_nb.engine import Engine, TransformersEngine, load_default_model
 from lightning_nb.errors import LightningNbError
@@ -17,9 +17,9 @@ from lightning_nb.verl_trainer import VerlConfig, VerlTrainer  # verl itself is 
 
 __all__ = [
     "AlgorithmConfig", "Engine", "GRPOConfig", "GRPOTrainer", "InMemoryStore", "LightningNbError", "LightningRL",
-    "LightningStore", "LLMProxy", "LLMResource", "OpenAIEndpoint", "PromptTemplate", "Rollout", "RolloutConfig", "Span",
-    "SqliteStore", "StoreClient", "StoreServer", "Tracer", "TransformersEngine", "Triplet", "TripletAdapter",
-    "VerlConfig", "VerlTrainer", "emit_intermediate_reward", "emit_reward", "load_default_model", "start_runners",
-    "tool_span",
+    "LightningStore", "LLMProxy", "LLMResource", "OpenAIEndpoint", "PromptTemplate", "Rollout", "RolloutConfig",
+    "SliceReport", "Span", "SqliteStore", "StoreClient", "StoreServer", "Tracer", "TransformersEngine", "Triplet",
+    "TripletAdapter", "VerlConfig", "VerlTrainer", "emit_intermediate_reward", "emit_reward", "load_default_model",
+    "start_runners", "tool_span",
 ]
 __version__ = "0.1.0"

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from lightning_nb.types import Rollout, Span
 
 __all__ = ["store_html", "runner_group_html", "trainer_html", "rollout_html", "span_tree_html", "kv_table",
-           "STATE_COLORS"]
+           "slice_report_html", "STATE_COLORS"]
 
 STATE_COLORS = {
     "running": "#1a7f37", "succeeded": "#1a7f37", "paused": "#9a6700", "preparing": "#9a6700",
@@ -243,3 +243,21 @@ def _clock(t: Optional[float]) -> str:
 
 def _isnan(v: Any) -> bool:
     return isinstance(v, float) and math.isnan(v)
+
+
+def slice_report_html(report: Any) -> str:
+    """A :class:`~lightning_nb.algorithm.SliceReport` as a small table: slice, n, solved, mean (and ``all``)."""
+    cell = "padding:1px 8px;text-align:right"
+    head = "".join(f'<th style="{cell}">{h}</th>' for h in ("slice", "n", "solved", "mean"))
+    rows = [(label, n, solved, mean) for label, (mean, n, solved) in report.slices.items()]
+    rows.append(("all", report.n, report.solved, report.mean))
+    body = []
+    for i, (label, n, solved, mean) in enumerate(rows):
+        style = ' style="font-weight:600;border-top:1px solid #bbb"' if i == len(rows) - 1 else ""
+        body.append(f'<tr{style} data-slice="{esc(label)}">'
+                    f'<td style="padding:1px 8px;text-align:left">{esc(label)}</td>'
+                    f'<td style="{cell}">{n}</td><td style="{cell}">{solved}</td>'
+                    f'<td style="{cell}">{fmt(float(mean))}</td></tr>')
+    return (f'<div class="lnb-slices" style="{_BOX}"><b>Reward by {esc(report.by)}</b>'
+            f'<table style="border-collapse:collapse"><thead><tr>{head}</tr></thead>'
+            f'<tbody>{"".join(body)}</tbody></table></div>')

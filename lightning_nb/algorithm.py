@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, is_dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union, overload
 
 from lightning_nb.adapter import TripletAdapter
 from lightning_nb.control import config_edits
@@ -24,7 +25,127 @@ from lightning_nb.store.rules import reward_or_zero
 from lightning_nb.trainer import GRPOTrainer, TrainerStopped
 from lightning_nb.types import RolloutConfig
 
-__all__ = ["AlgorithmConfig", "LightningRL"]
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["AlgorithmConfig", "LightningRL", "SliceReport", "Slicer", "slice_labels"]
+
+Slicer = Union[str, Callable[[Any], Any]]
+"""What to slice tasks by: a task field name (``"ops"``) or a function ``task -> label``."""
+
+
+def _slicer_name(by: Slicer) -> str:
+    return by if isinstance(by, str) else getattr(by, "__name__", None) or type(by).__name__
+
+
+def _slice_keys(items: Sequence[Any], by: Slicer, what: str = "task",
+                names: Optional[Sequence[str]] = None) -> list[tuple[Any, str]]:
+    """``(raw value, label)`` of each item; see :func:`slice_labels`."""
+    def where(i: int) -> str:
+        return f"{what} {i}" + (f" ({names[i]})" if names is not None else "")
+
+    if isinstance(by, str):
+        for i, item in enumerate(items):
+            if not isinstance(item, Mapping) or by not in item:
+                keys = list(item) if isinstance(item, Mapping) else f"none: it is a {type(item).__name__}, not a dict"
+                raise ConfigError(f"by={by!r}: {where(i)} has no field {by!r} (its keys: {keys}); "
+                                  "slice by a field every task has, or pass a function task -> label")
+        return [(item[by], f"{by}={item[by]}") for item in items]
+    if not callable(by):
+        raise ConfigError(f"by must be a task field name (str) or a function task -> label, got {by!r}")
+    out = []
+    for i, item in enumerate(items):
+        try:
+            value = by(item)
+        except Exception as exc:
+            raise ConfigError(f"by={_slicer_name(by)}: raised on {where(i)}: {type(exc).__name__}: {exc}") from exc
+        out.append((value, str(value)))
+    return out
+
+
+def slice_labels(items: Sequence[Any], by: Slicer, *, what: str = "task",
+                 names: Optional[Sequence[str]] = None) -> list[str]:
+    """The slice label of each item (a task dict): ``"<field>=<value>"`` for a field name
+    (``"ops=2"``), ``str(by(task))`` for a function.
+
+    ``what`` and ``names`` (one per item, e.g. rollout ids) only word the errors.
+
+    Raises:
+        ConfigError: ``by`` is a field that an item lacks (naming the field, the first such
+            item's index and its keys), ``by`` raised on an item (naming the index and the
+            exception), or ``by`` is neither a str nor callable.
+    """
+    return [label for _, label in _slice_keys(items, by, what, names)]
+
+
+def _ordered(keys: Sequence[tuple[Any, str]]) -> list[str]:
+    """Distinct labels sorted by their raw values (first appearance when those do not compare)."""
+    first: dict[str, Any] = {}
+    for value, label in keys:
+        first.setdefault(label, value)
+    try:
+        return sorted(first, key=lambda label: (first[label], label))
+    except TypeError:
+        return list(first)
+
+
+@dataclass(frozen=True)
+class SliceReport:
+    """Held-out reward overall and per slice, as :meth:`LightningRL.evaluate(by=...) <LightningRL.evaluate>` returns it.
+
+    Attributes:
+        by: the field name or the function's name the tasks were sliced by.
+        mean: mean final reward over every finished rollout (failed ones count 0): what
+            ``evaluate()`` without ``by`` returns. NaN when none finished.
+        n: finished rollouts (one per task; cancelled ones are left out).
+        solved: rollouts whose final reward is exactly 1.0.
+        slices: ``{label: (mean, n, solved)}`` per slice, in the order of the slice values
+            (``"ops=1"`` before ``"ops=2"``); a slice whose rollouts were all cancelled has
+            mean NaN and n 0.
+
+    ``to_frame()`` / ``.df`` is the table (columns slice, n, solved, mean; a last row
+    ``"all"``), shown as HTML in a notebook cell; ``str(report)`` is the same as text;
+    :meth:`metrics` gives the ``val_reward/<slice>`` values of a metrics row.
+    """
+
+    by: str
+    mean: float
+    n: int
+    solved: int
+    slices: dict[str, tuple[float, int, int]]
+
+    def to_frame(self) -> "pd.DataFrame":
+        """One row per slice, then ``"all"``: columns slice (str), n (int), solved (int), mean (float)."""
+        import pandas as pd
+
+        rows = [(label, n, solved, mean) for label, (mean, n, solved) in self.slices.items()]
+        rows.append(("all", self.n, self.solved, self.mean))
+        df = pd.DataFrame(rows, columns=["slice", "n", "solved", "mean"])
+        return df.astype({"n": "int64", "solved": "int64", "mean": "float64"})
+
+    @property
+    def df(self) -> "pd.DataFrame":
+        """:meth:`to_frame`."""
+        return self.to_frame()
+
+    def metrics(self, prefix: str = "val_reward") -> dict[str, float]:
+        """``{f"{prefix}/{label}": mean}`` per slice: the columns :meth:`LightningRL.step` adds to its row."""
+        return {f"{prefix}/{label}": mean for label, (mean, _, _) in self.slices.items()}
+
+    def __float__(self) -> float:
+        return float(self.mean)
+
+    def __str__(self) -> str:
+        width = max([len(label) for label in self.slices] + [3])
+        lines = [f"reward by {self.by}: {self.mean:.3f} ({self.solved}/{self.n} solved)"]
+        lines += [f"  {label:<{width}}  {mean:.3f} ({solved}/{n} solved)"
+                  for label, (mean, n, solved) in self.slices.items()]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        from lightning_nb._repr import slice_report_html
+
+        return slice_report_html(self)
 
 
 @dataclass
@@ -82,15 +203,24 @@ class LightningRL:
             Flushed when :meth:`run` ends, closed by :meth:`close_loggers` (and by :meth:`run`
             when the trainer is stopped or the loop fails). Raises MissingDependencyError
             (an ImportError naming the extra) when a logger's package is missing.
+        slice_by: a task field name (``"ops"``) or a function ``task -> label``: the periodic
+            evaluation of :meth:`step` (``config.val_every``) also records the held-out reward
+            per slice, as ``val_reward/<slice>`` columns (``val_reward/ops=1``) beside
+            ``val_reward``. Checked against ``val_tasks`` here: raises ConfigError as
+            :meth:`evaluate` does for a bad ``by``. Not used by ``evaluate()`` without ``by``.
     """
 
     def __init__(self, store: LightningStore, trainer: GRPOTrainer, train_tasks: Sequence[Any],
                  val_tasks: Sequence[Any] = (), config: Optional[AlgorithmConfig] = None, *,
                  adapter: Optional[TripletAdapter] = None, id_key: str = "id",
                  on_step: Optional[Callable[[dict], None]] = None,
-                 loggers: Sequence[Union[MetricLogger, str]] = ()) -> None:
+                 loggers: Sequence[Union[MetricLogger, str]] = (), slice_by: Optional[Slicer] = None) -> None:
         if not train_tasks:
             raise ConfigError("train_tasks is empty; load some with lightning_nb.calc.load_tasks('train')")
+        if slice_by is not None:
+            _slice_keys(list(val_tasks), slice_by)  # a bad field or function fails here, not after a step
+        self.slice_by = slice_by
+        self.last_report: Optional[SliceReport] = None  # the latest evaluate(by=...) result
         self.store, self.trainer = store, trainer
         self.train_tasks, self.val_tasks = list(train_tasks), list(val_tasks)
         self.config = config or AlgorithmConfig()
@@ -220,30 +350,69 @@ class LightningRL:
         The rule is :func:`lightning_nb.store.rules.final_reward`; ``evaluate()`` and the
         step's ``reward_mean`` both use this.
         """
+        return list(self._finished_rewards(rollout_ids).values())
+
+    def _finished_rewards(self, rollout_ids: Sequence[str]) -> dict[str, float]:
+        """:meth:`rollout_rewards` keyed by rollout id (in ``rollout_ids`` order)."""
         rewards = self.store.final_rewards(list(rollout_ids))
         status = {r.rollout_id: r.status for r in self.store.query_rollouts(rollout_ids=list(rollout_ids))}
-        return [reward_or_zero(rewards[rid]) for rid in rollout_ids if status[rid] in ("succeeded", "failed")]
+        return {rid: reward_or_zero(rewards[rid]) for rid in rollout_ids if status[rid] in ("succeeded", "failed")}
 
-    def evaluate(self, tasks: Optional[Sequence[Any]] = None, progress: bool = True) -> float:
-        """Mean final reward over ``tasks`` (default: val_tasks) with greedy decoding.
+    @overload
+    def evaluate(self, tasks: Optional[Sequence[Any]] = ..., progress: bool = ..., *, by: None = ...) -> float: ...
 
-        Rollouts that fail (including timeouts) count as reward 0
-        (:meth:`rollout_rewards`). ``progress`` shows a tqdm.auto bar of finished
-        rollouts (a widget in a notebook).
+    @overload
+    def evaluate(self, tasks: Optional[Sequence[Any]] = ..., progress: bool = ..., *, by: Slicer) -> SliceReport: ...
+
+    def evaluate(self, tasks: Optional[Sequence[Any]] = None, progress: bool = True, *,
+                 by: Optional[Slicer] = None) -> Union[float, SliceReport]:
+        """Mean final reward over ``tasks`` (default: val_tasks) with greedy decoding, overall or per slice.
+
+        Every task is enqueued once (mode ``"val"``, temperature 0); rollouts that fail
+        (including timeouts) count as reward 0 (:meth:`rollout_rewards`), cancelled ones are
+        left out. ``progress`` shows a tqdm.auto bar of finished rollouts (a widget in a notebook).
+
+        Args:
+            tasks: the tasks to evaluate; None: ``val_tasks``.
+            progress: show the bar.
+            by: None (the default): return the mean reward, a float in [0, 1] for 0/1
+                rewards (NaN when no rollout finished). A task field name (``"ops"``) or a
+                function ``task -> label``: return a :class:`SliceReport` with the same mean
+                and, per slice (``"ops=1"``, ``"ops=2"``; for a function, ``str(label)``),
+                the mean, the count of finished rollouts and the count with reward 1.0. The
+                labels are computed before anything is enqueued, and the rollouts are the
+                same as without ``by``: slicing happens afterwards. The report is also kept
+                as ``last_report``.
 
         Raises:
-            ConfigError: no tasks.
+            ConfigError: no tasks; ``by`` names a field a task lacks (the error names the
+                field, the first such task's index and its keys); ``by`` raised on a task (the
+                error names the task's index and the exception); ``by`` is neither a str nor
+                callable. Nothing is enqueued then.
             TrainerStopped: the trainer was stopped while waiting (the rollouts are cancelled).
         """
         tasks = list(self.val_tasks if tasks is None else tasks)
         if not tasks:
             raise ConfigError("no val tasks to evaluate; pass val_tasks to LightningRL or tasks to evaluate()")
+        keys = _slice_keys(tasks, by) if by is not None else None
         sampling = {"temperature": 0.0, "max_tokens": self.config.max_tokens}
         ids = [self.store.enqueue_rollout(t, mode="val", config=self._rollout_config(),
                                           metadata={"sampling_parameters": sampling}).rollout_id for t in tasks]
         self.wait_for(ids, desc="evaluating" if progress else None)
-        rewards = self.rollout_rewards(ids)
-        return sum(rewards) / len(rewards) if rewards else math.nan
+        finished = self._finished_rewards(ids)
+        rewards = list(finished.values())
+        mean = sum(rewards) / len(rewards) if rewards else math.nan
+        if keys is None:
+            return mean
+        per: dict[str, list[float]] = {label: [] for label in _ordered(keys)}
+        for rid, (_, label) in zip(ids, keys):
+            if rid in finished:
+                per[label].append(finished[rid])
+        slices = {label: (sum(r) / len(r) if r else math.nan, len(r), sum(1 for x in r if x == 1.0))
+                  for label, r in per.items()}
+        self.last_report = SliceReport(by=_slicer_name(by), mean=mean, n=len(rewards),
+                                       solved=sum(1 for x in rewards if x == 1.0), slices=slices)
+        return self.last_report
 
     def _config_edits(self) -> list[str]:
         """Edits of :attr:`config` since the last step, as text (validated first)."""
@@ -262,7 +431,8 @@ class LightningRL:
         final reward of every rollout of the step, failed ones as 0: the train reward),
         ``rollouts``, ``rollouts_failed``, ``sample_rounds``, ``skipped_<reason>`` (rollouts
         the adapter could not use, see :class:`TripletAdapter`), ``rollout_seconds``,
-        ``step_seconds`` (paused time excluded), ``val_reward`` when evaluated, and
+        ``step_seconds`` (paused time excluded), ``val_reward`` when evaluated (with
+        ``slice_by``, also ``val_reward/<slice>`` per slice, :meth:`SliceReport.metrics`), and
         ``config_changes`` (edits of either config applied at this step).
 
         Raises:
@@ -293,7 +463,12 @@ class LightningRL:
             extra["config_changes"] = "; ".join(filter(None, [metrics.get("config_changes", ""), *edits]))
         if self.config.val_every and step % self.config.val_every == 0 and self.val_tasks:
             self.trainer.at_boundary("before evaluate")
-            extra["val_reward"] = self.evaluate(progress=False)  # runs on the trainer's thread
+            if self.slice_by is None:
+                extra["val_reward"] = self.evaluate(progress=False)  # runs on the trainer's thread
+            else:
+                report = self.evaluate(progress=False, by=self.slice_by)
+                extra["val_reward"] = report.mean
+                extra.update(report.metrics())
             self.val_history.append((step, extra["val_reward"]))
         extra["step_seconds"] = time.perf_counter() - t0 - (self.trainer.paused_seconds - paused0)
         self.trainer.add_metrics(step, **extra)

@@ -14,7 +14,14 @@ from typing import Iterator, Optional, Sequence
 __all__ = ["main", "run_demo", "run_eval"]
 
 
-def _plot(metrics_csv: Path, out_png: Path, before: float, after: float) -> None:
+def _plot(metrics_csv: Path, out_png: Path, before: float, after: float,
+          before_slices: Optional[dict[str, float]] = None) -> list[str]:
+    """Draw the reward curve to ``out_png``; returns the legend's texts.
+
+    Lines: train reward per step, its rolling mean, the held-out reward (``before`` at step 0,
+    then the ``val_reward`` column) and one held-out line per ``val_reward/<slice>`` column of
+    ``metrics_csv`` (labelled ``held-out <slice>``, starting at ``before_slices[slice]`` when given).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -27,14 +34,27 @@ def _plot(metrics_csv: Path, out_png: Path, before: float, after: float) -> None
     ax.plot(df["step"], df["reward_mean"].rolling(3, min_periods=1).mean(), label="train reward (rolling 3)")
     val = df.dropna(subset=["val_reward"]) if "val_reward" in df else df.iloc[0:0]
     ax.plot([0, *val["step"]], [before, *val["val_reward"]], marker="s", label="held-out val reward")
+    for col in [c for c in df.columns if c.startswith("val_reward/")]:
+        label = col.split("/", 1)[1]
+        part = df.dropna(subset=[col])
+        start = (before_slices or {}).get(label)
+        xs, ys = ([0], [start]) if start is not None else ([], [])
+        ax.plot([*xs, *part["step"]], [*ys, *part[col]], marker=".", linestyle="--", label=f"held-out {label}")
     ax.set_xlabel("training step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(f"calc agent on SmolLM2-135M: val {before:.2f} → {after:.2f}")
-    ax.legend(loc="lower right")
+    legend = ax.legend(loc="lower right", fontsize="small")
+    texts = [t.get_text() for t in legend.get_texts()]
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
+    return texts
+
+
+def _slices_json(report) -> dict:
+    """A SliceReport's slices as JSON: ``{label: {"mean", "n", "solved"}}``."""
+    return {label: {"mean": mean, "n": n, "solved": solved} for label, (mean, n, solved) in report.slices.items()}
 
 
 @contextlib.contextmanager
@@ -89,7 +109,7 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
              max_tokens: int = 32, kl_coef: float = 0.0, val_every: int = 0, sample_rounds: int = 3,
              checkpoint_every: int = 0, resume: Optional[Path] = None, engine: str = "vllm",
              loggers: Sequence[str] = (), lora_rank: int = 0, lora_alpha: float = 32.0,
-             trainer_kind: str = "grpo") -> dict:
+             trainer_kind: str = "grpo", slice_by: Optional[str] = "ops") -> dict:
     """Train the calculator agent on SmolLM2-135M and write metrics.csv, reward_curve.png, summary.json.
 
     The final checkpoint is written to ``out/checkpoint.pt`` (also every ``checkpoint_every``
@@ -99,7 +119,10 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     (:func:`_demo_loggers`). ``lora_rank`` > 0 trains LoRA adapters instead of the weights
     (``GRPOConfig.lora_rank``; pass a higher ``learning_rate``, e.g. 2e-4). ``trainer_kind="verl"`` trains with
     :class:`~lightning_nb.verl_trainer.VerlTrainer` (verl's actor update); its checkpoints go to the folder
-    ``out/checkpoints`` in verl's layout, and ``resume`` is that folder.
+    ``out/checkpoints`` in verl's layout, and ``resume`` is that folder. ``slice_by`` (a task field, default
+    ``"ops"``: one- vs two-operation problems; None: off) breaks every held-out evaluation down by slice: printed
+    before and after training, ``val_reward/<slice>`` columns in metrics.csv, one line per slice in
+    reward_curve.png, ``val_slices_before``/``val_slices_after`` in summary.json.
     """
     import torch
     from tqdm.auto import tqdm
@@ -120,32 +143,44 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
                                  val_every=val_every, dynamic_sampling=sample_rounds > 1,
                                  max_sample_rounds=sample_rounds)
         algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=val_size), config,
-                           loggers=_demo_loggers(loggers, out))
+                           loggers=_demo_loggers(loggers, out), slice_by=slice_by)
         checkpoint = out / ("checkpoints" if trainer_kind == "verl" else "checkpoint.pt")
         if resume is not None:
             trainer.load(resume)
             print(f"[demo] resumed from {resume} at step {trainer.step}", flush=True)
         print(f"[demo] evaluating on {val_size} held-out tasks (greedy) ...", flush=True)
-        before = algo.evaluate()
+        before_report = algo.evaluate(by=slice_by) if slice_by else None
+        before = before_report.mean if before_report is not None else algo.evaluate()
         print(f"[demo] val reward before training: {before:.3f}", flush=True)
+        if before_report is not None:
+            print(f"[demo] before training, {before_report}", flush=True)
         bar = tqdm(total=steps, initial=trainer.step, desc="training", unit="step", file=sys.stdout, mininterval=0)
         while trainer.step < steps:
             row = algo.step()
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{row['loss']:.3f}", kl=f"{row['kl']:.4f}")
             if "val_reward" in row:
-                bar.write(f"[demo] step {row['step']}: val reward {row['val_reward']:.3f}")
+                per = "".join(f", {k.split('/', 1)[1]} {v:.3f}" for k, v in row.items() if k.startswith("val_reward/"))
+                bar.write(f"[demo] step {row['step']}: val reward {row['val_reward']:.3f}{per}")
             if checkpoint_every and trainer.step % checkpoint_every == 0 and trainer.step < steps:
                 trainer.save(checkpoint)
                 bar.write(f"[demo] step {trainer.step}: checkpoint {checkpoint}")
         bar.close()
+        after_report = None
         if trainer.metrics and "val_reward" in trainer.metrics[-1]:
             after = trainer.metrics[-1]["val_reward"]  # val_every already evaluated the last step
+            after_report = algo.last_report if slice_by else None
+        elif slice_by:
+            after_report = algo.evaluate(by=slice_by)
+            after = after_report.mean
+            trainer.add_metrics(trainer.step, val_reward=after, **after_report.metrics())
         else:
             after = algo.evaluate()
             trainer.add_metrics(trainer.step, val_reward=after)
         algo.close_loggers()
         print(f"[demo] val reward after {steps} steps: {after:.3f}", flush=True)
+        if after_report is not None:
+            print(f"[demo] after training, {after_report}", flush=True)
         written = trainer.save(checkpoint)  # the file, or VerlTrainer's global_step_N folder
         file = written / "trainer.pt" if written.is_dir() else written
         print(f"[demo] final checkpoint {written} ({file.stat().st_size / 1e9:.2f} GB; "
@@ -154,12 +189,16 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     cols = ["step", "reward_mean", "val_reward", "loss", "kl", "step_seconds"]
     df = df.reindex(columns=cols + [c for c in df.columns if c not in cols])
     df.to_csv(out / "metrics.csv", index=False)
-    _plot(out / "metrics.csv", out / "reward_curve.png", before, after)
+    _plot(out / "metrics.csv", out / "reward_curve.png", before, after,
+          {k: v[0] for k, v in before_report.slices.items()} if before_report is not None else None)
     summary = {"val_reward_before": before, "val_reward_after": after, "steps": steps, "val_size": val_size,
                "minutes": (time.time() - t_start) / 60, "out": str(out), "checkpoint": str(checkpoint),
                "engine": engine_kind, "trainer": trainer_kind, "lora_rank": lora_rank, "learning_rate": learning_rate,
                "rollout_seconds_per_step": float(df["rollout_seconds"].mean()) if "rollout_seconds" in df else None,
-               "step_seconds": float(df["step_seconds"].mean()) if "step_seconds" in df else None}
+               "step_seconds": float(df["step_seconds"].mean()) if "step_seconds" in df else None,
+               "slice_by": slice_by,
+               "val_slices_before": _slices_json(before_report) if before_report is not None else None,
+               "val_slices_after": _slices_json(after_report) if after_report is not None else None}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"[demo] wrote {out / 'metrics.csv'}, {out / 'reward_curve.png'}, {out / 'summary.json'}")
     print(f"[demo] held-out reward: before {before:.3f} -> after {after:.3f} "
@@ -168,8 +207,9 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
 
 
 def run_eval(val_size: int, *, checkpoint: Optional[Path] = None, runners: int = 16, max_tokens: int = 32,
-             engine: str = "vllm") -> float:
-    """Held-out reward (greedy) of the default model, or of a trainer checkpoint."""
+             engine: str = "vllm", slice_by: Optional[str] = "ops") -> float:
+    """Held-out reward (greedy) of the default model, or of a trainer checkpoint; also printed per ``slice_by``
+    slice (a task field, default ``"ops"``; None: off). Returns the overall mean."""
     from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL
     from lightning_nb.calc import load_tasks
 
@@ -179,8 +219,11 @@ def run_eval(val_size: int, *, checkpoint: Optional[Path] = None, runners: int =
             trainer.load(checkpoint)
         val = load_tasks("val", limit=val_size)
         algo = LightningRL(store, trainer, val, val, AlgorithmConfig(max_tokens=max_tokens))
-        reward = algo.evaluate()
+        report = algo.evaluate(by=slice_by) if slice_by else None
+        reward = report.mean if report is not None else algo.evaluate()
     print(f"[eval] held-out reward on {len(val)} val tasks (greedy, step {trainer.step}): {reward:.3f}")
+    if report is not None:
+        print(f"[eval] {report}")
     return reward
 
 
@@ -235,6 +278,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "WANDB_MODE is set) or MLflow (OUT/mlflow.db); repeat for several")
     demo.add_argument("--resume", type=Path, default=None,
                       help="continue from a checkpoint.pt up to --steps steps in all")
+    slice_help = ("break the held-out reward down by this task field (default ops: one- vs two-operation "
+                  "problems; 'none' turns it off)")
+    demo.add_argument("--slice-by", default="ops", help=slice_help)
     ev = sub.add_parser("eval", help="held-out reward (greedy) of the default model or a checkpoint",
                         description="Evaluate the calc agent on the val split with greedy decoding.")
     ev.add_argument("--val-size", type=int, default=200, help="val tasks to evaluate (default 200, all)")
@@ -243,11 +289,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ev.add_argument("--runners", type=int, default=16, help="runner threads (default 16)")
     ev.add_argument("--engine", choices=["vllm", "transformers"], default="vllm",
                     help="inference engine (default vllm; transformers needs no set-up)")
+    ev.add_argument("--slice-by", default="ops", help=slice_help)
     args = parser.parse_args(argv)
+    slice_by = None if args.slice_by.lower() in ("", "none") else args.slice_by
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.command == "eval":
         run_eval(args.val_size, checkpoint=args.checkpoint, runners=args.runners, max_tokens=args.max_tokens,
-                 engine=args.engine)
+                 engine=args.engine, slice_by=slice_by)
     if args.command == "demo":
         if args.steps < 1:
             parser.error("--steps must be >= 1")
@@ -265,5 +313,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  max_tokens=args.max_tokens, kl_coef=args.kl_coef, val_every=args.val_every,
                  sample_rounds=args.sample_rounds, checkpoint_every=args.checkpoint_every, resume=args.resume,
                  engine=args.engine, loggers=args.logger, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                 trainer_kind=args.trainer)
+                 trainer_kind=args.trainer, slice_by=slice_by)
     return 0

@@ -273,6 +273,8 @@ class MLflowLogger(MetricLogger):
 
     Scalars via ``log_batch`` at ``step``; texts as run tags ``<column>/step_<N>``. Close
     sets the run's status: FINISHED, KILLED (stopped) or FAILED. ``run_id`` is set once open.
+    MLflow refuses ``=`` in names, so a per-slice column ``val_reward/ops=2`` is logged as
+    ``val_reward/ops:2`` (:func:`mlflow_name`); every other name is kept.
 
     Raises:
         MissingDependencyError: mlflow-skinny is not installed (the ``mlflow`` extra).
@@ -305,12 +307,17 @@ class MLflowLogger(MetricLogger):
         from mlflow.entities import Metric, RunTag
 
         now_ms = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now_ms, step) for k, v in scalars.items()],
-                              tags=[RunTag(f"{k}/step_{step}", v) for k, v in texts.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_name(k), v, now_ms, step) for k, v in scalars.items()],
+                              tags=[RunTag(mlflow_name(f"{k}/step_{step}"), v) for k, v in texts.items()])
 
     def _close(self, status: str) -> None:
         self.client.set_terminated(self.run_id, {"finished": "FINISHED", "stopped": "KILLED",
                                                  "failed": "FAILED"}[status])
+
+
+def mlflow_name(name: str) -> str:
+    """A metrics-row column as an MLflow metric or tag name: ``=`` (refused by MLflow) becomes ``:``."""
+    return name.replace("=", ":")
 
 
 SHORTHANDS = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MLflowLogger}

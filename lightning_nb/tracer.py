@@ -30,8 +30,10 @@ import numbers
 import threading
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Iterator, Optional
 
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.trace import Span as OtelSpan
@@ -42,7 +44,7 @@ from lightning_nb.store.base import LightningStore
 from lightning_nb.types import Span
 
 __all__ = ["Tracer", "StoreSpanProcessor", "SpanLedger", "AttemptSpans", "emit_reward", "emit_intermediate_reward",
-           "tool_span", "ROLLOUT_ID", "ATTEMPT_ID", "INTERMEDIATE_REWARD_SPAN_NAME"]
+           "tool_span", "span_from_otel", "ROLLOUT_ID", "ATTEMPT_ID", "INTERMEDIATE_REWARD_SPAN_NAME"]
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,31 @@ class SpanLedger:
 _PERMANENT = (NotFoundError, ConfigError)
 
 
+_STATUS = {StatusCode.OK: "ok", StatusCode.ERROR: "error"}
+_OUR_KEYS = (ROLLOUT_ID, ATTEMPT_ID)
+
+
+def span_from_otel(span: ReadableSpan, rollout_id: str, attempt_id: str) -> Span:
+    """A finished OpenTelemetry span as the store's :class:`~lightning_nb.types.Span`.
+
+    Ids become lowercase hex (32 digits for the trace, 16 for spans), times float epoch
+    seconds, tuple attribute values lists; the tracer's own rollout/attempt id attributes
+    are left out. One pass over the attributes and no pydantic validation: OpenTelemetry
+    already checked the attribute types, and this runs for every span an agent makes.
+    """
+    ctx = span.get_span_context()
+    raw = span.attributes  # a read-only proxy of the span's BoundedAttributes (or a plain dict)
+    # .copy() of either is a plain dict copy: iterating the Mapping itself costs several times more per key
+    plain = raw.copy() if isinstance(raw, (BoundedAttributes, MappingProxyType, dict)) else dict(raw or {})
+    attrs = {k: list(v) if type(v) is tuple else v for k, v in plain.items() if k not in _OUR_KEYS}
+    parent = span.parent
+    return Span.model_construct(
+        rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=0, trace_id=format(ctx.trace_id, "032x"),
+        span_id=format(ctx.span_id, "016x"), parent_id=format(parent.span_id, "016x") if parent else None,
+        name=span.name, start_time=(span.start_time or 0) / 1e9, end_time=(span.end_time or 0) / 1e9,
+        status=_STATUS.get(span.status.status_code, "unset"), attributes=attrs)
+
+
 class StoreSpanProcessor(SpanProcessor):
     """Tags spans with the active rollout/attempt on start and stores them on end.
 
@@ -143,26 +170,14 @@ class StoreSpanProcessor(SpanProcessor):
             span.set_attribute(ATTEMPT_ID, active.attempt_id)
 
     def on_end(self, span: ReadableSpan) -> None:
-        attrs = dict(span.attributes or {})
-        rollout_id, attempt_id = attrs.pop(ROLLOUT_ID, None), attrs.pop(ATTEMPT_ID, None)
+        attrs = span.attributes or {}
+        rollout_id, attempt_id = attrs.get(ROLLOUT_ID), attrs.get(ATTEMPT_ID)
         if rollout_id is None or attempt_id is None:
             return  # not part of a rollout
         rollout_id, attempt_id = str(rollout_id), str(attempt_id)
         try:
-            ctx = span.get_span_context()
-            record = Span(
-                rollout_id=rollout_id,
-                attempt_id=attempt_id,
-                trace_id=format(ctx.trace_id, "032x"),
-                span_id=format(ctx.span_id, "016x"),
-                parent_id=format(span.parent.span_id, "016x") if span.parent else None,
-                name=span.name,
-                start_time=(span.start_time or 0) / 1e9,
-                end_time=(span.end_time or 0) / 1e9,
-                status={StatusCode.OK: "ok", StatusCode.ERROR: "error"}.get(span.status.status_code, "unset"),
-                attributes={k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()},
-            )
-        except Exception as exc:  # an attribute the store cannot hold: never crash the agent
+            record = span_from_otel(span, rollout_id, attempt_id)
+        except Exception as exc:  # a span the store cannot hold: never crash the agent
             self._lose(span.name, rollout_id, attempt_id, f"span {span.name!r} could not be recorded: "
                                                           f"{type(exc).__name__}: {exc}")
             return

@@ -21,11 +21,15 @@ def test_demo_writes_metrics_curve_and_summary(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out reward: before" in proc.stdout and "(vllm engine)" in proc.stdout  # the default engine
+    assert "before training, reward by ops:" in proc.stdout and "after training, reward by ops:" in proc.stdout
     df = pd.read_csv(out / "metrics.csv")
+    assert [c for c in df.columns if c.startswith("val_reward/")] == ["val_reward/ops=1", "val_reward/ops=2"]
     assert list(df.columns[:6]) == ["step", "reward_mean", "val_reward", "loss", "kl", "step_seconds"]
     assert df["step"].tolist() == [1] and df["step_seconds"].iloc[0] > 0
     summary = json.loads((out / "summary.json").read_text())
     assert 0.0 <= summary["val_reward_before"] <= 1.0 and df["val_reward"].iloc[0] == summary["val_reward_after"]
+    assert sorted(summary["val_slices_after"]) == ["ops=1", "ops=2"]  # the first 4 val tasks have both
+    assert df["val_reward/ops=2"].iloc[0] == summary["val_slices_after"]["ops=2"]["mean"]
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the final checkpoint is in the output folder; --resume continues from it, eval --checkpoint reads it
     ckpt = out / "checkpoint.pt"
@@ -41,6 +45,7 @@ def test_demo_writes_metrics_curve_and_summary(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out reward on 2 val tasks (greedy, step 2)" in proc.stdout
+    assert "[eval] reward by ops:" in proc.stdout and "ops=2" in proc.stdout  # the first 2 val tasks: two operations
     ckpt.unlink()
 
 

@@ -17,7 +17,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 EXPECTED = {
     "01_quickstart.ipynb": ["held-out reward before training", "held-out reward after training",
                             "'paused'",  # trainer.state shown after pause()
-                            "checkpoint.pt ("],  # the save cell printed the checkpoint's path and size
+                            "checkpoint.pt (",  # the save cell printed the checkpoint's path and size
+                            "<b>Reward by ops</b>"],  # evaluate(by="ops")'s per-slice table rendered as HTML
     "02_widgets.ipynb": ["application/vnd.jupyter.widget-view+json",  # the dashboard
                          "'running'", "InMemoryStore</b>", "RunnerGroup</b>"],  # trainer.state and the HTML reprs
     "03_inspect_and_steer.ipynb": ["<b>Preflight</b>",  # algo.preflight()'s report rendered as HTML

@@ -50,18 +50,19 @@ class Dashboard(ipw.VBox):
 
 def dashboard(store: LightningStore, runners: Optional[RunnerGroup] = None, trainer: Optional[GRPOTrainer] = None,
               *, interval_s: float = 1.0, batch_size: int = 8, span_rows: int = 50,
-              chat_system: Optional[str] = None) -> Dashboard:
+              chat_system: Optional[str] = None, slice_by: Any = None) -> Dashboard:
     """Trainer and runner panels side by side (when given), the reward curve and the span browser.
 
     Each panel is also usable alone: :class:`TrainerPanel`, :class:`RunnerPanel`,
     :class:`RewardCurve`, :class:`SpanBrowser`. Every panel polls on its own daemon
-    thread every ``interval_s`` seconds; ``dash.close()`` stops them all.
+    thread every ``interval_s`` seconds; ``dash.close()`` stops them all. ``slice_by`` (a task field such as
+    ``"ops"``, or a function ``task -> label``) adds one validation line per slice to the reward curve.
     """
     panels: dict[str, LivePanel] = {}
     if trainer is not None:
         panels["trainer"] = TrainerPanel(trainer, interval_s=interval_s, chat_system=chat_system)
     if runners is not None:
         panels["runners"] = RunnerPanel(runners, interval_s=interval_s)
-    panels["reward"] = RewardCurve(store, batch_size=batch_size, interval_s=interval_s)
+    panels["reward"] = RewardCurve(store, batch_size=batch_size, interval_s=interval_s, slice_by=slice_by)
     panels["spans"] = SpanBrowser(store, limit=span_rows, interval_s=interval_s)
     return Dashboard(panels)

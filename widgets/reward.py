@@ -7,17 +7,21 @@ and the mean reward of validation rollouts at the weights they ran with (x = the
 ``weight_version`` their LLM calls report, i.e. after that many updates).
 Right panel, x = batch: mean/min/max over each ``batch_size`` consecutive finished
 rollouts of any mode, in the order they finished; it grows while the runners work,
-before any training step ends.
+before any training step ends. With ``slice_by`` (a task field such as ``"ops"``, or a
+function ``task -> label``) the left panel also draws one validation line per slice
+(``val ops=1``, ``val ops=2``), the labels of :meth:`LightningRL.evaluate(by=...)`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from lightning_nb.algorithm import slice_labels
+from lightning_nb.errors import ConfigError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import final_reward, reward_or_zero
 from widgets._live import LivePanel
@@ -59,13 +63,19 @@ class RewardCurve(LivePanel):
         interval_s: seconds between polls; the figure is redrawn at most once per poll
             and only when new rollouts finished.
         height, width: figure size in pixels (``width=None`` lets plotly choose).
+        slice_by: a task field name or a function ``task -> label``: one more validation
+            line per slice (trace name ``val <label>``, e.g. ``val ops=2``). Validation rollouts
+            whose input has no such field (or on which the function raises) are left out of
+            the slice lines, not of ``val mean``.
     """
 
     def __init__(self, store: LightningStore, *, batch_size: int = 8, interval_s: float = 1.0, height: int = 330,
-                 width: Optional[int] = 900, autostart: bool = True) -> None:
+                 width: Optional[int] = 900, autostart: bool = True,
+                 slice_by: Optional[Union[str, Callable[[Any], Any]]] = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 rollout, got {batch_size}")
-        self.store, self.batch_size = store, batch_size
+        self.store, self.batch_size, self.slice_by = store, batch_size, slice_by
+        self.val_slices: dict[str, dict[int, list[float]]] = {}
         base = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], horizontal_spacing=0.09,
                              subplot_titles=("reward per training step", f"reward per batch of {batch_size} rollouts"))
         self.fig = go.FigureWidget(base)
@@ -101,17 +111,41 @@ class RewardCurve(LivePanel):
             self.finished.append(reward)
             if x is not None:
                 (self.train if mode == "train" else self.val).setdefault(x, []).append(reward)
+                label = self._slice(r) if mode != "train" else None
+                if label is not None:
+                    self.val_slices.setdefault(label, {}).setdefault(x, []).append(reward)
         self._draw()
 
+    def _slice(self, rollout: Any) -> Optional[str]:
+        if self.slice_by is None:
+            return None
+        try:
+            return slice_labels([rollout.input], self.slice_by)[0]
+        except ConfigError:
+            return None
+
     def series(self) -> dict[str, dict[str, list]]:
-        """The plotted values: ``{"train"|"val"|"batch": {"x", "mean", "min", "max", "n"}}``."""
+        """The plotted values: ``{"train"|"val"|"batch": {"x", "mean", "min", "max", "n"}}``, and with
+        ``slice_by`` one ``"val <label>"`` entry per slice (in the slices' sorted order)."""
         batches = {i + 1: self.finished[i * self.batch_size:(i + 1) * self.batch_size]
                    for i in range(math.ceil(len(self.finished) / self.batch_size))}
-        return {"train": _stats(self.train), "val": _stats(self.val), "batch": _stats(batches)}
+        out = {"train": _stats(self.train), "val": _stats(self.val), "batch": _stats(batches)}
+        for label in sorted(self.val_slices):
+            out[f"val {label}"] = _stats(self.val_slices[label])
+        return out
 
     def _draw(self) -> None:
         s = self.series()
+        names = {t.name for t in self.fig.data}
+        for key in s:
+            if key.startswith("val ") and key not in names:  # a new slice: its own line, in the left panel
+                self.fig.add_scatter(name=key, mode="lines+markers", line={"dash": "dot"}, x=[], y=[], row=1, col=1)
         with self.fig.batch_update():
+            for trace in self.fig.data[3:]:
+                d = s[trace.name]
+                trace.x, trace.y = d["x"], d["mean"]
+                trace.customdata = d["n"]
+                trace.hovertemplate = f"{trace.name}<br>x=%{{x}}<br>mean %{{y:.3f}}<br>n=%{{customdata}}<extra></extra>"
             for col, xs in ((1, s["train"]["x"] + s["val"]["x"]), (2, s["batch"]["x"])):
                 top = max(xs, default=1)
                 self.fig.update_xaxes(range=[-0.3, max(top, 1) + 0.3], tick0=0, dtick=max(1, math.ceil(top / 10)),

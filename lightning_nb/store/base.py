@@ -403,11 +403,16 @@ class LightningStore(ABC):
         df["heartbeat_age_s"] = df["heartbeat_age_s"].astype("float64")
         return df
 
-    def episodes_df(self, mode: Optional[str] = None) -> pd.DataFrame:
+    def episodes_df(self, mode: Optional[str] = None, by: Any = None) -> pd.DataFrame:
         """One row per finished rollout (succeeded or failed): its input, completions and reward side by side.
 
         Args:
             mode: only rollouts of this mode (``'train'``, ``'val'`` or ``'test'``); None: every mode.
+            by: a task field name (``"ops"``) or a function ``task -> label``: adds a ``slice``
+                column after ``input``, the label of each rollout's input as
+                :meth:`LightningRL.evaluate(by=...) <lightning_nb.algorithm.LightningRL.evaluate>`
+                names it (``"ops=2"``; ``str(label)`` for a function), e.g.
+                ``df[(df["slice"] == "ops=2") & (df["reward"] < 1)]``.
 
         Returns:
             A DataFrame in enqueue order with columns rollout_id, mode, status, group_id
@@ -424,7 +429,9 @@ class LightningStore(ABC):
         Reads every span once (:meth:`query_spans`), not one query per rollout.
 
         Raises:
-            ConfigError: ``mode`` is not a rollout mode.
+            ConfigError: ``mode`` is not a rollout mode; ``by`` names a field that a rollout's
+                input lacks, raised on one, or is neither a str nor callable (naming the
+                rollout's position in the table, its id, and the input's keys or the exception).
         """
         if mode is not None and mode not in _MODES:
             raise ConfigError(f"mode={mode!r} is not a rollout mode; use one of {list(_MODES)} or None (all)")
@@ -458,6 +465,12 @@ class LightningStore(ABC):
         for col, dtype in (("llm_calls", "int64"), ("attempts", "int64"), ("reward", "float64"),
                            ("duration_s", "float64")):
             df[col] = df[col].astype(dtype)
+        if by is not None:
+            from lightning_nb.algorithm import slice_labels  # here: the algorithm module imports this one
+
+            labels = slice_labels([r.input for r in rollouts], by, what="rollout",
+                                  names=[r.rollout_id for r in rollouts])
+            df.insert(df.columns.get_loc("input") + 1, "slice", pd.Series(labels, index=df.index, dtype="object"))
         return df
 
     def spans_df(self, rollout_id: Optional[str] = None, *, flatten: Flatten = None) -> pd.DataFrame:

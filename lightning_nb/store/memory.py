@@ -369,7 +369,7 @@ class InMemoryStore(LightningStore):
                              error=None, heartbeat=True, now=now)
             if self.max_spans is not None and len(self._table) > self.max_spans:
                 self._shed()
-            self._cond.notify_all()
+            # no notify_all: nobody waits for spans (a status change above notified already)
             return stored  # its attributes are the caller's own; the table holds a copy
 
     def _repeated_span(self, span: Span, attempt: Attempt, seq: int) -> Span:

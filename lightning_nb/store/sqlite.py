@@ -268,12 +268,14 @@ class SqliteStore(LightningStore):
         if progress:
             return self._wait_with_progress(rollout_ids, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
+        ids = list(rollout_ids)
         with self._locked():
-            for rid in rollout_ids:
-                self._rollout(rid)
+            status = self._statuses(ids)
+            for rid in ids:
+                if rid not in status:
+                    self._rollout(rid)  # raises NotFoundError naming it
             while True:
-                done = [rid for rid in rollout_ids if self._rows(
-                    "SELECT status FROM rollouts WHERE rollout_id = ?", rid)[0][0] in ROLLOUT_TERMINAL]
+                done = [rid for rid in ids if status[rid] in ROLLOUT_TERMINAL]
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if len(done) == len(rollout_ids) or (remaining is not None and remaining <= 0):
                     return [self._rollout(rid) for rid in done]
@@ -282,6 +284,16 @@ class SqliteStore(LightningStore):
                 self._cond.wait(wake if remaining is None else min(remaining, wake))
                 if self._clock.due():
                     self._sweep()
+                status = self._statuses(ids)
+
+    def _statuses(self, rollout_ids: list[str]) -> dict[str, str]:
+        """rollout_id -> status of the known ones among ``rollout_ids`` (lock held; no JSON parsed)."""
+        out: dict[str, str] = {}
+        for i in range(0, len(rollout_ids), 500):  # below SQLite's bound-parameter limit
+            chunk = rollout_ids[i:i + 500]
+            out.update(self._rows(f"SELECT rollout_id, status FROM rollouts WHERE rollout_id IN "
+                                  f"({', '.join('?' * len(chunk))})", *chunk))
+        return out
 
     def cancel_rollout(self, rollout_id: str) -> Rollout:
         with self._locked(), self._tx():

@@ -1,0 +1,481 @@
+"""Store throughput on agent-lightning's own store benchmark workload: agentlightning 0.3.0 vs lightning-nb, one run.
+
+Installs nothing and contains none of agent-lightning's code: it imports agent-lightning's
+``tests/benchmark/benchmark_store.py`` (and its ``utils.py`` beside it) at run time from the path
+given with ``--agl-benchmark``. Run it in a side venv where both packages import::
+
+    python3 -m venv /tmp/al
+    /tmp/al/bin/pip install agentlightning==0.3.0 torch==2.13.0+cpu   # the CPU torch build (PyTorch's CPU
+                                                                  # wheel index); an unpinned one pulls CUDA
+    /tmp/al/bin/pip install -e /work/main                         # this repo (lightning-nb)
+    # agent-lightning's repository (microsoft/agent-lightning) at tag v0.3.0, checked out in /tmp/agl-src
+    LITELLM_LOCAL_MODEL_COST_MAP=True /tmp/al/bin/python bench/store_agl_workload.py \\
+        --agl-benchmark /tmp/agl-src/tests/benchmark/benchmark_store.py   # N=2048, batches of 256, 32 runners
+    ... --keys repeated          # attribute keys reused across spans instead of fresh ones
+    ... --stores memory,sqlite-FULL --runners 1 --profile /tmp/p     # ours only, cProfile top 25
+
+What is agent-lightning's (used as is, imported from ``--agl-benchmark``):
+
+* the agent, ``make_agent(max_rounds, sleep_seconds)``: 1..max_rounds rounds, each an ``agent{i}``
+  span with two nested ``round{i}_1``/``round{i}_2`` spans carrying ``generate_attributes()``
+  (a random nested dict flattened to dotted keys: random key strings, fresh for every span,
+  values of 5-300 random characters; the task name on one span), a reward (``agl.emit_reward``)
+  after half of the rounds, then a ``final`` span with attributes and a final reward. With the
+  CI "minimal production scale" setting (``--max-rounds 6``) that is ~14 spans and ~40 kB of
+  attributes per rollout; the script prints what it got. The OTel SDK's default span limits
+  apply (at most 128 attributes per span), as in agent-lightning's own runs;
+* the algorithm, ``AlgorithmBatch(mode="batch").algorithm_batch``: per batch it adds a
+  resources set, enqueues ``--batch-size`` rollouts (``task-<i>-generated``), then polls
+  ``wait_for_rollouts(timeout=0)``, reads every finished rollout's spans
+  (``query_spans(rollout_id, attempt_id="latest")``) and checks them with its ``check_spans``
+  (task found, final reward in [1, 2]), until the batch is done, then the next batch;
+* ``check_spans`` and ``agl.find_final_reward`` on our spans too (they read ``name``/``attributes``).
+
+What is adapted (nothing else):
+
+* the algorithm's ``await asyncio.sleep(5.0)`` between polls becomes ``--poll-s`` (default
+  0.02 s): the module's ``asyncio`` name is replaced by a copy whose ``sleep`` maps exactly
+  5.0 s to ``--poll-s`` (a 5 s poll would measure the sleep, not the store);
+* the agent sleeps ``--sleep-seconds`` (default 0; agent-lightning's CI uses 0.5 to mimic an LLM);
+* by default the agent runs before timing: every task's spans are recorded once
+  (``make_agent``'s coroutine under an OTel SDK ``TracerProvider`` whose processor keeps the
+  finished ``ReadableSpan`` objects) and every store gets exactly the same spans, so the time is
+  the stores' own. ``--agent-in-loop`` runs the agent inside the timed loop instead (its cost,
+  the same for every store, then dilutes the ratios; spans/s then counts the recorded spans, while
+  the loop makes new ones: same distribution, a slightly different total);
+* ``--keys repeated`` replaces ``generate_attributes`` by one that reuses the keys of a pool of
+  ``--key-pool`` dicts drawn from the real ``generate_attributes`` once, with fresh values of the
+  same lengths (agent-lightning's generator itself has no such switch); ``fresh`` (default) is
+  agent-lightning's own;
+* agent-lightning runs its stores in a separate server with 32 runner *processes*; here
+  everything is one process (2-core VM), runners are threads.
+
+How each store is driven (timed: from the algorithm's first call to its return, i.e. all
+batches enqueued, run, polled, span-queried and checked; runner threads are started before and
+idle-poll until then):
+
+* agentlightning ``InMemoryLightningStore`` as its shared-memory execution strategy drives it:
+  wrapped in ``LightningStoreThreaded``; the algorithm runs in the main thread's event loop
+  (``asyncio.run``); each of ``--runners`` threads runs its own event loop that awaits the
+  calls its ``LitAgentRunner`` makes per rollout: ``dequeue_rollout(worker_id=...)`` (sleeps
+  ``--runner-poll-s`` when it returns None), ``get_resources_by_id``/``get_latest_resources``,
+  ``add_otel_span`` per span, ``update_attempt(status="succeeded")``. (Its runners' heartbeat
+  loop, one ``update_worker`` per 10 s, is left out.)
+* lightning-nb ``InMemoryStore``, ``SqliteStore(path, synchronous="FULL")`` (the durable
+  default) and ``"NORMAL"``: the same algorithm coroutine in the main thread's event loop, through
+  ``AglStoreAdapter`` (async methods that call our synchronous, thread-safe store directly);
+  each runner thread is a plain thread, no event loop, like ours: ``dequeue_rollout(worker,
+  timeout=--runner-poll-s)``, the resources, ``update_attempt(status="running")`` (one call
+  more than theirs), per span ``add_span`` of a ``lightning_nb.types.Span`` converted from the
+  ``ReadableSpan`` (ids, name, times, status, flat attribute dict; what our tracer's
+  ``StoreSpanProcessor`` does), ``update_attempt(status="succeeded")``.
+
+Prints per store: seconds, process CPU seconds, the CPU seconds of the algorithm thread / of all
+runner threads (``alg/run``; the runners' includes their idle polling), rollouts/s, spans/s and
+the ratio to agentlightning (targets from issue 12: InMemoryStore >= 10x, SqliteStore FULL >= 2x),
+then ``spans_df()`` seconds on each of our stores after its run. ``--profile PATH`` profiles every
+thread of our stores' runs (one cProfile per thread, merged) and prints the top 25 by tottime;
+with many runners, time blocked on the store's lock counts as tottime of ``RLock.__enter__``/
+``lock.acquire``, so profile with ``--runners 1`` to see where the CPU goes. The machine's other
+load matters: quote numbers with the load they were measured under (Linux's load average also
+counts this script's runnable threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import gc
+import importlib
+import io
+import os
+import pstats
+import random
+import sys
+import tempfile
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+_ALGORITHM_POLL_S = 5.0  # the constant in AlgorithmBatch.algorithm_batch's `await asyncio.sleep(5.0)`
+
+
+# ----- agent-lightning's benchmark module, imported from a path --------------------------------
+def load_agl_benchmark(path: str, poll_s: float) -> types.ModuleType:
+    """Import ``benchmark_store.py`` as a submodule of a package whose folder is its own (so ``from .utils`` works)."""
+    file = Path(path).resolve()
+    if not file.is_file() or not (file.parent / "utils.py").is_file():
+        raise SystemExit(f"--agl-benchmark {path}: need agent-lightning's tests/benchmark/benchmark_store.py "
+                         "with its utils.py in the same folder")
+    pkg = types.ModuleType("_agl_benchmark")
+    pkg.__path__ = [str(file.parent)]
+    sys.modules["_agl_benchmark"] = pkg
+    module = importlib.import_module(f"_agl_benchmark.{file.stem}")
+
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float, result: Any = None) -> Any:
+        return await real_sleep(poll_s if delay == _ALGORITHM_POLL_S else delay, result)
+
+    shim = types.ModuleType("asyncio_shim")
+    shim.__dict__.update({k: v for k, v in vars(asyncio).items() if not k.startswith("__")})
+    shim.sleep = sleep
+    module.asyncio = shim
+    return module
+
+
+def make_recorder(bm: types.ModuleType, max_rounds: int, sleep_seconds: float) -> Callable[[str], Any]:
+    """``await record(task)`` -> the finished ReadableSpans of one run of agent-lightning's agent on ``task``."""
+    import agentlightning as agl
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    class SpanCapture(SpanProcessor):
+        """Keeps finished spans per thread (one agent runs per thread at a time)."""
+
+        def __init__(self) -> None:
+            self.buffers: dict[int, list[Any]] = {}
+
+        def on_end(self, span: Any) -> None:
+            buf = self.buffers.get(threading.get_ident())
+            if buf is not None:
+                buf.append(span)
+
+    provider = TracerProvider()
+    capture = SpanCapture()
+    provider.add_span_processor(capture)
+    trace.set_tracer_provider(provider)  # agl's get_tracer() (the agent's spans) reads the global provider
+    # agl.emit_reward goes through agl's active tracer: an OtelTracer on the same provider, without its
+    # LightningSpanProcessor (the spans are sent to the stores by the runners, below).
+    from agentlightning.tracer.base import get_active_tracer, set_active_tracer
+
+    if get_active_tracer() is None:
+        tracer = agl.OtelTracer()
+        tracer._tracer_provider = provider
+        set_active_tracer(tracer)
+    agent = bm.make_agent(max_rounds=max_rounds, sleep_seconds=sleep_seconds)
+    resources = {"llm": agl.LLM(endpoint="http://localhost:0/v1", model="test-model-0")}
+    rollout = agl.Rollout(rollout_id="ro-record", input="", start_time=time.time())
+
+    async def record(task: str) -> list[Any]:
+        key = threading.get_ident()
+        capture.buffers[key] = []
+        try:
+            await agent.rollout_async(task, resources=resources, rollout=rollout)
+            return capture.buffers[key]
+        finally:
+            del capture.buffers[key]
+
+    return record
+
+
+def use_repeated_keys(bm: types.ModuleType, pool_size: int) -> None:
+    """Make ``bm.generate_attributes`` reuse the keys of ``pool_size`` dicts from the real one (values fresh)."""
+    real = bm.generate_attributes
+    random_string = sys.modules["_agl_benchmark.utils"].random_string
+    pool = [{k: len(v) for k, v in real().items()} for _ in range(pool_size)]
+
+    def generate_attributes() -> dict[str, Any]:
+        return {k: random_string(n) for k, n in random.choice(pool).items()}
+
+    bm.generate_attributes = generate_attributes
+
+
+def describe(recordings: dict[str, list[Any]]) -> str:
+    spans = sum(len(v) for v in recordings.values())
+    nbytes = sum(len(k) + len(str(v)) for rec in recordings.values() for s in rec for k, v in s.attributes.items())
+    keys = {k for rec in recordings.values() for s in rec for k in s.attributes}
+    return (f"{spans} spans ({spans / len(recordings):.1f}/rollout), {nbytes / len(recordings) / 1000:.1f} kB of "
+            f"attributes per rollout, {len(keys):,} distinct attribute keys")
+
+
+# ----- lightning-nb behind the async API agent-lightning's algorithm calls ---------------------
+def to_span(rollout_id: str, attempt_id: str, span: Any) -> Any:
+    """An OTel ReadableSpan as a ``lightning_nb.types.Span``: our tracer's own conversion (``span_from_otel``)."""
+    from lightning_nb.tracer import span_from_otel
+
+    return span_from_otel(span, rollout_id, attempt_id)
+
+
+class AglStoreAdapter:
+    """agent-lightning's async store calls used by its benchmark, mapped onto our synchronous store.
+
+    Algorithm side: ``add_resources``, ``enqueue_rollout``, ``wait_for_rollouts``, ``query_spans``,
+    ``query_workers`` (only on a stall). Runner side (sync, our runners are threads):
+    ``add_otel_span`` -> ``add_span(to_span(...))``. Our ``Rollout``/``Span`` objects are returned as
+    they are: the algorithm reads ``rollout_id``/``status``, ``check_spans`` reads ``name``/``attributes``.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    async def add_resources(self, resources: dict[str, Any]) -> Any:
+        from lightning_nb.types import LLMResource
+
+        ours = {name: LLMResource(endpoint=r.endpoint, model=r.model, sampling_parameters=dict(r.sampling_parameters))
+                for name, r in resources.items()}
+        return self.store.add_resources(ours)
+
+    async def enqueue_rollout(self, input: Any, mode: Optional[str] = None, **kwargs: Any) -> Any:
+        return self.store.enqueue_rollout(input, mode=mode or "train", **kwargs)
+
+    async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: Optional[float] = None) -> list[Any]:
+        return self.store.wait_for_rollouts(rollout_ids, timeout=timeout)
+
+    async def query_spans(self, rollout_id: str, attempt_id: Optional[str] = None) -> list[Any]:
+        return self.store.query_spans(rollout_id, attempt_id)
+
+    async def query_workers(self) -> list[Any]:
+        return self.store.query_workers()
+
+    def add_otel_span(self, rollout_id: str, attempt_id: str, span: Any) -> Any:
+        return self.store.add_span(to_span(rollout_id, attempt_id, span))
+
+
+# ----- the run ---------------------------------------------------------------------------------
+class Profiles:
+    """One cProfile per thread, merged at the end (cProfile sees only the thread that enabled it)."""
+
+    def __init__(self, on: bool) -> None:
+        self.on, self.done, self.lock = on, [], threading.Lock()
+
+    @contextlib.contextmanager
+    def thread(self) -> Any:
+        if not self.on:
+            yield
+            return
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            yield
+        finally:
+            prof.disable()
+            with self.lock:
+                self.done.append(prof)
+
+    def stats(self) -> Optional[pstats.Stats]:
+        if not self.done:
+            return None
+        stats = pstats.Stats(self.done[0])
+        for prof in self.done[1:]:
+            stats.add(prof)
+        return stats
+
+
+def run_workload(bm: types.ModuleType, store: Any, runner_target: Callable[[threading.Event], int], n: int,
+                 batch_size: int, runners: int, profiles: Profiles) -> dict[str, float]:
+    """Start the runner threads, time agent-lightning's batch algorithm on ``store``, stop the runners."""
+    stop = threading.Event()
+    done: list[int] = []
+    runner_cpu: list[float] = []
+
+    def runner() -> None:
+        with profiles.thread():
+            cpu = time.thread_time()
+            done.append(runner_target(stop))
+            runner_cpu.append(time.thread_time() - cpu)
+
+    threads = [threading.Thread(target=runner, daemon=True) for _ in range(runners)]
+    for t in threads:
+        t.start()
+    algorithm = bm.AlgorithmBatch(mode="batch", total_tasks=n, batch_size=batch_size)
+    algorithm.set_store(store)
+    cpu0, t0, alg_cpu0 = time.process_time(), time.perf_counter(), time.thread_time()
+    try:
+        with profiles.thread(), contextlib.redirect_stdout(io.StringIO()):  # its "Submitting batch" lines
+            asyncio.run(algorithm.algorithm_batch(n, batch_size))
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        alg_cpu = time.thread_time() - alg_cpu0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert sum(done) == n, (sum(done), n)
+    return {"s": seconds, "cpu_s": cpu, "alg_cpu_s": alg_cpu, "runner_cpu_s": sum(runner_cpu)}
+
+
+def bench_agentlightning(bm, spans_for, n, batch_size, runners, runner_poll_s) -> dict[str, float]:
+    from agentlightning.store import InMemoryLightningStore
+    from agentlightning.store.threading import LightningStoreThreaded
+
+    store = LightningStoreThreaded(InMemoryLightningStore())
+
+    async def loop(stop: threading.Event) -> int:
+        worker, count = f"w-{threading.get_ident()}", 0
+        while not stop.is_set():
+            item = await store.dequeue_rollout(worker_id=worker)
+            if item is None:
+                await asyncio.sleep(runner_poll_s)
+                continue
+            rid, aid = item.rollout_id, item.attempt.attempt_id
+            if item.resources_id:
+                await store.get_resources_by_id(item.resources_id)
+            else:
+                await store.get_latest_resources()
+            for span in await spans_for(item.input):
+                await store.add_otel_span(rid, aid, span)
+            await store.update_attempt(rid, aid, status="succeeded")
+            count += 1
+        return count
+
+    return run_workload(bm, store, lambda stop: asyncio.run(loop(stop)), n, batch_size, runners, Profiles(False))
+
+
+def bench_ours(bm, store, spans_for, n, batch_size, runners, runner_poll_s, agent_in_loop, profiles) -> dict:
+    adapter = AglStoreAdapter(store)
+
+    def loop(stop: threading.Event) -> int:
+        worker, count = f"w-{threading.get_ident()}", 0
+        event_loop = asyncio.new_event_loop() if agent_in_loop else None  # only to run agl's async agent
+        try:
+            while not stop.is_set():
+                item = store.dequeue_rollout(worker, timeout=runner_poll_s)
+                if item is None:
+                    continue
+                rollout, rid, aid = item.rollout, item.rollout.rollout_id, item.attempt.attempt_id
+                if rollout.resources_id:
+                    store.get_resources_by_id(rollout.resources_id)
+                else:
+                    store.get_latest_resources()
+                store.update_attempt(rid, aid, status="running", worker_id=worker)
+                spans = spans_for(rollout.input)
+                for span in (event_loop.run_until_complete(spans) if event_loop else spans):
+                    adapter.add_otel_span(rid, aid, span)
+                store.update_attempt(rid, aid, status="succeeded")
+                count += 1
+        finally:
+            if event_loop is not None:
+                event_loop.close()
+        return count
+
+    result = run_workload(bm, adapter, loop, n, batch_size, runners, profiles)
+    t0 = time.perf_counter()
+    df = store.spans_df()
+    result["spans_df_s"], result["spans_df_rows"] = time.perf_counter() - t0, len(df)
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agl-benchmark", required=True,
+                        help="agent-lightning's tests/benchmark/benchmark_store.py (v0.3.0), utils.py beside it")
+    parser.add_argument("-n", "--total-tasks", type=int, default=2048, help="rollouts (agl: --total-tasks)")
+    parser.add_argument("--batch-size", type=int, default=256, help="rollouts per batch (agl: --batch-size)")
+    parser.add_argument("--runners", type=int, default=32, help="runner threads (agl: --n-runners, processes there)")
+    parser.add_argument("--max-rounds", type=int, default=6, help="agent rounds at most (agl CI minimal scale: 6)")
+    parser.add_argument("--sleep-seconds", type=float, default=0.0, help="agent sleep per span, up to (agl CI: 0.5)")
+    parser.add_argument("--keys", choices=("fresh", "repeated"), default="fresh",
+                        help="fresh: agl's generate_attributes (new random keys per span); repeated: keys from a pool")
+    parser.add_argument("--key-pool", type=int, default=8, help="attribute dicts whose keys --keys repeated reuses")
+    parser.add_argument("--agent-in-loop", action="store_true", help="run agl's agent inside the timed loop")
+    parser.add_argument("--poll-s", type=float, default=0.02, help="algorithm's poll interval (agl: 5.0)")
+    parser.add_argument("--runner-poll-s", type=float, default=0.01, help="runner's wait when the queue is empty")
+    parser.add_argument("--stores", default="agl,memory,sqlite-FULL,sqlite-NORMAL",
+                        help="comma-separated subset of agl, memory, sqlite-FULL, sqlite-NORMAL")
+    parser.add_argument("--tmp", default=None, help="folder for the SQLite files (default: the system temp folder)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for agl's generator")
+    parser.add_argument("--profile", default=None, metavar="PATH",
+                        help="cProfile our stores' runs (all threads, merged) into PATH.<store>; "
+                        "print the top 25 by tottime")
+    args = parser.parse_args(argv)
+    try:
+        import agentlightning  # noqa: F401
+    except ImportError:
+        print("agentlightning is not importable here; make the side venv described at the top of this file",
+              file=sys.stderr)
+        return 2
+    from importlib.metadata import version
+
+    from lightning_nb.store import InMemoryStore, SqliteStore
+
+    random.seed(args.seed)
+    bm = load_agl_benchmark(args.agl_benchmark, args.poll_s)
+    if args.keys == "repeated":
+        use_repeated_keys(bm, args.key_pool)
+    record = make_recorder(bm, args.max_rounds, args.sleep_seconds)
+    n, b, k = args.total_tasks, args.batch_size, args.runners
+    tasks = [f"task-{i}-generated" for i in range(n)]  # the names algorithm_batch gives them
+    print(f"agentlightning {version('agentlightning')}, lightning-nb {version('lightning-nb')}, python "
+          f"{sys.version.split()[0]}; N={n}, batch={b}, runners={k}, max_rounds={args.max_rounds}, "
+          f"keys={args.keys}, agent {'in the timed loop' if args.agent_in_loop else 'recorded before timing'}; "
+          f"load average {os.getloadavg()[0]:.2f}")
+
+    t0 = time.perf_counter()
+
+    async def record_all() -> dict[str, list[Any]]:
+        return {task: await record(task) for task in tasks}
+
+    recordings = asyncio.run(record_all())
+    print(f"agent output ({time.perf_counter() - t0:.1f} s to make): {describe(recordings)}")
+    total_spans = sum(len(v) for v in recordings.values())
+    if args.agent_in_loop:
+        ours_spans_for, agl_spans_for = record, record  # ours: a coroutine the runner thread's loop runs
+    else:
+        async def agl_spans_for(task: str) -> list[Any]:
+            return recordings[task]
+
+        ours_spans_for, agl_spans_for = recordings.__getitem__, agl_spans_for
+    if args.agent_in_loop:
+        del recordings  # spans are made again in the loop (other random draws, same distribution)
+
+    results: dict[str, dict[str, float]] = {}
+    for name in args.stores.split(","):
+        gc.collect()
+        load = os.getloadavg()[0]
+        if name == "agl":
+            label = "agentlightning InMemoryLightningStore"
+            results[label] = bench_agentlightning(bm, agl_spans_for, n, b, k, args.runner_poll_s)
+        elif name == "memory" or name.startswith("sqlite-"):
+            profiles = Profiles(args.profile is not None)
+            with contextlib.ExitStack() as stack:
+                if name == "memory":
+                    label, store = "lightning-nb InMemoryStore", InMemoryStore()
+                else:
+                    mode = name.split("-", 1)[1]
+                    tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=args.tmp))
+                    label, store = f"lightning-nb SqliteStore {mode}", SqliteStore(Path(tmp) / "bench.db",
+                                                                                    synchronous=mode)
+                    stack.callback(store.close)
+                results[label] = bench_ours(bm, store, ours_spans_for, n, b, k, args.runner_poll_s,
+                                            args.agent_in_loop, profiles)
+                del store
+            stats = profiles.stats()
+            if stats is not None:
+                path = f"{args.profile}.{name}"
+                stats.dump_stats(path)
+                print(f"--- profile of {label} (all threads, cProfile, {path}), top 25 by tottime ---")
+                stats.sort_stats("tottime").print_stats(25)
+        else:
+            parser.error(f"unknown store {name!r}")
+        results[label]["load"] = load
+        print(f"  done: {label} in {results[label]['s']:.2f} s (load average before: {load:.2f})", flush=True)
+
+    base = results.get("agentlightning InMemoryLightningStore")
+    theirs = n / base["s"] if base else None
+    print(f"{'store':40s} {'seconds':>8s} {'CPU s':>7s} {'alg/run':>11s} {'rollouts/s':>11s} {'spans/s':>9s} "
+          f"{'vs agl':>7s} {'spans_df s':>10s}")
+    for label, r in results.items():
+        rate = n / r["s"]
+        ratio = f"{rate / theirs:6.1f}x" if theirs else "     -"
+        sdf = f"{r['spans_df_s']:10.3f}" if "spans_df_s" in r else f"{'-':>10s}"
+        split = f"{r['alg_cpu_s']:.2f}/{r['runner_cpu_s']:.2f}"
+        print(f"{label:40s} {r['s']:8.2f} {r['cpu_s']:7.2f} {split:>11s} {rate:11.1f} "
+              f"{total_spans / r['s']:9.0f} {ratio} {sdf}")
+    if theirs:
+        for label, target in (("lightning-nb InMemoryStore", 10), ("lightning-nb SqliteStore FULL", 2)):
+            if label in results:
+                ratio = n / results[label]["s"] / theirs
+                print(f"{label} / agentlightning: {ratio:.1f}x (target >= {target}x: "
+                      f"{'met' if ratio >= target else 'MISSED'})")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
