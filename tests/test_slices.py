@@ -44,23 +44,20 @@ def _graded(task, llm):
     return 1.0 if task["ops"] == 1 else 0.0
 
 
-class _NoUpdates:
-    """The trainer's part in evaluate(): attach() and stop_requested (evaluate never updates weights)."""
-
-    step, stop_requested, config = 0, False, None
-
-    def attach(self, algo):
-        self.algorithm = algo
+@pytest.fixture
+def trainer(engine):
+    """A real GRPOTrainer on the session engine; evaluate() never updates its weights."""
+    return GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
 
 
 @pytest.fixture
-def graded():
+def graded(trainer):
     """``(store, algo)``: an InMemoryStore served by 3 runners of :func:`_graded`, and a LightningRL on TASKS."""
     store = InMemoryStore()
     store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="unused")})
     runners = start_runners(_graded, store, n=3)
     try:
-        yield store, LightningRL(store, _NoUpdates(), TASKS, TASKS, AlgorithmConfig(rollout_timeout_s=30))
+        yield store, LightningRL(store, trainer, TASKS, TASKS, AlgorithmConfig(rollout_timeout_s=30))
     finally:
         runners.stop()
 
@@ -124,7 +121,7 @@ def test_bad_by_names_the_field_or_the_task_and_enqueues_nothing(graded):
     assert store.query_rollouts() == []  # labels are checked before anything is enqueued
     # LightningRL(slice_by=...) is checked against the val tasks when built
     with pytest.raises(ConfigError, match="task 2 has no field 'ops'"):
-        LightningRL(store, _NoUpdates(), TASKS, tasks, slice_by="ops")
+        LightningRL(store, algo.trainer, TASKS, tasks, slice_by="ops")
     with pytest.raises(ConfigError, match="task 0 has no field 'id'"):
         slice_labels([5], "id")
 

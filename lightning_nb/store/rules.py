@@ -25,7 +25,7 @@ __all__ = ["ATTEMPT_NEXT", "ACTIVE", "new_rollout", "start_attempt", "apply_atte
 ACTIVE = ("preparing", "running")  # attempt statuses the watchdog looks at
 DEFAULT_WATCHDOG_INTERVAL_S = 0.5
 SPAN_BEAT_MIN_S = 0.25  # a span re-stamps a running attempt's heartbeat at most this often (seconds)
-_UNSET_STATUSES = ("queuing", "cancelled")  # what update_rollout(status=...) accepts
+_SETTABLE_STATUSES = ("queuing", "cancelled")  # what update_rollout(status=...) accepts
 
 ATTEMPT_NEXT: dict[str, set[str]] = {
     "preparing": {"running", "succeeded", "failed", "timeout", "unresponsive"},
@@ -126,7 +126,7 @@ def updated_rollout(rollout: Rollout, *, input: Any = None, mode: Optional[str] 
             (nothing is changed).
         InvalidStatusTransition: the change is not allowed in the rollout's status.
     """
-    if status is not None and status not in _UNSET_STATUSES:
+    if status is not None and status not in _SETTABLE_STATUSES:
         raise ConfigError(f"update_rollout: status={status!r} cannot be set; use 'cancelled' (end it) or 'queuing' "
                           f"(run it again); attempts move a rollout through its other statuses")
     if mode is not None and mode not in ("train", "val", "test"):
