@@ -143,14 +143,18 @@ def weights_snapshot():
     return snap
 
 
-def _distinct_generations(engine, prompt, n, temperature=1.0, max_tokens=12, seed=0):
-    """``n`` distinct completions of ``prompt`` sampled from ``engine`` after ``torch.manual_seed(seed)``."""
+def _distinct_generations(engine, prompt, n, temperature=1.0, max_tokens=12, seed=0, seed_each_call=False):
+    """``n`` distinct completions of ``prompt`` sampled from ``engine`` after ``torch.manual_seed(seed)``.
+
+    ``seed_each_call``: pass ``seed=seed + i`` to the i-th ``engine.generate`` instead (the engine seeds each request).
+    """
     import torch
 
     torch.manual_seed(seed)
     seen, out = set(), []
-    for _ in range(50):
-        g = engine.generate(prompt, temperature=temperature, max_tokens=max_tokens)
+    for i in range(60):
+        g = engine.generate(prompt, temperature=temperature, max_tokens=max_tokens,
+                            **({"seed": seed + i} if seed_each_call else {}))
         if tuple(g.completion_ids) not in seen:
             seen.add(tuple(g.completion_ids))
             out.append(g)

@@ -51,17 +51,12 @@ def _prompt(engine):
     return engine.apply_chat_template([{"role": "user", "content": QUESTION}])
 
 
-def _samples(engine, n, max_tokens=12, seed=0):
-    """``n`` distinct sampled completions (temperature 1) of the same prompt."""
-    seen, out = set(), []
-    for i in range(60):
-        g = engine.generate(_prompt(engine), temperature=1.0, max_tokens=max_tokens, seed=seed + i)
-        if tuple(g.completion_ids) not in seen:
-            seen.add(tuple(g.completion_ids))
-            out.append(g)
-        if len(out) == n:
-            return out
-    raise AssertionError("the model kept sampling the same completion")
+@pytest.fixture
+def samples(distinct_generations):
+    """``samples(engine, n, max_tokens=12)``: ``n`` distinct sampled completions (temperature 1) of the same prompt,
+    each request seeded (0, 1, ...)."""
+    return lambda engine, n, max_tokens=12: distinct_generations(engine, _prompt(engine), n, max_tokens=max_tokens,
+                                                                 seed_each_call=True)
 
 
 def _batch(gens):
@@ -90,9 +85,9 @@ def test_a_bad_device_or_dtype_is_a_config_error_naming_the_field(local_dir):
             TransformersEngine.from_pretrained(local_dir, device="cuda:0")
 
 
-def test_device_dtype_and_checkpointing_are_set_at_construction_not_edited_later(own_engine):
+def test_device_dtype_and_checkpointing_are_set_at_construction_not_edited_later(own_engine, samples):
     trainer = GRPOTrainer(own_engine, GRPOConfig(track_reference_kl=False))
-    batch = _batch(_samples(own_engine, 2, max_tokens=4))
+    batch = _batch(samples(own_engine, 2, max_tokens=4))
     trainer.config.dtype = "bfloat16"
     with pytest.raises(ConfigError, match=r"GRPOConfig\.dtype was 'float32'.*set at construction"):
         trainer.resume()
@@ -149,12 +144,12 @@ def test_plain_adamw_on_bfloat16_weights_rounds_the_step_away_and_master_weights
     assert moved["plain"] < 0.05 < moved["master"]
 
 
-def test_bfloat16_update_on_cpu_serves_float32_logprobs_that_agree_with_the_trainer(own_engine):
+def test_bfloat16_update_on_cpu_serves_float32_logprobs_that_agree_with_the_trainer(own_engine, samples):
     trainer = GRPOTrainer(own_engine, GRPOConfig(dtype="bfloat16", micro_batch_size=4))
     assert model_dtype(own_engine.model) == torch.bfloat16 and model_dtype(trainer.reference) == torch.bfloat16
     assert isinstance(trainer.optimizer, MasterWeightAdamW)
     assert own_engine.model.model.rotary_emb.inv_freq.dtype == torch.float32  # computed, not saved: not rounded
-    gens = _samples(own_engine, 4)  # sampled by the engine on the now-bfloat16 model
+    gens = samples(own_engine, 4)  # sampled by the engine on the now-bfloat16 model
     lps = [lp for g in gens for lp in g.logprobs]
     # log-probs computed in bfloat16 would all be bfloat16 values; float32 ones mostly are not
     off_grid = sum(torch.tensor(lp).to(torch.bfloat16).float().item() != lp for lp in lps)
@@ -189,9 +184,9 @@ def test_bfloat16_update_on_cpu_serves_float32_logprobs_that_agree_with_the_trai
     assert own_engine.generate(_prompt(own_engine), temperature=0.0, max_tokens=4).weight_version == 1
 
 
-def test_bfloat16_checkpoint_round_trip_keeps_the_float32_masters(own_engine, tmp_path):
+def test_bfloat16_checkpoint_round_trip_keeps_the_float32_masters(own_engine, tmp_path, samples):
     trainer = GRPOTrainer(own_engine, GRPOConfig(dtype="bfloat16", track_reference_kl=False))
-    trainer.update(_batch(_samples(own_engine, 2, max_tokens=6)))
+    trainer.update(_batch(samples(own_engine, 2, max_tokens=6)))
     masters = [m.detach().clone() for m in trainer.optimizer.master_params]
     path = trainer.save(tmp_path / "bf16.pt")
     with torch.no_grad():
@@ -204,8 +199,8 @@ def test_bfloat16_checkpoint_round_trip_keeps_the_float32_masters(own_engine, tm
 
 
 # ----- gradient checkpointing -------------------------------------------------------------
-def test_gradient_checkpointing_gives_the_same_step_and_recomputes_each_layer(own_engine):
-    gens = _samples(own_engine, 4)
+def test_gradient_checkpointing_gives_the_same_step_and_recomputes_each_layer(own_engine, samples):
+    gens = samples(own_engine, 4)
     start = {k: v.detach().clone() for k, v in own_engine.model.state_dict().items()}
     attn_calls = []
     hook = own_engine.model.model.layers[3].self_attn.register_forward_pre_hook(lambda *a: attn_calls.append(1))

@@ -18,8 +18,8 @@ from lightning_nb.store.spanframe import Flatten, check_flatten, frame_from_span
 from lightning_nb.store.spantable import SpanSpill, SpanTable
 from lightning_nb.store.rules import (
     ACTIVE, DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, check_manual_attempt, coerce_resources,
-    follow_attempt, new_rollout, next_resources, overdue, same_span, span_beats, span_sequence_id, start_attempt,
-    updated_rollout, worker_on_attempt, worker_on_dequeue, worker_update,
+    follow_attempt, new_rollout, next_resources, overdue, resources_not_found, same_span, span_beats,
+    span_sequence_id, start_attempt, updated_rollout, worker_on_attempt, worker_on_dequeue, worker_update,
 )
 from lightning_nb.types import (
     ROLLOUT_TERMINAL,
@@ -364,7 +364,7 @@ class InMemoryStore(LightningStore):
             ids[span.span_id] = seq
             self._span_rollouts[attempt.rollout_id] = None
             now = time.time()
-            if span_beats(attempt, now):  # a span is a sign of life: preparing -> running, heartbeat stamped
+            if span_beats(attempt.status, attempt.last_heartbeat_time, now):  # a sign of life: -> running, beat
                 self._update(self._rollouts[attempt.rollout_id], attempt, status="running", worker_id=None,
                              error=None, heartbeat=True, now=now)
             if self.max_spans is not None and len(self._table) > self.max_spans:
@@ -521,8 +521,7 @@ class InMemoryStore(LightningStore):
         try:
             return self._resources[resources_id]
         except KeyError:
-            raise NotFoundError(f"resources_id {resources_id!r} is not in the store; add it with add_resources() "
-                                f"or list the stored ones with store.resources_df()") from None
+            raise resources_not_found(resources_id) from None
 
     # ----- helpers (lock held) --------------------------------------------------------
     def _add_rollout(self, rollout: Rollout) -> None:

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any, Optional, Sequence
 
-from lightning_nb.errors import ConfigError, InvalidStatusTransition
+from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundError
 from lightning_nb.types import (
     ATTEMPT_TERMINAL, ROLLOUT_TERMINAL, Attempt, LLMResource, PromptTemplate, ResourcesUpdate, Rollout, RolloutConfig,
     RolloutMode, Span, Worker, new_id,
@@ -20,6 +20,7 @@ __all__ = ["ATTEMPT_NEXT", "ACTIVE", "new_rollout", "start_attempt", "apply_atte
            "coerce_resources", "overdue", "SweepClock", "worker_update", "worker_on_dequeue",
            "worker_on_attempt", "DEFAULT_WATCHDOG_INTERVAL_S", "final_reward", "reward_or_zero",
            "updated_rollout", "check_manual_attempt", "span_beats", "span_sequence_id", "same_span",
+           "resources_not_found",
            "next_resources", "SPAN_BEAT_MIN_S"]
 
 ACTIVE = ("preparing", "running")  # attempt statuses the watchdog looks at
@@ -188,19 +189,24 @@ def check_manual_attempt(rollout: Rollout, latest: Optional[Attempt]) -> None:
             f"(update_attempt) before starting another one")
 
 
-def span_beats(attempt: Attempt, now: float) -> bool:
-    """Whether a span arriving for ``attempt`` must update it (spans are heartbeats).
+def span_beats(status: str, last_heartbeat_time: Optional[float], now: float) -> bool:
+    """Whether a span arriving for an attempt in ``status`` must update it (spans are heartbeats).
 
     True for an attempt still ``preparing`` (the span moves it to ``running``) and for a
-    ``running`` one whose last heartbeat is older than :data:`SPAN_BEAT_MIN_S`; never for
-    a terminal attempt (a late span is stored but revives nothing).
+    ``running`` one whose ``last_heartbeat_time`` is older than :data:`SPAN_BEAT_MIN_S`;
+    never for a terminal attempt (a late span is stored but revives nothing).
     """
-    if attempt.status == "preparing":
+    if status == "preparing":
         return True
-    if attempt.status != "running":
+    if status != "running":
         return False
-    last = attempt.last_heartbeat_time
-    return last is None or now - last >= SPAN_BEAT_MIN_S
+    return last_heartbeat_time is None or now - last_heartbeat_time >= SPAN_BEAT_MIN_S
+
+
+def resources_not_found(resources_id: str) -> NotFoundError:
+    """The error every backend raises for an unknown ``resources_id``."""
+    return NotFoundError(f"resources_id {resources_id!r} is not in the store; add it with add_resources() "
+                         f"or list the stored ones with store.resources_df()")
 
 
 def span_sequence_id(span: Span, last: int, taken: bool) -> int:

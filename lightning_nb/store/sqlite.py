@@ -26,9 +26,9 @@ from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningN
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.spanframe import CATEGORY_COLUMNS, Flatten, check_flatten, spans_frame
 from lightning_nb.store.rules import (
-    DEFAULT_WATCHDOG_INTERVAL_S, SPAN_BEAT_MIN_S, SweepClock, apply_attempt_update, check_manual_attempt,
-    coerce_resources, follow_attempt, new_rollout, next_resources, overdue, same_span, span_beats, span_sequence_id,
-    start_attempt, updated_rollout, worker_on_attempt, worker_on_dequeue, worker_update,
+    DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, check_manual_attempt, coerce_resources,
+    follow_attempt, new_rollout, next_resources, overdue, resources_not_found, same_span, span_beats,
+    span_sequence_id, start_attempt, updated_rollout, worker_on_attempt, worker_on_dequeue, worker_update,
 )
 from lightning_nb.types import (
     ROLLOUT_TERMINAL, Attempt, AttemptedRollout, AttemptStatus, ResourcesUpdate, Rollout,
@@ -317,9 +317,7 @@ class SqliteStore(LightningStore):
             new, requeue = updated_rollout(rollout, input=input, mode=mode, resources_id=resources_id, config=config,
                                            metadata=metadata, status=status, now=time.time())
             data = _json(new, "the rollout input and metadata")
-            queued = requeue or (new.status in ("queuing", "requeuing") and bool(self._rows(
-                "SELECT 1 FROM rollouts WHERE rollout_id = ? AND queue_pos IS NOT NULL", rollout_id)))
-            if queued and not requeue:  # still waiting: keep its place in the queue
+            if not requeue and new.status in ("queuing", "requeuing"):  # still waiting: keep its place in the queue
                 self._rows("UPDATE rollouts SET status = ?, data = ? WHERE rollout_id = ?", new.status, data,
                            rollout_id)
             else:
@@ -455,10 +453,9 @@ class SqliteStore(LightningStore):
                        "VALUES (?, ?, ?, ?, ?, ?)", stored.attempt_id, stored.sequence_id, stored.rollout_id,
                        stored.name, stored.span_id, _json(stored, "span attributes"))
             now = time.time()
-            if status == "preparing" or (status == "running" and (beat is None or now - beat >= SPAN_BEAT_MIN_S)):
-                attempt = self._attempt(span.rollout_id, span.attempt_id)
-                if span_beats(attempt, now):  # a span is a sign of life: preparing -> running, heartbeat stamped
-                    self._update(attempt, status="running", worker_id=None, error=None, heartbeat=True, now=now)
+            if span_beats(status, beat, now):  # a span is a sign of life: preparing -> running, heartbeat stamped
+                self._update(self._attempt(span.rollout_id, span.attempt_id), status="running", worker_id=None,
+                             error=None, heartbeat=True, now=now)
             self._cond.notify_all()
             return stored
 
@@ -557,8 +554,7 @@ class SqliteStore(LightningStore):
     def _check_resources(self, resources_id: str) -> None:
         """NotFoundError naming ``resources_id`` if it is not stored (lock held)."""
         if not self._rows("SELECT 1 FROM resources WHERE resources_id = ?", resources_id):
-            raise NotFoundError(f"resources_id {resources_id!r} is not in the store; add it with add_resources() "
-                                f"or list the stored ones with store.resources_df()")
+            raise resources_not_found(resources_id)
 
     # ----- opening and helpers (lock held) ---------------------------------------------
     def _migrate(self) -> None:
