@@ -64,11 +64,16 @@ idle-poll until then):
 * lightning-nb ``InMemoryStore``, ``SqliteStore(path, synchronous="FULL")`` (the durable
   default) and ``"NORMAL"``: the same algorithm coroutine in the main thread's event loop, through
   ``AglStoreAdapter`` (async methods that call our synchronous, thread-safe store directly);
-  each runner thread is a plain thread, no event loop, like ours: ``dequeue_rollout(worker,
-  timeout=--runner-poll-s)``, the resources, ``update_attempt(status="running")`` (one call
-  more than theirs), per span ``add_span`` of a ``lightning_nb.types.Span`` converted from the
-  ``ReadableSpan`` (ids, name, times, status, flat attribute dict; what our tracer's
-  ``StoreSpanProcessor`` does), ``update_attempt(status="succeeded")``.
+  each runner thread is a plain thread, no event loop, doing what our ``Runner`` does per rollout:
+  ``dequeue_rollout(worker, timeout=--dequeue-timeout-s)`` (a wait that the next enqueue ends;
+  default: ``Runner``'s ``poll_interval_s``, 0.2 s), the resources,
+  ``update_attempt(status="running")`` (one call more than theirs), the spans converted from the
+  ``ReadableSpan`` to ``lightning_nb.types.Span`` (ids, name, times, status, flat attribute dict:
+  ``tracer.span_from_otel``, what our ``StoreSpanProcessor`` does) and written with one
+  ``add_spans`` (our ``Tracer`` buffers an attempt's spans and writes them when the attempt ends,
+  or ``span_flush_s`` after a span ended; this agent runs in well under that), then
+  ``update_attempt(status="succeeded")``. ``--span-writes each`` writes them one ``add_span`` at a
+  time instead, as agent-lightning's runner does (and as ``Tracer(span_flush_s=0)`` would).
 
 Prints per store: seconds, process CPU seconds, the CPU seconds of the algorithm thread / of all
 runner threads (``alg/run``; the runners' includes their idle polling), rollouts/s, spans/s and
@@ -327,7 +332,8 @@ def bench_agentlightning(bm, spans_for, n, batch_size, runners, runner_poll_s) -
     return run_workload(bm, store, lambda stop: asyncio.run(loop(stop)), n, batch_size, runners, Profiles(False))
 
 
-def bench_ours(bm, store, spans_for, n, batch_size, runners, runner_poll_s, agent_in_loop, profiles) -> dict:
+def bench_ours(bm, store, spans_for, n, batch_size, runners, dequeue_timeout_s, agent_in_loop, profiles,
+               batched: bool = True) -> dict:
     adapter = AglStoreAdapter(store)
 
     def loop(stop: threading.Event) -> int:
@@ -335,7 +341,7 @@ def bench_ours(bm, store, spans_for, n, batch_size, runners, runner_poll_s, agen
         event_loop = asyncio.new_event_loop() if agent_in_loop else None  # only to run agl's async agent
         try:
             while not stop.is_set():
-                item = store.dequeue_rollout(worker, timeout=runner_poll_s)
+                item = store.dequeue_rollout(worker, timeout=dequeue_timeout_s)
                 if item is None:
                     continue
                 rollout, rid, aid = item.rollout, item.rollout.rollout_id, item.attempt.attempt_id
@@ -345,8 +351,12 @@ def bench_ours(bm, store, spans_for, n, batch_size, runners, runner_poll_s, agen
                     store.get_latest_resources()
                 store.update_attempt(rid, aid, status="running", worker_id=worker)
                 spans = spans_for(rollout.input)
-                for span in (event_loop.run_until_complete(spans) if event_loop else spans):
-                    adapter.add_otel_span(rid, aid, span)
+                spans = event_loop.run_until_complete(spans) if event_loop else spans
+                if batched:  # as our Tracer writes an open attempt's spans: one add_spans when it closes
+                    store.add_spans([to_span(rid, aid, span) for span in spans])
+                else:
+                    for span in spans:
+                        adapter.add_otel_span(rid, aid, span)
                 store.update_attempt(rid, aid, status="succeeded")
                 count += 1
         finally:
@@ -359,6 +369,15 @@ def bench_ours(bm, store, spans_for, n, batch_size, runners, runner_poll_s, agen
     df = store.spans_df()
     result["spans_df_s"], result["spans_df_rows"] = time.perf_counter() - t0, len(df)
     return result
+
+
+def _runner_poll_default() -> float:
+    """Our Runner's default ``poll_interval_s``: the timeout it passes to ``dequeue_rollout``."""
+    import inspect
+
+    from lightning_nb.runner import Runner
+
+    return inspect.signature(Runner.__init__).parameters["poll_interval_s"].default
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -374,8 +393,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="fresh: agl's generate_attributes (new random keys per span); repeated: keys from a pool")
     parser.add_argument("--key-pool", type=int, default=8, help="attribute dicts whose keys --keys repeated reuses")
     parser.add_argument("--agent-in-loop", action="store_true", help="run agl's agent inside the timed loop")
+    parser.add_argument("--span-writes", choices=("batch", "each"), default="batch",
+                        help="our runners: batch = one add_spans per attempt (what our Tracer does), "
+                        "each = one add_span per span (what agl's runner does)")
     parser.add_argument("--poll-s", type=float, default=0.02, help="algorithm's poll interval (agl: 5.0)")
-    parser.add_argument("--runner-poll-s", type=float, default=0.01, help="runner's wait when the queue is empty")
+    parser.add_argument("--runner-poll-s", type=float, default=0.01,
+                        help="agl's runners: sleep between dequeue_rollout calls that found nothing")
+    parser.add_argument("--dequeue-timeout-s", type=float, default=_runner_poll_default(),
+                        help="our runners: dequeue_rollout's timeout, a wait woken by the next enqueue (default: "
+                        "lightning_nb.runner.Runner's poll_interval_s)")
     parser.add_argument("--stores", default="agl,memory,sqlite-FULL,sqlite-NORMAL",
                         help="comma-separated subset of agl, memory, sqlite-FULL, sqlite-NORMAL")
     parser.add_argument("--tmp", default=None, help="folder for the SQLite files (default: the system temp folder)")
@@ -403,7 +429,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     tasks = [f"task-{i}-generated" for i in range(n)]  # the names algorithm_batch gives them
     print(f"agentlightning {version('agentlightning')}, lightning-nb {version('lightning-nb')}, python "
           f"{sys.version.split()[0]}; N={n}, batch={b}, runners={k}, max_rounds={args.max_rounds}, "
-          f"keys={args.keys}, agent {'in the timed loop' if args.agent_in_loop else 'recorded before timing'}; "
+          f"keys={args.keys}, agent {'in the timed loop' if args.agent_in_loop else 'recorded before timing'}, "
+          f"our span writes: {args.span_writes}; "
           f"load average {os.getloadavg()[0]:.2f}")
 
     t0 = time.perf_counter()
@@ -442,8 +469,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     label, store = f"lightning-nb SqliteStore {mode}", SqliteStore(Path(tmp) / "bench.db",
                                                                                     synchronous=mode)
                     stack.callback(store.close)
-                results[label] = bench_ours(bm, store, ours_spans_for, n, b, k, args.runner_poll_s,
-                                            args.agent_in_loop, profiles)
+                results[label] = bench_ours(bm, store, ours_spans_for, n, b, k, args.dequeue_timeout_s,
+                                            args.agent_in_loop, profiles, args.span_writes == "batch")
                 del store
             stats = profiles.stats()
             if stats is not None:

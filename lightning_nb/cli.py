@@ -9,18 +9,19 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 __all__ = ["main", "run_demo", "run_eval"]
 
 
 def _plot(metrics_csv: Path, out_png: Path, before: float, after: float,
-          before_slices: Optional[dict[str, float]] = None) -> list[str]:
+          before_slices: Optional[dict[str, float]] = None, ood_before: Optional[float] = None) -> list[str]:
     """Draw the reward curve to ``out_png``; returns the legend's texts.
 
     Lines: train reward per step, its rolling mean, the held-out reward (``before`` at step 0,
-    then the ``val_reward`` column) and one held-out line per ``val_reward/<slice>`` column of
-    ``metrics_csv`` (labelled ``held-out <slice>``, starting at ``before_slices[slice]`` when given).
+    then the ``val_reward`` column), one held-out line per ``val_reward/<slice>`` column of
+    ``metrics_csv`` (labelled ``held-out <slice>``, starting at ``before_slices[slice]`` when given),
+    and ``held-out val_ood`` from ``ood_before`` at step 0 to the ``val_ood_reward`` column.
     """
     import matplotlib
 
@@ -40,6 +41,11 @@ def _plot(metrics_csv: Path, out_png: Path, before: float, after: float,
         start = (before_slices or {}).get(label)
         xs, ys = ([0], [start]) if start is not None else ([], [])
         ax.plot([*xs, *part["step"]], [*ys, *part[col]], marker=".", linestyle="--", label=f"held-out {label}")
+    if "val_ood_reward" in df:
+        part = df.dropna(subset=["val_ood_reward"])
+        xs, ys = ([0], [ood_before]) if ood_before is not None else ([], [])
+        ax.plot([*xs, *part["step"]], [*ys, *part["val_ood_reward"]], marker="D", linestyle=":",
+                label="held-out val_ood (other wordings, numbers)")
     ax.set_xlabel("training step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)
@@ -109,7 +115,7 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
              max_tokens: int = 32, kl_coef: float = 0.0, val_every: int = 0, sample_rounds: int = 3,
              checkpoint_every: int = 0, resume: Optional[Path] = None, engine: str = "vllm",
              loggers: Sequence[str] = (), lora_rank: int = 0, lora_alpha: float = 32.0,
-             trainer_kind: str = "grpo", slice_by: Optional[str] = "ops") -> dict:
+             trainer_kind: str = "grpo", slice_by: Optional[str] = "ops", ood_size: Optional[int] = None) -> dict:
     """Train the calculator agent on SmolLM2-135M and write metrics.csv, reward_curve.png, summary.json.
 
     The final checkpoint is written to ``out/checkpoint.pt`` (also every ``checkpoint_every``
@@ -122,7 +128,10 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     ``out/checkpoints`` in verl's layout, and ``resume`` is that folder. ``slice_by`` (a task field, default
     ``"ops"``: one- vs two-operation problems; None: off) breaks every held-out evaluation down by slice: printed
     before and after training, ``val_reward/<slice>`` columns in metrics.csv, one line per slice in
-    reward_curve.png, ``val_slices_before``/``val_slices_after`` in summary.json.
+    reward_curve.png, ``val_slices_before``/``val_slices_after`` in summary.json. ``ood_size`` > 0 (None: as
+    many as ``val_size``) also evaluates that many ``val_ood`` tasks (other wordings and number ranges than training's,
+    :func:`lightning_nb.calc.dataset.generate_ood`) before and after: printed beside val, a ``val_ood_reward``
+    column (last step) in metrics.csv and a line in reward_curve.png, ``val_ood_*`` keys in summary.json.
     """
     import torch
     from tqdm.auto import tqdm
@@ -154,6 +163,9 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
         print(f"[demo] val reward before training: {before:.3f}", flush=True)
         if before_report is not None:
             print(f"[demo] before training, {before_report}", flush=True)
+        ood_size = val_size if ood_size is None else ood_size
+        ood_tasks = load_tasks("val_ood", limit=ood_size) if ood_size > 0 else []
+        ood_before = _evaluate_ood(algo, ood_tasks, slice_by, "demo", "before training")
         bar = tqdm(total=steps, initial=trainer.step, desc="training", unit="step", file=sys.stdout, mininterval=0)
         while trainer.step < steps:
             row = algo.step()
@@ -177,10 +189,13 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
         else:
             after = algo.evaluate()
             trainer.add_metrics(trainer.step, val_reward=after)
-        algo.close_loggers()
         print(f"[demo] val reward after {steps} steps: {after:.3f}", flush=True)
         if after_report is not None:
             print(f"[demo] after training, {after_report}", flush=True)
+        ood_after = _evaluate_ood(algo, ood_tasks, slice_by, "demo", "after training")
+        if ood_after is not None:
+            trainer.add_metrics(trainer.step, val_ood_reward=ood_after[0])
+        algo.close_loggers()
         written = trainer.save(checkpoint)  # the file, or VerlTrainer's global_step_N folder
         file = written / "trainer.pt" if written.is_dir() else written
         print(f"[demo] final checkpoint {written} ({file.stat().st_size / 1e9:.2f} GB; "
@@ -190,7 +205,8 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     df = df.reindex(columns=cols + [c for c in df.columns if c not in cols])
     df.to_csv(out / "metrics.csv", index=False)
     _plot(out / "metrics.csv", out / "reward_curve.png", before, after,
-          {k: v[0] for k, v in before_report.slices.items()} if before_report is not None else None)
+          {k: v[0] for k, v in before_report.slices.items()} if before_report is not None else None,
+          ood_before=ood_before[0] if ood_before is not None else None)
     summary = {"val_reward_before": before, "val_reward_after": after, "steps": steps, "val_size": val_size,
                "minutes": (time.time() - t_start) / 60, "out": str(out), "checkpoint": str(checkpoint),
                "engine": engine_kind, "trainer": trainer_kind, "lora_rank": lora_rank, "learning_rate": learning_rate,
@@ -198,18 +214,40 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
                "step_seconds": float(df["step_seconds"].mean()) if "step_seconds" in df else None,
                "slice_by": slice_by,
                "val_slices_before": _slices_json(before_report) if before_report is not None else None,
-               "val_slices_after": _slices_json(after_report) if after_report is not None else None}
+               "val_slices_after": _slices_json(after_report) if after_report is not None else None,
+               "ood_size": len(ood_tasks),
+               "val_ood_before": ood_before[0] if ood_before is not None else None,
+               "val_ood_after": ood_after[0] if ood_after is not None else None,
+               "val_ood_slices_before": ood_before[1] if ood_before is not None else None,
+               "val_ood_slices_after": ood_after[1] if ood_after is not None else None}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"[demo] wrote {out / 'metrics.csv'}, {out / 'reward_curve.png'}, {out / 'summary.json'}")
+    ood = (f"; val_ood (other wordings and numbers) {ood_before[0]:.3f} -> {ood_after[0]:.3f}"
+           if ood_before is not None and ood_after is not None else "")
     print(f"[demo] held-out reward: before {before:.3f} -> after {after:.3f} "
-          f"({'rose' if after > before else 'did NOT rise'}) in {summary['minutes']:.1f} min")
+          f"({'rose' if after > before else 'did NOT rise'}){ood} in {summary['minutes']:.1f} min")
     return summary
 
 
+def _evaluate_ood(algo: Any, tasks: list, slice_by: Optional[str], who: str,
+                  when: str) -> Optional[tuple[float, Optional[dict]]]:
+    """Evaluate the ``val_ood`` tasks (none: None) and print the result; ``(mean, slices as JSON or None)``."""
+    if not tasks:
+        return None
+    report = algo.evaluate(tasks, by=slice_by) if slice_by else None
+    mean = report.mean if report is not None else algo.evaluate(tasks)
+    print(f"[{who}] val_ood reward {when} ({len(tasks)} tasks with other wordings and numbers): {mean:.3f}",
+          flush=True)
+    if report is not None:
+        print(f"[{who}] val_ood {when}, {report}", flush=True)
+    return mean, _slices_json(report) if report is not None else None
+
+
 def run_eval(val_size: int, *, checkpoint: Optional[Path] = None, runners: int = 16, max_tokens: int = 32,
-             engine: str = "vllm", slice_by: Optional[str] = "ops") -> float:
+             engine: str = "vllm", slice_by: Optional[str] = "ops", ood_size: Optional[int] = None) -> float:
     """Held-out reward (greedy) of the default model, or of a trainer checkpoint; also printed per ``slice_by``
-    slice (a task field, default ``"ops"``; None: off). Returns the overall mean."""
+    slice (a task field, default ``"ops"``; None: off), and on the first ``ood_size`` ``val_ood`` tasks (None: as
+    many as ``val_size``; 0: off). Returns the overall mean on val."""
     from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL
     from lightning_nb.calc import load_tasks
 
@@ -221,9 +259,12 @@ def run_eval(val_size: int, *, checkpoint: Optional[Path] = None, runners: int =
         algo = LightningRL(store, trainer, val, val, AlgorithmConfig(max_tokens=max_tokens))
         report = algo.evaluate(by=slice_by) if slice_by else None
         reward = report.mean if report is not None else algo.evaluate()
-    print(f"[eval] held-out reward on {len(val)} val tasks (greedy, step {trainer.step}): {reward:.3f}")
-    if report is not None:
-        print(f"[eval] {report}")
+        print(f"[eval] held-out reward on {len(val)} val tasks (greedy, step {trainer.step}): {reward:.3f}")
+        if report is not None:
+            print(f"[eval] {report}")
+        ood_size = val_size if ood_size is None else ood_size
+        _evaluate_ood(algo, load_tasks("val_ood", limit=ood_size) if ood_size > 0 else [], slice_by, "eval",
+                      f"(greedy, step {trainer.step})")
     return reward
 
 
@@ -281,6 +322,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     slice_help = ("break the held-out reward down by this task field (default ops: one- vs two-operation "
                   "problems; 'none' turns it off)")
     demo.add_argument("--slice-by", default="ops", help=slice_help)
+    demo.add_argument("--ood-size", type=int, default=None,
+                      help="also evaluate this many val_ood tasks (other wordings and number ranges than training's) "
+                           "before and after (default: as many as --val-size; 0: off)")
     ev = sub.add_parser("eval", help="held-out reward (greedy) of the default model or a checkpoint",
                         description="Evaluate the calc agent on the val split with greedy decoding.")
     ev.add_argument("--val-size", type=int, default=200, help="val tasks to evaluate (default 200, all)")
@@ -290,17 +334,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ev.add_argument("--engine", choices=["vllm", "transformers"], default="vllm",
                     help="inference engine (default vllm; transformers needs no set-up)")
     ev.add_argument("--slice-by", default="ops", help=slice_help)
+    ev.add_argument("--ood-size", type=int, default=None,
+                    help="also evaluate this many val_ood tasks (default: as many as --val-size; 0: off)")
     args = parser.parse_args(argv)
     slice_by = None if args.slice_by.lower() in ("", "none") else args.slice_by
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.command == "eval":
+        if args.ood_size is not None and args.ood_size < 0:
+            parser.error("--ood-size must be >= 0 (0: no val_ood evaluation)")
         run_eval(args.val_size, checkpoint=args.checkpoint, runners=args.runners, max_tokens=args.max_tokens,
-                 engine=args.engine, slice_by=slice_by)
+                 engine=args.engine, slice_by=slice_by, ood_size=args.ood_size)
     if args.command == "demo":
         if args.steps < 1:
             parser.error("--steps must be >= 1")
         if args.sample_rounds < 1:
             parser.error("--sample-rounds must be >= 1 (1 turns dynamic sampling off)")
+        if args.ood_size is not None and args.ood_size < 0:
+            parser.error("--ood-size must be >= 0 (0: no val_ood evaluation)")
         if args.checkpoint_every < 0:
             parser.error("--checkpoint-every must be >= 0 (0: only the final checkpoint)")
         if args.resume is not None and args.trainer == "grpo" and not args.resume.is_file():
@@ -313,5 +363,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  max_tokens=args.max_tokens, kl_coef=args.kl_coef, val_every=args.val_every,
                  sample_rounds=args.sample_rounds, checkpoint_every=args.checkpoint_every, resume=args.resume,
                  engine=args.engine, loggers=args.logger, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                 trainer_kind=args.trainer, slice_by=slice_by)
+                 trainer_kind=args.trainer, slice_by=slice_by, ood_size=args.ood_size)
     return 0

@@ -3,15 +3,19 @@
 A runner enters :meth:`Tracer.trace_context` around each attempt; every span the
 agent opens inside it (``tool_span``, ``emit_reward``, or any OpenTelemetry
 instrumentation using this tracer's provider) is tagged with the rollout and
-attempt ids and written to the store by :class:`StoreSpanProcessor` when it ends.
-The LLM proxy opens its spans with explicit ids (it serves other threads).
+attempt ids and written to the store by :class:`StoreSpanProcessor`: in batches
+while the runner has the attempt open (when it closes, and at most ``span_flush_s``
+after a span ends), otherwise as it ends. The LLM proxy opens its spans with
+explicit ids (it serves other threads).
 
 Lost spans
 ----------
 A span the store refuses with a transient error (a ``StoreClient`` whose server is
 briefly unreachable, a locked database, ...) is written again, ``span_tries`` times in
 all with a short backoff; errors that cannot heal (``NotFoundError``, ``ConfigError``)
-are not retried. A span still not stored is never raised into the agent: it is
+are not retried. A batch of spans is retried the same way, then written span by span,
+each with its own tries, so one span the store refuses does not take the batch with
+it. A span still not stored is never raised into the agent: it is
 logged and, if its attempt is open in the tracer's :class:`SpanLedger` (the runner
 opens each attempt it runs with :meth:`Tracer.open_attempt`), recorded there, so the
 runner ends that attempt ``failed`` with the span's name and the reason instead of
@@ -41,7 +45,7 @@ from opentelemetry.trace import StatusCode
 
 from lightning_nb.errors import ConfigError, InvalidRewardError, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
-from lightning_nb.types import Span
+from lightning_nb.types import Span, span_construct
 
 __all__ = ["Tracer", "StoreSpanProcessor", "SpanLedger", "AttemptSpans", "emit_reward", "emit_intermediate_reward",
            "tool_span", "span_from_otel", "ROLLOUT_ID", "ATTEMPT_ID", "INTERMEDIATE_REWARD_SPAN_NAME"]
@@ -134,34 +138,116 @@ def span_from_otel(span: ReadableSpan, rollout_id: str, attempt_id: str) -> Span
     ctx = span.get_span_context()
     raw = span.attributes  # a read-only proxy of the span's BoundedAttributes (or a plain dict)
     # .copy() of either is a plain dict copy: iterating the Mapping itself costs several times more per key
-    plain = raw.copy() if isinstance(raw, (BoundedAttributes, MappingProxyType, dict)) else dict(raw or {})
-    attrs = {k: list(v) if type(v) is tuple else v for k, v in plain.items() if k not in _OUR_KEYS}
+    attrs = raw.copy() if isinstance(raw, (BoundedAttributes, MappingProxyType, dict)) else dict(raw or {})
+    for key in _OUR_KEYS:
+        attrs.pop(key, None)
+    if tuple in map(type, attrs.values()):  # a C-speed scan; most spans hold no sequence value
+        attrs = {k: list(v) if type(v) is tuple else v for k, v in attrs.items()}
     parent = span.parent
-    return Span.model_construct(
-        rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=0, trace_id=format(ctx.trace_id, "032x"),
-        span_id=format(ctx.span_id, "016x"), parent_id=format(parent.span_id, "016x") if parent else None,
-        name=span.name, start_time=(span.start_time or 0) / 1e9, end_time=(span.end_time or 0) / 1e9,
-        status=_STATUS.get(span.status.status_code, "unset"), attributes=attrs)
+    return span_construct(rollout_id, attempt_id, 0, format(ctx.trace_id, "032x"), format(ctx.span_id, "016x"),
+                          format(parent.span_id, "016x") if parent else None, span.name,
+                          (span.start_time or 0) / 1e9, (span.end_time or 0) / 1e9,
+                          _STATUS.get(span.status.status_code, "unset"), attrs)
+
+
+class _Batch:
+    """The spans of one open attempt not yet written, and the lock its writes hold."""
+
+    __slots__ = ("lock", "spans", "since")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # held while this attempt's spans are written: close waits for a flush
+        self.spans: list[Span] = []
+        self.since = 0.0  # time.monotonic() of the oldest buffered span
 
 
 class StoreSpanProcessor(SpanProcessor):
     """Tags spans with the active rollout/attempt on start and stores them on end.
 
+    The spans of an attempt opened with :meth:`open` (a runner's attempts) are written in
+    batches with :meth:`LightningStore.add_spans`, as OpenTelemetry's ``BatchSpanProcessor``
+    exports: when :meth:`close` ends the attempt, when ``max_batch`` spans wait, and at
+    most ``flush_s`` seconds after a span ended (by the next span or a background thread).
+    One lock, SQLite commit or HTTP request per batch instead of per span. Every other
+    span (the LLM proxy's for attempts it does not run, late ones) is written as it ends.
+    ``flush_s=0`` writes every span as it ends.
+
     Args:
         store: where spans go.
         ledger: where stored reward spans and lost spans of open attempts are recorded.
-        span_tries: writes per span before it counts as lost (transient errors only).
+        span_tries: writes per span (or batch) before it counts as lost (transient errors only).
         retry_backoff_s: seconds before the second write, doubled before each later one.
+        flush_s: seconds a span of an open attempt may wait before it is written (>= 0).
+        max_batch: spans written in one batch at most (>= 1).
+
+    Raises:
+        ConfigError: a bad ``span_tries``, ``flush_s`` or ``max_batch``.
     """
 
     def __init__(self, store: LightningStore, ledger: Optional[SpanLedger] = None, *, span_tries: int = 3,
-                 retry_backoff_s: float = 0.1) -> None:
+                 retry_backoff_s: float = 0.1, flush_s: float = 0.5, max_batch: int = 256) -> None:
         if not (isinstance(span_tries, int) and span_tries >= 1):
             raise ConfigError(f"span_tries must be an int >= 1, got {span_tries!r}")
+        if isinstance(flush_s, bool) or not isinstance(flush_s, (int, float)) or not flush_s >= 0:
+            raise ConfigError(f"span_flush_s (StoreSpanProcessor's flush_s) must be seconds >= 0 (0: write each span "
+                              f"as it ends), got {flush_s!r}")
+        if not (isinstance(max_batch, int) and not isinstance(max_batch, bool) and max_batch >= 1):
+            raise ConfigError(f"max_batch must be an int >= 1, got {max_batch!r}")
         self.store = store
         self.ledger = ledger if ledger is not None else SpanLedger()
         self.span_tries, self.retry_backoff_s = span_tries, float(retry_backoff_s)
+        self.flush_s, self.max_batch = float(flush_s), max_batch
+        self._lock = threading.Lock()
+        self._batches: dict[tuple[str, str], _Batch] = {}
+        self._flusher: Optional[threading.Thread] = None
+        self._wake = threading.Event()
 
+    # ----- open attempts ----------------------------------------------------------------
+    def open(self, rollout_id: str, attempt_id: str) -> None:
+        """Buffer the attempt's spans from now on (a no-op with ``flush_s=0``)."""
+        if self.flush_s <= 0:
+            return
+        with self._lock:
+            self._batches.setdefault((rollout_id, attempt_id), _Batch())
+            if self._flusher is None:
+                self._wake.clear()
+                self._flusher = threading.Thread(target=self._flush_loop, name="lightning-nb-span-flush",
+                                                 daemon=True)
+                self._flusher.start()
+
+    def close(self, rollout_id: str, attempt_id: str) -> None:
+        """Write the attempt's buffered spans now (waiting for a flush under way); later ones are written as they end."""
+        with self._lock:
+            batch = self._batches.pop((rollout_id, attempt_id), None)
+        if batch is not None:
+            self._flush(rollout_id, attempt_id, batch, force=True)
+
+    def _flush(self, rollout_id: str, attempt_id: str, batch: _Batch, *, force: bool) -> None:
+        """Write ``batch``'s spans if ``force`` or they are due (``flush_s`` old or ``max_batch`` of them)."""
+        with batch.lock:
+            with self._lock:
+                due = force or len(batch.spans) >= self.max_batch or \
+                    (batch.spans and time.monotonic() - batch.since >= self.flush_s)
+                if not due or not batch.spans:
+                    return
+                spans, batch.spans = batch.spans, []
+            for start in range(0, len(spans), self.max_batch):
+                self._write(spans[start:start + self.max_batch], rollout_id, attempt_id)
+
+    def _flush_loop(self) -> None:
+        """The background flush: every ``flush_s``, write the batches that are due; ends when no attempt is open."""
+        while not self._wake.wait(self.flush_s):
+            with self._lock:
+                if not self._batches:
+                    self._flusher = None
+                    return
+                items = list(self._batches.items())
+            for (rollout_id, attempt_id), batch in items:
+                self._flush(rollout_id, attempt_id, batch, force=False)
+        with self._lock:
+            self._flusher = None
+
+    # ----- OpenTelemetry ----------------------------------------------------------------
     def on_start(self, span: OtelSpan, parent_context: Optional[Context] = None) -> None:
         active = _ACTIVE.get()
         attrs = getattr(span, "attributes", None) or {}
@@ -181,22 +267,50 @@ class StoreSpanProcessor(SpanProcessor):
             self._lose(span.name, rollout_id, attempt_id, f"span {span.name!r} could not be recorded: "
                                                           f"{type(exc).__name__}: {exc}")
             return
+        key = (rollout_id, attempt_id)
+        batch = self._batches.get(key)  # no lock for spans of attempts not open here (the proxy's, late ones)
+        if batch is not None:
+            with self._lock:
+                if self._batches.get(key) is batch:  # still open: buffer it
+                    if not batch.spans:
+                        batch.since = time.monotonic()
+                    batch.spans.append(record)
+                    due = len(batch.spans) >= self.max_batch or time.monotonic() - batch.since >= self.flush_s
+                else:  # closed meanwhile
+                    batch = None
+        if batch is None:
+            self._write([record], rollout_id, attempt_id)
+        elif due:
+            self._flush(rollout_id, attempt_id, batch, force=False)
+
+    def _write(self, records: list[Span], rollout_id: str, attempt_id: str) -> None:
+        """Store ``records`` (one attempt's), retrying transient errors; a batch still refused is then written
+        span by span, each with its own tries, so only the spans the store refuses are lost."""
         tries = 0
         while True:
             tries += 1
             try:
-                self.store.add_span(record)
+                if len(records) == 1:
+                    self.store.add_span(records[0])
+                else:
+                    self.store.add_spans(records)
             except Exception as exc:  # never crash the agent; transient errors are retried
                 if tries < self.span_tries and not isinstance(exc, _PERMANENT):
                     time.sleep(self.retry_backoff_s * 2 ** (tries - 1))
                     continue
-                self._lose(span.name, rollout_id, attempt_id,
-                           f"span {span.name!r} could not be stored after {tries} {'try' if tries == 1 else 'tries'}: "
-                           f"{type(exc).__name__}: {_first_line(exc)}")
+                if len(records) > 1:  # then span by span: only the spans the store refuses are lost
+                    for record in records:  # (a span a failed batch did store is the same write: stored once)
+                        self._write([record], rollout_id, attempt_id)
+                    return
+                for record in records:
+                    self._lose(record.name, rollout_id, attempt_id,
+                               f"span {record.name!r} could not be stored after {tries} "
+                               f"{'try' if tries == 1 else 'tries'}: {type(exc).__name__}: {_first_line(exc)}")
                 return
-            self.ledger.stored(rollout_id, attempt_id, span.name)
+            for record in records:
+                self.ledger.stored(rollout_id, attempt_id, record.name)
             if tries > 1:
-                log.info("span %s of rollout %s stored at try %d", span.name, rollout_id, tries)
+                log.info("%d span(s) of rollout %s stored at try %d", len(records), rollout_id, tries)
             return
 
     def _lose(self, name: str, rollout_id: str, attempt_id: str, reason: str) -> None:
@@ -204,10 +318,17 @@ class StoreSpanProcessor(SpanProcessor):
         log.warning("rollout %s attempt %s: %s%s", rollout_id, attempt_id, reason,
                     "" if tracked else " (the attempt is not run by this tracer's runners; nothing else records it)")
 
-    def shutdown(self) -> None:  # nothing buffered
-        pass
+    def shutdown(self) -> None:
+        """Write every buffered span and stop the background flush."""
+        self.force_flush()
+        self._wake.set()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Write every buffered span now (the attempts stay open)."""
+        with self._lock:
+            items = list(self._batches.items())
+        for (rollout_id, attempt_id), batch in items:
+            self._flush(rollout_id, attempt_id, batch, force=True)
         return True
 
 
@@ -233,6 +354,10 @@ class Tracer:
             they go on the requests only, never into span attributes.
         service_name: the OpenTelemetry ``service.name`` resource attribute the collector shows.
         span_tries: writes per span before it counts as lost (see "Lost spans" in the module docstring).
+        span_flush_s: the spans of an attempt a runner opened (:meth:`open_attempt`) are written to
+            the store in batches (:meth:`LightningStore.add_spans`): when the attempt closes, and at
+            most this many seconds after a span ends, so live views lag by at most that much. 0
+            writes each span as it ends (one store call per span). See :class:`StoreSpanProcessor`.
 
     Attributes:
         ledger: the :class:`SpanLedger` of the attempts open in this tracer (runners read it).
@@ -245,7 +370,7 @@ class Tracer:
 
     def __init__(self, store: LightningStore, *, otlp_endpoint: Optional[str] = None,
                  otlp_headers: Optional[dict[str, str]] = None, service_name: str = "lightning-nb",
-                 span_tries: int = 3) -> None:
+                 span_tries: int = 3, span_flush_s: float = 0.5) -> None:
         from opentelemetry.sdk.resources import Resource
 
         self.store = store
@@ -261,7 +386,8 @@ class Tracer:
         # tracer, and so its store with every span, alive until the interpreter ends.
         self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}),
                                        shutdown_on_exit=exporter is not None)
-        self.provider.add_span_processor(StoreSpanProcessor(store, self.ledger, span_tries=span_tries))
+        self.processor = StoreSpanProcessor(store, self.ledger, span_tries=span_tries, flush_s=span_flush_s)
+        self.provider.add_span_processor(self.processor)
         if exporter is not None:
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
@@ -269,15 +395,20 @@ class Tracer:
         self.otel = self.provider.get_tracer("lightning_nb")
 
     def open_attempt(self, rollout_id: str, attempt_id: str) -> None:
-        """Start recording the attempt's stored reward spans and lost spans (see :class:`SpanLedger`)."""
+        """Start recording the attempt's stored reward spans and lost spans (see :class:`SpanLedger`), and
+        batching its spans (``span_flush_s``)."""
         self.ledger.open(rollout_id, attempt_id)
+        self.processor.open(rollout_id, attempt_id)
 
     def close_attempt(self, rollout_id: str, attempt_id: str) -> AttemptSpans:
-        """Stop recording the attempt; what was recorded since :meth:`open_attempt` (empty if never opened)."""
+        """Write the attempt's buffered spans, stop recording it, and return what was recorded since
+        :meth:`open_attempt` (empty if never opened)."""
+        self.processor.close(rollout_id, attempt_id)
         return self.ledger.close(rollout_id, attempt_id)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        """Send the spans buffered for ``otlp_endpoint`` now; False if that did not finish in time."""
+        """Write the spans buffered for the store and send those buffered for ``otlp_endpoint`` now; False if
+        that did not finish in time."""
         return self.provider.force_flush(timeout_millis)
 
     def shutdown(self) -> None:

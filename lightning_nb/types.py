@@ -188,6 +188,58 @@ class Span(_Model):
     attributes: dict[str, Any] = Field(default_factory=dict)
 
 
+_SPAN_FIELDS = tuple(Span.model_fields)
+_new_object, _set = object.__new__, object.__setattr__
+
+
+def _span_new(rollout_id: str, attempt_id: str, sequence_id: int, trace_id: str, span_id: str,
+              parent_id: Optional[str], name: str, start_time: float, end_time: float, status: str,
+              attributes: dict[str, Any]) -> Span:
+    """What ``Span.model_construct`` makes from all eleven fields, in a third of its time (no per-field loop).
+
+    Use :data:`span_construct`, which is this only where the import-time check passed.
+    """
+    span = _new_object(Span)
+    _set(span, "__dict__", {"rollout_id": rollout_id, "attempt_id": attempt_id, "sequence_id": sequence_id,
+                            "trace_id": trace_id, "span_id": span_id, "parent_id": parent_id, "name": name,
+                            "start_time": start_time, "end_time": end_time, "status": status,
+                            "attributes": attributes})
+    _set(span, "__pydantic_fields_set__", set(_SPAN_FIELDS))
+    _set(span, "__pydantic_extra__", None)
+    _set(span, "__pydantic_private__", None)
+    return span
+
+
+def _span_new_matches_model_construct() -> bool:
+    """Whether :func:`_span_new` builds exactly what this pydantic's ``model_construct`` does (checked at import)."""
+    fields = dict(rollout_id="r", attempt_id="a", sequence_id=1, trace_id="t", span_id="s", parent_id=None,
+                  name="n", start_time=1.0, end_time=2.0, status="ok", attributes={"k": [1]})
+    try:
+        fast, slow = _span_new(**fields), Span.model_construct(**fields)
+        return (list(fast.__dict__.items()) == list(slow.__dict__.items()) and Span.__pydantic_post_init__ is None
+                and all(getattr(fast, a) == getattr(slow, a) for a in ("__pydantic_fields_set__",
+                                                                       "__pydantic_extra__", "__pydantic_private__"))
+                and fast == slow and fast.model_dump_json() == slow.model_dump_json())
+    except Exception:
+        return False
+
+
+def _span_model_construct(rollout_id: str, attempt_id: str, sequence_id: int, trace_id: str, span_id: str,
+                          parent_id: Optional[str], name: str, start_time: float, end_time: float, status: str,
+                          attributes: dict[str, Any]) -> Span:
+    return Span.model_construct(rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_id,
+                                trace_id=trace_id, span_id=span_id, parent_id=parent_id, name=name,
+                                start_time=start_time, end_time=end_time, status=status, attributes=attributes)
+
+
+# span_construct(rollout_id, attempt_id, sequence_id, trace_id, span_id, parent_id, name, start_time, end_time,
+# status, attributes) -> Span: a Span from trusted, already valid values, without validation, exactly as
+# Span.model_construct makes it. The tracer and the stores build one per span written and read, so it skips
+# pydantic's per-field loop where an import-time check shows the result is identical, and is model_construct
+# itself otherwise (a pydantic whose internals differ).
+span_construct = _span_new if _span_new_matches_model_construct() else _span_model_construct
+
+
 class LLMResource(_Model):
     """An OpenAI-compatible endpoint agents call (usually the LLM proxy)."""
 

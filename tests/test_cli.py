@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_demo_writes_metrics_curve_and_summary(tmp_path):
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "lightning_nb", "demo", "--steps", "1", "--val-size", "4", "--tasks-per-step", "2",
-           "--group-size", "2", "--runners", "4", "--max-tokens", "24", "--sample-rounds", "1", "--out", str(out)]
+           "--group-size", "2", "--runners", "4", "--max-tokens", "24", "--sample-rounds", "1", "--ood-size", "4",
+           "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out reward: before" in proc.stdout and "(vllm engine)" in proc.stdout  # the default engine
@@ -31,6 +32,11 @@ def test_demo_writes_metrics_curve_and_summary(tmp_path):
     assert sorted(summary["val_slices_after"]) == ["ops=1", "ops=2"]  # the first 4 val tasks have both
     assert df["val_reward/ops=2"].iloc[0] == summary["val_slices_after"]["ops=2"]["mean"]
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # val_ood: other wordings and number ranges, reported beside val before and after
+    assert "val_ood reward before training (4 tasks" in proc.stdout and "val_ood after training, reward by ops:" \
+        in proc.stdout
+    assert summary["ood_size"] == 4 and df["val_ood_reward"].iloc[0] == summary["val_ood_after"]
+    assert 0.0 <= summary["val_ood_before"] <= 1.0 and sum(v["n"] for v in summary["val_ood_slices_after"].values()) == 4
     # the final checkpoint is in the output folder; --resume continues from it, eval --checkpoint reads it
     ckpt = out / "checkpoint.pt"
     assert summary["checkpoint"] == str(ckpt) and ckpt.stat().st_size > 100_000_000
@@ -41,11 +47,12 @@ def test_demo_writes_metrics_curve_and_summary(tmp_path):
     assert f"resumed from {ckpt} at step 1" in proc.stdout
     assert pd.read_csv(out / "metrics.csv")["step"].tolist() == [1, 2]
     proc = subprocess.run([sys.executable, "-m", "lightning_nb", "eval", "--checkpoint", str(ckpt), "--val-size", "2",
-                           "--runners", "2", "--engine", "transformers"],
+                           "--runners", "2", "--engine", "transformers", "--ood-size", "2"],
                           capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out reward on 2 val tasks (greedy, step 2)" in proc.stdout
     assert "[eval] reward by ops:" in proc.stdout and "ops=2" in proc.stdout  # the first 2 val tasks: two operations
+    assert "[eval] val_ood reward (greedy, step 2) (2 tasks with other wordings and numbers):" in proc.stdout
     ckpt.unlink()
 
 

@@ -50,18 +50,25 @@ def _closed_port() -> int:
 
 # ----- item 11: a span the store cannot take fails the attempt --------------------------------
 def _flaky(base):
-    """``base`` whose add_span raises OSError for the first ``fail_rewards`` reward spans."""
+    """``base`` whose add_span/add_spans raise OSError for the first ``fail_rewards`` writes holding a reward span."""
 
     class Flaky(base):
         fail_rewards = 0
         reward_calls = 0
 
-        def add_span(self, span):
-            if span.name == "reward":
+        def _maybe_fail(self, spans):
+            if any(s.name == "reward" for s in spans):
                 self.reward_calls += 1
                 if self.reward_calls <= self.fail_rewards:
                     raise OSError(f"injected: span store briefly down (call {self.reward_calls})")
+
+        def add_span(self, span):
+            self._maybe_fail([span])
             return super().add_span(span)
+
+        def add_spans(self, spans):
+            self._maybe_fail(spans)
+            return super().add_spans(spans)
 
     return Flaky
 
@@ -99,7 +106,7 @@ def test_lost_reward_span_fails_the_attempt_naming_span_and_reason(flaky):
     assert attempt.status == "failed", "a lost reward must not pass for a success"
     assert attempt.error.startswith("span 'reward' could not be stored after 3 tries: ")
     assert "injected: span store briefly down" in attempt.error
-    assert inner.reward_calls == 3  # retried, then given up
+    assert inner.reward_calls == 6  # retried in its batch, then alone, then given up
     assert store.final_reward(rid) == 0.0
     assert [s.name for s in store.query_spans(rid)] == ["agent"]  # the rest of the attempt is stored
     assert any("span 'reward' could not be stored" in m for m in _runner_warnings(record))
@@ -126,7 +133,7 @@ def test_transient_span_store_error_is_retried_and_the_attempt_succeeds(flaky):
 def test_lost_span_then_retry_attempt_succeeds():
     """A failed attempt for a lost span is retried per the rollout's policy, like any failure."""
     store = _resources(_flaky(InMemoryStore)())
-    store.fail_rewards = 3  # the first attempt's three tries
+    store.fail_rewards = 6  # the first attempt's three tries in its batch and three alone
     rid = store.enqueue_rollout("t", config=RolloutConfig(max_attempts=2)).rollout_id
     with start_runners(lambda task, llm: 0.5, store, n=1):
         assert store.wait_for_rollouts([rid], timeout=30)
@@ -379,6 +386,6 @@ def test_span_for_an_unknown_attempt_is_tried_once_and_never_raised():
     tracer = Tracer(store)
     tracer.open_attempt("ro-nope", "at-nope")
     tracer.start_span("reward", "ro-nope", "at-nope", {"reward": 1.0}).end()  # does not raise
+    (reason,) = tracer.close_attempt("ro-nope", "at-nope").lost  # the attempt's buffered span is written here
     assert calls == ["reward"]  # a retry cannot make the attempt exist
-    (reason,) = tracer.close_attempt("ro-nope", "at-nope").lost
     assert reason.startswith("span 'reward' could not be stored after 1 try: NotFoundError")

@@ -159,6 +159,8 @@ def test_reward_curve_png_draws_one_line_per_slice(tmp_path):
     plain = pd.read_csv(csv)[["step", "reward_mean", "val_reward"]]
     plain.to_csv(csv, index=False)
     assert "held-out ops=1" not in _plot(csv, png, 0.5, 0.6)  # no slice columns: no slice lines
+    plain.assign(val_ood_reward=[math.nan, 0.3]).to_csv(csv, index=False)
+    assert _plot(csv, png, 0.5, 0.6, ood_before=0.1)[-1] == "held-out val_ood (other wordings, numbers)"
 
 
 def _finish_val(store, task, reward, weight_version):

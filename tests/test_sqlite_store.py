@@ -152,6 +152,28 @@ def test_a_file_from_before_span_ids_were_indexed_keeps_its_spans_and_gets_the_s
         assert s.add_span(_span(rid, aid, "next")).sequence_id == 2
 
 
+def test_a_file_with_the_old_without_rowid_span_table_keeps_its_spans_and_their_rules(tmp_path, monkeypatch):
+    path = tmp_path / "store.db"
+    monkeypatch.setattr(sqlite_mod, "MIGRATIONS", sqlite_mod.MIGRATIONS[:3])  # a file made before 004_spans_rowid
+    with SqliteStore(path) as s:
+        rid = s.enqueue_rollout("old").rollout_id
+        aid = s.dequeue_rollout("w").attempt.attempt_id
+        first = s.add_span(_span(rid, aid, "llm"))
+        s.add_span(_span(rid, aid, "tool"))
+    monkeypatch.undo()
+    table_sql = lambda: sqlite3.connect(str(path)).execute(  # noqa: E731
+        "SELECT sql FROM sqlite_master WHERE name = 'spans'").fetchone()[0]
+    assert "WITHOUT ROWID" in table_sql()
+    with SqliteStore(path) as s:
+        assert [(sp.sequence_id, sp.name) for sp in s.query_spans(rid)] == [(1, "llm"), (2, "tool")]
+        assert s.add_span(first).sequence_id == 1  # the same write, found by its span_id (index kept)
+        with pytest.raises(ConfigError, match="sequence_id=2 is taken"):  # (attempt, sequence id) still unique
+            s.add_span(_span(rid, aid, "x").model_copy(update={"sequence_id": 2}))
+        assert s.add_spans([_span(rid, aid, "next")])[0].sequence_id == 3
+        assert list(s.spans_df(rid)["name"]) == ["llm", "tool", "next"]
+    assert "WITHOUT ROWID" not in table_sql()
+
+
 def test_bad_calls_raise_and_leave_the_database_unchanged(tmp_path):
     path = tmp_path / "store.db"
     with SqliteStore(path) as s:

@@ -235,6 +235,48 @@ def test_span_ids_are_unique_per_attempt_and_explicit_sequence_ids_are_kept(stor
     assert store.add_span(_span(other, other_aid, "llm", span_id="a" * 16)).sequence_id == 1
 
 
+def test_add_spans_stores_a_batch_in_order_as_add_span_would(store):
+    rid = store.enqueue_rollout("t").rollout_id
+    aid = store.dequeue_rollout("w").attempt.attempt_id
+    t0 = time.time()
+    first = store.add_span(_span(rid, aid, "llm", span_id="a" * 16, tokens=[1, 2]))
+    batch = [_span(rid, aid, "tool", tokens=[3]), _span(rid, aid, "x", sequence_id=9),
+             _span(rid, aid, "llm", span_id="a" * 16, tokens=[1, 2]),  # the stored one again: a retried write
+             _span(rid, aid, "y"), _span(rid, aid, "reward", span_id="b" * 16, reward=0.5),
+             _span(rid, aid, "reward", span_id="b" * 16, reward=0.5)]  # repeated within the batch
+    out = store.add_spans(batch)
+    assert [(s.sequence_id, s.name) for s in out] == [(2, "tool"), (9, "x"), (1, "llm"), (10, "y"), (11, "reward"),
+                                                      (11, "reward")]
+    assert out[2] == first and out[0].attributes == {"tokens": [3]}
+    assert [(s.sequence_id, s.name) for s in store.query_spans(rid)] == [
+        (1, "llm"), (2, "tool"), (9, "x"), (10, "y"), (11, "reward")]
+    (attempt,) = store.query_attempts(rid)
+    assert attempt.status == "running" and attempt.last_heartbeat_time >= t0  # a batch is a heartbeat too
+    out[0].attributes["tokens"].append(99)  # returned objects are the caller's own
+    assert store.query_spans(rid)[1].attributes == {"tokens": [3]}
+    assert store.add_spans([]) == []
+
+
+def test_add_spans_is_all_or_nothing_and_names_the_bad_span(store):
+    rid = store.enqueue_rollout("t").rollout_id
+    aid = store.dequeue_rollout("w").attempt.attempt_id
+    store.add_span(_span(rid, aid, "llm", span_id="a" * 16))
+    before = _state(store)
+    for batch, error, match in [
+        ([_span(rid, aid, "ok"), _span(rid, "at-missing", "bad")], NotFoundError, r"spans\[1\]: .*at-missing"),
+        ([_span(rid, aid, "ok"), _span(rid, aid, "llm", span_id="a" * 16, other=1)], ConfigError,
+         r"spans\[1\]: span_id '" + "a" * 16 + "' is already stored"),
+        ([_span(rid, aid, "p", span_id="c" * 16), _span(rid, aid, "q", span_id="c" * 16)], ConfigError,
+         r"spans\[1\]: span_id '" + "c" * 16 + "'"),  # a clash within the batch
+        ([_span(rid, aid, "s", sequence_id=4), _span(rid, aid, "t", sequence_id=4)], ConfigError,
+         r"spans\[1\]: .*sequence_id=4 is taken"),
+        ([_span(rid, aid, "ok"), "not a span"], ConfigError, r"spans\[1\] must be a lightning_nb.types.Span"),
+    ]:
+        with pytest.raises(error, match=match):
+            store.add_spans(batch)
+        assert _state(store) == before, match
+
+
 # ----- the watchdog for polling callers -----------------------------------------------------
 def test_a_polling_caller_sees_a_dead_runners_attempt_end(store):
     rid = store.enqueue_rollout("t", config=RolloutConfig(unresponsive_seconds=0.2)).rollout_id

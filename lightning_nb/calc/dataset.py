@@ -10,6 +10,10 @@ rewrites it byte for byte). Each task is a dict::
 ``answer`` is an int; the reward is 1.0 when the agent's final number equals it. ``ops`` is the
 number of arithmetic operations in ``expression`` (1 for add, sub and mul, 2 for the two-step
 problems): a field to slice the held-out reward on, e.g. ``algo.evaluate(by="ops")``.
+
+Splits: ``train`` (1,000) and ``val`` (200) come from :func:`generate`; ``val_ood`` (200) comes from
+:func:`generate_ood`, a separate generator whose question wordings, names, items and number ranges
+the training generator never uses, to check that what training taught carries over.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-__all__ = ["generate", "load_tasks", "count_ops", "DATASET_DIR"]
+__all__ = ["generate", "generate_ood", "load_tasks", "count_ops", "DATASET_DIR", "SPLITS"]
 
 DATASET_DIR = Path(__file__).resolve().parents[2] / "datasets" / "calc"
 
@@ -66,21 +70,79 @@ def generate(n: int, *, seed: int, split: str) -> list[dict[str, Any]]:
     return tasks
 
 
+# --- the out-of-distribution held-out split (val_ood) ----------------------------------------------
+_OOD_NAMES = ["Kai", "Nora", "Theo", "Lena", "Yuki", "Sofia", "Diego", "Hana"]
+_OOD_ITEMS = ["stamps", "beads", "tickets", "bottles", "plates", "seeds"]
+
+
+def _ood_problem(rng: random.Random) -> dict[str, Any]:
+    """One val_ood problem. Against :func:`_problem` (train and val), every kind differs in wording and numbers:
+
+    * add: ``a + b`` with a, b in 100..499 ("A shelf holds ..."); train: 10..99 ("... has a and gets b more");
+    * sub: ``a - b`` with a in 200..999, b in 100..a-50; train: a in 30..99, b in 10..a-5;
+    * mul: ``a * b`` with a in 20..40 bags of b in 13..25; train: 3..19 boxes of 3..12;
+    * two steps: ``a - c + b`` (loses, then finds) with a in 150..300, c in 100..140, b in 100..300;
+      train: ``a + b - c`` (gets, then gives away) with a in 20..60, b in 10..40, c in 5..95.
+
+    Names and items come from lists of their own.
+    """
+    name, item = rng.choice(_OOD_NAMES), rng.choice(_OOD_ITEMS)
+    kind = rng.choice(["add", "sub", "mul", "two_step"])
+    if kind == "add":
+        a, b = rng.randint(100, 499), rng.randint(100, 499)
+        q = f"A shelf holds {a} {item}. {name} puts {b} more {item} on it. What is the total number of {item} now?"
+        return {"question": q, "answer": a + b, "expression": f"{a} + {b}"}
+    if kind == "sub":
+        a = rng.randint(200, 999)
+        b = rng.randint(100, a - 50)
+        q = f"There were {a} {item} in a crate and {name} took {b} of them out. How many {item} remain in the crate?"
+        return {"question": q, "answer": a - b, "expression": f"{a} - {b}"}
+    if kind == "two_step":
+        a, c = rng.randint(150, 300), rng.randint(100, 140)
+        b = rng.randint(100, 300)
+        q = (f"{name} starts the day with {a} {item}, loses {c} of them, and later finds {b}. "
+             f"How many {item} does {name} end the day with?")
+        return {"question": q, "answer": a - c + b, "expression": f"{a} - {c} + {b}"}
+    a, b = rng.randint(20, 40), rng.randint(13, 25)
+    q = f"{name} fills {a} bags, putting {b} {item} into each bag. How many {item} are in the bags altogether?"
+    return {"question": q, "answer": a * b, "expression": f"{a} * {b}"}
+
+
+def generate_ood(n: int, *, seed: int, split: str = "val_ood") -> list[dict[str, Any]]:
+    """``n`` out-of-distribution tasks (the ``val_ood`` split), deterministically from ``seed``.
+
+    Same task format and ``ops`` field as :func:`generate`, made by :func:`_ood_problem`: other
+    question wordings, names and items, and number ranges the training generator never draws
+    (its docstring has the table), so a rise on ``val`` that does not show here was learnt for
+    the training distribution only.
+
+    Raises:
+        ValueError: if ``n`` is negative.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng = random.Random(seed)
+    tasks = [{"id": f"calc-{split}-{i:04d}", **_ood_problem(rng)} for i in range(n)]
+    for task in tasks:
+        task["ops"] = count_ops(task["expression"])
+    return tasks
+
+
 def count_ops(expression: str) -> int:
     """Number of binary operations (``+ - * /``) in a space-separated ``expression``: ``"49 + 29 - 23"`` → 2."""
     return sum(token in ("+", "-", "*", "/") for token in expression.split())
 
 
 def load_tasks(split: str, limit: int | None = None) -> list[dict[str, Any]]:
-    """Load the committed ``train`` or ``val`` split (first ``limit`` tasks).
+    """Load the committed ``train``, ``val`` or ``val_ood`` split (first ``limit`` tasks).
 
     Raises:
-        FileNotFoundError: if the split file is missing, naming the command that rewrites it.
+        FileNotFoundError: if the split file is missing, naming the splits and the command that rewrites them.
     """
     path = DATASET_DIR / f"{split}.jsonl"
     if not path.exists():
         raise FileNotFoundError(
-            f"{path} not found: split must be 'train' or 'val'; "
+            f"{path} not found: split must be one of {', '.join(repr(s) for s in SPLITS)}; "
             "regenerate with `python -m lightning_nb.calc.dataset`"
         )
     with path.open() as f:
@@ -88,14 +150,15 @@ def load_tasks(split: str, limit: int | None = None) -> list[dict[str, Any]]:
     return tasks[:limit] if limit is not None else tasks
 
 
-SPLITS = {"train": (1000, 1234), "val": (200, 5678)}  # split -> (size, seed)
+SPLITS = {"train": (1000, 1234, generate), "val": (200, 5678, generate),
+          "val_ood": (200, 9012, generate_ood)}  # split -> (size, seed, generator)
 
 
 def main() -> None:
     DATASET_DIR.mkdir(parents=True, exist_ok=True)
-    for split, (n, seed) in SPLITS.items():
+    for split, (n, seed, make) in SPLITS.items():
         with (DATASET_DIR / f"{split}.jsonl").open("w") as f:
-            for task in generate(n, seed=seed, split=split):
+            for task in make(n, seed=seed, split=split):
                 f.write(json.dumps(task) + "\n")
         print(f"wrote {n} tasks to {DATASET_DIR / f'{split}.jsonl'}")
 

@@ -276,6 +276,26 @@ class LightningStore(ABC):
                 or an explicit ``sequence_id`` is negative or taken.
         """
 
+    def add_spans(self, spans: Sequence[Span]) -> list[Span]:
+        """Store several finished spans at once, as :meth:`add_span` would one by one, in order.
+
+        All or nothing: every span is checked (its attempt exists; a repeated ``span_id``,
+        also within ``spans``, is the same span again) before any is stored, so on an error
+        the store is unchanged. One lock, transaction or request for the batch instead of
+        one per span: :class:`~lightning_nb.tracer.Tracer` writes an attempt's spans this way.
+
+        Returns:
+            The stored spans, ``len(spans)`` of them, each with its ``sequence_id``.
+
+        Raises:
+            NotFoundError, ConfigError: as :meth:`add_span`; the message names the span's
+                index in ``spans``.
+
+        The three backends here are all-or-nothing; this default (for a backend of your own)
+        calls :meth:`add_span` one by one, so an error leaves the spans before it stored.
+        """
+        return [self.add_span(s) for s in spans]  # a backend of its own: one by one, not all-or-nothing
+
     @abstractmethod
     def query_spans(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> list[Span]:
         """Spans ordered by (rollout enqueue order, attempt, sequence_id).

@@ -29,6 +29,7 @@ from pydantic_core import to_jsonable_python
 from lightning_nb import errors
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.store.base import LightningStore
+from lightning_nb.store.rules import check_span_types
 from lightning_nb.types import (
     Attempt,
     AttemptedRollout,
@@ -237,6 +238,14 @@ class StoreClient(LightningStore):
         if not isinstance(span, Span):
             raise ConfigError(f"span must be a lightning_nb.types.Span, got {type(span).__name__}")
         return Span.model_validate(self._request("POST", "/spans", body=_jsonable(span, "span")))
+
+    def add_spans(self, spans: Sequence[Span]) -> list[Span]:
+        """As :meth:`LightningStore.add_spans`: one request (``POST /spans/batch``) for the batch."""
+        spans = check_span_types(spans)
+        if not spans:
+            return []
+        body = [_jsonable(span, f"spans[{i}]") for i, span in enumerate(spans)]
+        return [Span.model_validate(x) for x in self._request("POST", "/spans/batch", body=body)]
 
     def query_spans(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> list[Span]:
         params = {k: v for k, v in (("rollout_id", rollout_id), ("attempt_id", attempt_id)) if v is not None}

@@ -15,10 +15,10 @@ from pydantic import BaseModel
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.spanframe import Flatten, check_flatten, frame_from_spans, spans_frame
-from lightning_nb.store.spantable import SpanSpill, SpanTable
+from lightning_nb.store.spantable import SpanSpill, SpanTable, span_from_raw
 from lightning_nb.store.rules import (
-    ACTIVE, DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, check_manual_attempt, coerce_resources,
-    follow_attempt, new_rollout, next_resources, overdue, resources_not_found, same_span, span_beats,
+    ACTIVE, DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, check_manual_attempt, check_span_types,
+    coerce_resources, follow_attempt, new_rollout, next_resources, overdue, resources_not_found, same_span, span_beats,
     span_sequence_id, start_attempt, updated_rollout, worker_on_attempt, worker_on_dequeue, worker_update,
 )
 from lightning_nb.types import (
@@ -117,7 +117,11 @@ class InMemoryStore(LightningStore):
         self._shed_rewards: dict[str, list[Any]] = {}  # rollout_id -> latest attempt's rewards of shed spans
         self._active: dict[str, Attempt] = {}  # attempt_id -> attempt still preparing/running
         self._workers: OrderedDict[str, Worker] = OrderedDict()
-        self._cond = threading.Condition()
+        # one lock, two conditions: runners waiting in dequeue_rollout are woken only when a rollout
+        # is queued (one per rollout), callers of wait_for_rollouts only when a rollout's status changes
+        self._lock = threading.RLock()
+        self._queued = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)
         self._rollouts: OrderedDict[str, Rollout] = OrderedDict()
         self._queue: deque[str] = deque()
         self._attempts: dict[str, list[Attempt]] = {}
@@ -132,7 +136,7 @@ class InMemoryStore(LightningStore):
         :class:`~lightning_nb.errors.LightningNbError`; rollouts, attempts, workers,
         resources and final rewards (``rollouts_df``) stay readable.
         """
-        with self._cond:
+        with self._lock:
             if self._spill is not None:
                 self._spill.close()
 
@@ -153,10 +157,10 @@ class InMemoryStore(LightningStore):
         metadata: Optional[dict[str, Any]] = None,
     ) -> Rollout:
         rollout = _own_rollout(input, mode=mode, resources_id=resources_id, config=config, metadata=metadata)
-        with self._cond:
+        with self._lock:
             self._add_rollout(rollout)
             self._queue.append(rollout.rollout_id)
-            self._cond.notify_all()
+            self._queued.notify()
             return _deep_copy(rollout)
 
     def start_rollout(
@@ -170,13 +174,13 @@ class InMemoryStore(LightningStore):
         worker_id: Optional[str] = None,
     ) -> AttemptedRollout:
         rollout = _own_rollout(input, mode=mode, resources_id=resources_id, config=config, metadata=metadata)
-        with self._cond:
+        with self._lock:
             self._add_rollout(rollout)  # never put in self._queue
             return self._start_attempt(rollout, worker_id)
 
     def dequeue_rollout(self, worker_id: Optional[str] = None, timeout: float = 0.0) -> Optional[AttemptedRollout]:
         deadline = time.monotonic() + max(timeout, 0.0)
-        with self._cond:
+        with self._lock:
             while True:
                 while self._queue:
                     rollout = self._rollouts[self._queue.popleft()]
@@ -186,19 +190,19 @@ class InMemoryStore(LightningStore):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
-                self._cond.wait(min(remaining, self._clock.interval_s))
+                self._queued.wait(min(remaining, self._clock.interval_s))
                 if self._clock.due():
                     self._sweep()
 
     def get_rollout_by_id(self, rollout_id: str) -> Rollout:
-        with self._cond:
+        with self._lock:
             self._poll_sweep()
             return _deep_copy(self._rollout(rollout_id))
 
     def query_rollouts(
         self, *, status: Optional[Sequence[str]] = None, rollout_ids: Optional[Sequence[str]] = None
     ) -> list[Rollout]:
-        with self._cond:
+        with self._lock:
             self._poll_sweep()
             if rollout_ids is not None:
                 items = [self._rollout(rid) for rid in rollout_ids]
@@ -211,7 +215,7 @@ class InMemoryStore(LightningStore):
         if progress:
             return self._wait_with_progress(rollout_ids, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             for rid in rollout_ids:
                 self._rollout(rid)
             while True:
@@ -223,12 +227,12 @@ class InMemoryStore(LightningStore):
                     return [_deep_copy(r) for r in done]
                 # wake up periodically so a KeyboardInterrupt in a notebook is honoured promptly
                 wake = min(0.5, self._clock.interval_s)
-                self._cond.wait(wake if remaining is None else min(remaining, wake))
+                self._changed.wait(wake if remaining is None else min(remaining, wake))
                 if self._clock.due():
                     self._sweep()
 
     def cancel_rollout(self, rollout_id: str) -> Rollout:
-        with self._cond:
+        with self._lock:
             rollout = self._rollout(rollout_id)
             if rollout.status in ROLLOUT_TERMINAL:
                 raise InvalidStatusTransition(
@@ -236,14 +240,14 @@ class InMemoryStore(LightningStore):
                 )
             rollout.status = "cancelled"
             rollout.end_time = time.time()
-            self._cond.notify_all()
+            self._changed.notify_all()
             return _deep_copy(rollout)
 
     def update_rollout(self, rollout_id: str, *, input: Any = None, mode: Optional[RolloutMode] = None,
                        resources_id: Optional[str] = None, config: Optional[RolloutConfig | dict] = None,
                        metadata: Optional[dict[str, Any]] = None, status: Optional[str] = None) -> Rollout:
         input, config, metadata = _deep_copy(input), _deep_copy(config), _deep_copy(metadata)
-        with self._cond:
+        with self._lock:
             rollout = self._rollout(rollout_id)
             if resources_id is not None:
                 self._resources_by_id(resources_id)
@@ -252,7 +256,8 @@ class InMemoryStore(LightningStore):
             self._rollouts[rollout_id] = new
             if requeue:
                 self._queue.append(rollout_id)
-            self._cond.notify_all()
+                self._queued.notify()
+            self._changed.notify_all()
             return _deep_copy(new)
 
     # ----- attempts -------------------------------------------------------------------
@@ -266,7 +271,7 @@ class InMemoryStore(LightningStore):
         error: Optional[str] = None,
         heartbeat: bool = False,
     ) -> Attempt:
-        with self._cond:
+        with self._lock:
             rollout = self._rollout(rollout_id)
             attempt = self._attempt(rollout_id, attempt_id)
             self._update(rollout, attempt, status=status, worker_id=worker_id, error=error, heartbeat=heartbeat,
@@ -288,15 +293,17 @@ class InMemoryStore(LightningStore):
         is_latest = self._attempts[rollout.rollout_id][-1].attempt_id == attempt.attempt_id
         if changed and is_latest and follow_attempt(rollout, attempt.status, now):
             self._queue.append(rollout.rollout_id)
+            self._queued.notify()
         if attempt.worker_id:
             worker = worker_on_attempt(self._workers.get(attempt.worker_id), attempt, now,
                                        heartbeat=heartbeat or (changed and by_worker))
             if worker is not None:
                 self._workers[worker.worker_id] = worker
-        self._cond.notify_all()
+        if changed and is_latest:
+            self._changed.notify_all()
 
     def start_attempt(self, rollout_id: str, worker_id: Optional[str] = None) -> AttemptedRollout:
-        with self._cond:
+        with self._lock:
             rollout = self._rollout(rollout_id)
             attempts = self._attempts[rollout_id]
             check_manual_attempt(rollout, attempts[-1] if attempts else None)
@@ -304,7 +311,7 @@ class InMemoryStore(LightningStore):
             return self._start_attempt(rollout, worker_id)
 
     def sweep_attempts(self) -> list[Attempt]:
-        with self._cond:
+        with self._lock:
             return self._sweep()
 
     def _poll_sweep(self) -> None:
@@ -328,18 +335,18 @@ class InMemoryStore(LightningStore):
     # ----- workers --------------------------------------------------------------------
     def update_worker(self, worker_id: str, *, status: Optional[str] = None,
                       heartbeat_stats: Optional[dict[str, Any]] = None) -> Worker:
-        with self._cond:
+        with self._lock:
             worker = worker_update(self._workers.get(worker_id), worker_id, time.time(), status=status,
                                    heartbeat_stats=_deep_copy(heartbeat_stats))
             self._workers[worker_id] = worker
             return _deep_copy(worker)
 
     def query_workers(self) -> list[Worker]:
-        with self._cond:
+        with self._lock:
             return [_deep_copy(w) for w in self._workers.values()]
 
     def query_attempts(self, rollout_id: Optional[str] = None) -> list[Attempt]:
-        with self._cond:
+        with self._lock:
             self._poll_sweep()
             if rollout_id is not None:
                 self._rollout(rollout_id)
@@ -348,29 +355,73 @@ class InMemoryStore(LightningStore):
 
     # ----- spans ----------------------------------------------------------------------
     def add_span(self, span: Span) -> Span:
-        with self._cond:
+        return self._add_spans(check_span_types([span], batch=False), one=True)[0]
+
+    def add_spans(self, spans: Sequence[Span]) -> list[Span]:
+        return self._add_spans(check_span_types(spans), one=False)
+
+    def _add_spans(self, spans: list[Span], one: bool) -> list[Span]:
+        """``add_spans``; ``one``: for ``add_span`` (its errors name no index)."""
+        prepared = [SpanTable.prepare(s) for s in spans]  # attribute copies and their cells: no lock needed
+        with self._lock:
             if self._spill is not None:
                 self._spill.check_open()  # it may have to spill: refuse before storing anything
-            attempt = self._attempt(span.rollout_id, span.attempt_id)
-            aid = attempt.attempt_id
-            ids = self._span_ids[aid]
-            if span.span_id in ids:
-                return self._repeated_span(span, attempt, ids[span.span_id])
-            last = self._span_counts[aid]
-            seq = span_sequence_id(span, last, 0 < span.sequence_id <= last and span.sequence_id in ids.values())
-            stored = span.model_copy(update={"sequence_id": seq})
-            self._table.append(stored, attempt.rollout_id, aid, self._rank[attempt.rollout_id], attempt.sequence_id)
-            self._span_counts[aid] = max(last, seq)
-            ids[span.span_id] = seq
-            self._span_rollouts[attempt.rollout_id] = None
-            now = time.time()
-            if span_beats(attempt.status, attempt.last_heartbeat_time, now):  # a sign of life: -> running, beat
-                self._update(self._rollouts[attempt.rollout_id], attempt, status="running", worker_id=None,
-                             error=None, heartbeat=True, now=now)
-            if self.max_spans is not None and len(self._table) > self.max_spans:
+            plan = self._plan_spans(spans, one)  # raises before anything is stored
+            table, now = self._table, time.time()
+            for span, prep, (attempt, seq, repeat) in zip(spans, prepared, plan):
+                if repeat is not None:
+                    continue
+                aid, rid = attempt.attempt_id, attempt.rollout_id
+                table.append(span, rid, aid, self._rank[rid], attempt.sequence_id, seq, prep)
+                self._span_counts[aid] = max(self._span_counts[aid], seq)
+                self._span_ids[aid][span.span_id] = seq
+                self._span_rollouts[rid] = None
+                if span_beats(attempt.status, attempt.last_heartbeat_time, now):  # a sign of life: -> running, beat
+                    self._update(self._rollouts[rid], attempt, status="running", worker_id=None,
+                                 error=None, heartbeat=True, now=now)
+            if self.max_spans is not None and len(table) > self.max_spans:
                 self._shed()
-            # no notify_all: nobody waits for spans (a status change above notified already)
-            return stored  # its attributes are the caller's own; the table holds a copy
+            # no notify: nobody waits for spans (a status change above notified already)
+        # each new span as the caller gave it, with its sequence id (its attributes are the caller's own;
+        # the table holds a copy), made after releasing the lock
+        return [span.model_copy(update={"sequence_id": seq}) if repeat is None else repeat
+                for span, (_, seq, repeat) in zip(spans, plan)]
+
+    def _plan_spans(self, spans: list[Span], one: bool) -> list[tuple[Attempt, int, Optional[Span]]]:
+        """Check a batch of spans without storing any (lock held): per span ``(attempt, sequence id,
+        the stored span when it repeats one)``. Raises as ``add_span``, naming the index for a batch."""
+        plan: list[tuple[Attempt, int, Optional[Span]]] = []
+        batch: dict[tuple[str, str], tuple[int, Span]] = {}  # (attempt, span_id) -> planned (seq, span)
+        last_of: dict[str, int] = {}  # attempt -> highest sequence id, this batch's included
+        seqs_of: dict[str, set[int]] = {}  # attempt -> this batch's sequence ids
+        for i, span in enumerate(spans):
+            try:
+                attempt = self._attempt(span.rollout_id, span.attempt_id)
+                aid = attempt.attempt_id
+                ids = self._span_ids[aid]
+                planned = batch.get((aid, span.span_id))
+                if planned is not None:  # repeated within the batch
+                    seq = planned[0]
+                    same_span(span, planned[1].model_copy(update={"sequence_id": seq}))
+                    plan.append((attempt, seq, span.model_copy(update={"sequence_id": seq})))
+                    continue
+                if span.span_id in ids:
+                    plan.append((attempt, ids[span.span_id], self._repeated_span(span, attempt, ids[span.span_id])))
+                    continue
+                last = last_of.get(aid, self._span_counts[aid])
+                want = span.sequence_id
+                taken = 0 < want and (want in seqs_of.get(aid, ()) or (want <= self._span_counts[aid]
+                                                                      and want in ids.values()))
+                seq = span_sequence_id(span, last, taken)
+                last_of[aid] = max(last, seq)
+                seqs_of.setdefault(aid, set()).add(seq)
+                batch[(aid, span.span_id)] = (seq, span)
+                plan.append((attempt, seq, None))
+            except (NotFoundError, ConfigError) as exc:
+                if one:
+                    raise
+                raise type(exc)(f"spans[{i}]: {exc}") from None
+        return plan
 
     def _repeated_span(self, span: Span, attempt: Attempt, seq: int) -> Span:
         """``add_span`` of a span id the attempt already has (lock held): the stored span, or ConfigError."""
@@ -423,7 +474,7 @@ class InMemoryStore(LightningStore):
         return now - rollout.end_time >= self.min_span_age_s
 
     def query_spans(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> list[Span]:
-        with self._cond:
+        with self._lock:
             if rollout_id is None:
                 if attempt_id is not None:
                     raise ConfigError("query_spans: attempt_id needs rollout_id; pass both or neither")
@@ -438,14 +489,17 @@ class InMemoryStore(LightningStore):
                 if rollout.status in ROLLOUT_TERMINAL:
                     self._read_finished.add(rollout_id)  # read after it finished: may leave memory now
             table = self._table
-            items = [(table.keys(r), r) for r in table.rows(a.attempt_id for a in attempts)]
-            spans = [(k, table.span(r)) for k, r in items]
+            raws = [(table.keys(r), table.raw(r)) for r in table.rows(a.attempt_id for a in attempts)]
             if self._spilled_rollouts and (rollout_id is None or rollout_id in self._spilled_rollouts):
                 wanted = {a.attempt_id for a in attempts}
-                spans += [((rank, aseq, s.sequence_id), s) for rank, aseq, s in self._spill.read(rollout_id)
-                          if s.attempt_id in wanted]  # type: ignore[union-attr]
-            spans.sort(key=lambda item: item[0])
-            return [s for _, s in spans]
+                spilled = [((rank, aseq, s.sequence_id), s) for rank, aseq, s in self._spill.read(rollout_id)
+                           if s.attempt_id in wanted]  # type: ignore[union-attr]
+            else:
+                spilled = []
+        # the copies are made after releasing the lock (the table never changes a stored attribute dict)
+        spans = [(k, span_from_raw(raw)) for k, raw in raws] + spilled
+        spans.sort(key=lambda item: item[0])
+        return [s for _, s in spans]
 
     # ----- fast views -----------------------------------------------------------------
     def spans_df(self, rollout_id: Optional[str] = None, *, flatten: Flatten = None) -> pd.DataFrame:
@@ -455,7 +509,7 @@ class InMemoryStore(LightningStore):
         Spilled spans are read back from the spill file and included (slower).
         """
         check_flatten(flatten)  # before any work
-        with self._cond:
+        with self._lock:
             if rollout_id is None:
                 rows = None
                 spilled = self._spill.read() if self._spilled_rollouts else []  # type: ignore[union-attr]
@@ -479,7 +533,7 @@ class InMemoryStore(LightningStore):
         Spilled and evicted rollouts included: their rewards were kept when their spans left memory.
         """
         wanted = set(rollout_ids)
-        with self._cond:
+        with self._lock:
             latest = {rid: self._attempts[rid][-1].attempt_id for rid in wanted if self._attempts.get(rid)}
             table = self._table
             rows = table.rows_named("reward")
@@ -496,24 +550,24 @@ class InMemoryStore(LightningStore):
     def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
         update = ResourcesUpdate(resources_id=resources_id or new_id("res"),
                                  resources=_deep_copy(coerce_resources(resources)))  # not the caller's objects
-        with self._cond:
+        with self._lock:
             update = next_resources(update, self._resources.get(update.resources_id), time.time())
             self._resources[update.resources_id] = update
             self._resources.move_to_end(update.resources_id)
             return _deep_copy(update)
 
     def query_resources(self) -> list[ResourcesUpdate]:
-        with self._cond:
+        with self._lock:
             return [_deep_copy(u) for u in self._resources.values()]
 
     def get_latest_resources(self) -> Optional[ResourcesUpdate]:
-        with self._cond:
+        with self._lock:
             if not self._resources:
                 return None
             return _deep_copy(next(reversed(self._resources.values())))
 
     def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate:
-        with self._cond:
+        with self._lock:
             return _deep_copy(self._resources_by_id(resources_id))
 
     def _resources_by_id(self, resources_id: str) -> ResourcesUpdate:
@@ -547,7 +601,6 @@ class InMemoryStore(LightningStore):
             self._workers[worker_id] = worker_on_dequeue(self._workers.get(worker_id), attempt, now)
         self._span_counts[attempt.attempt_id] = 0
         self._span_ids[attempt.attempt_id] = {}
-        self._cond.notify_all()
         return AttemptedRollout(rollout=_deep_copy(rollout), attempt=_deep_copy(attempt))
 
     def _rollout(self, rollout_id: str) -> Rollout:

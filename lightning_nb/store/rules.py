@@ -230,6 +230,20 @@ def span_sequence_id(span: Span, last: int, taken: bool) -> int:
     return seq
 
 
+def check_span_types(spans: Sequence[Any], *, batch: bool = True) -> list[Span]:
+    """``spans`` as a list, every item a :class:`Span` (``add_spans``; ``batch=False``: ``add_span``'s one).
+
+    Raises:
+        ConfigError: naming the first item that is not (``spans[i]``), before anything is stored.
+    """
+    spans = list(spans)
+    for i, span in enumerate(spans):
+        if not isinstance(span, Span):
+            raise ConfigError(f"{f'spans[{i}]' if batch else 'span'} must be a lightning_nb.types.Span, got "
+                              f"{type(span).__name__}")
+    return spans
+
+
 def same_span(new: Span, stored: Span) -> Span:
     """The rule for a second ``add_span`` with a ``span_id`` the attempt already has.
 

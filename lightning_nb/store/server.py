@@ -430,6 +430,10 @@ class StoreServer:
         async def add_span(span: Span) -> _JSON:
             return await self._call(store.add_span, span)
 
+        @api.post("/spans/batch")
+        async def add_spans(spans: list[Span]) -> _JSON:
+            return await self._call(store.add_spans, spans)
+
         @api.get("/spans")
         async def query_spans(rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> _JSON:
             return await self._call(store.query_spans, rollout_id, attempt_id)

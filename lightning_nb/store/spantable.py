@@ -27,9 +27,15 @@ import pandas as pd
 from lightning_nb.errors import LightningNbError
 from lightning_nb.store.spanframe import CATEGORY_COLUMNS as _CODED
 from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES, NUMBER_COLUMNS, copy_attributes, holds_list, known_cells
-from lightning_nb.types import Span
+from lightning_nb.types import Span, span_construct
 
-__all__ = ["SpanTable", "SpanSpill"]
+__all__ = ["SpanTable", "SpanSpill", "span_from_raw"]
+
+def span_from_raw(raw: tuple[Any, ...]) -> Span:
+    """A :class:`Span` from :meth:`SpanTable.raw`, with its own copy of the attributes."""
+    *fields, attrs = raw
+    return span_construct(*fields, copy_attributes(attrs))
+
 
 class SpanTable:
     """Spans as columns; rows are appended and removed in batches (``drop``).
@@ -54,8 +60,19 @@ class SpanTable:
     def __len__(self) -> int:
         return len(self.attrs)
 
-    def append(self, span: Span, rollout_id: str, attempt_id: str, rank: int, aseq: int) -> None:
-        """Add one span (its ``sequence_id`` already assigned); ids are the store's own strings."""
+    @staticmethod
+    def prepare(span: Span) -> tuple[dict[str, Any], int, tuple[Any, ...]]:
+        """The part of :meth:`append` that needs no lock: a copy of the attributes and their derived cells."""
+        attrs = copy_attributes(span.attributes)
+        return attrs, holds_list(attrs), known_cells(attrs)
+
+    def append(self, span: Span, rollout_id: str, attempt_id: str, rank: int, aseq: int, seq: int,
+               prepared: Optional[tuple[dict[str, Any], int, tuple[Any, ...]]] = None) -> None:
+        """Add one span with sequence id ``seq``; ids are the store's own strings.
+
+        ``prepared`` is :meth:`prepare`'s result for ``span``, made before taking the store's lock.
+        """
+        attrs, has_list, cells = prepared if prepared is not None else self.prepare(span)
         code = self._code
         code("rollout_id", rollout_id)
         code("attempt_id", attempt_id)
@@ -68,12 +85,11 @@ class SpanTable:
         self.end.append(span.end_time)
         self.rank.append(rank)
         self.aseq.append(aseq)
-        self.seq.append(span.sequence_id)
+        self.seq.append(seq)
         self.by_attempt.setdefault(attempt_id, []).append(len(self.attrs))
-        attrs = copy_attributes(span.attributes)
         self.attrs.append(attrs)
-        self.has_list.append(holds_list(attrs))
-        for col, cell in zip(self.known, known_cells(attrs)):
+        self.has_list.append(has_list)
+        for col, cell in zip(self.known, cells):
             col.append(cell)
 
     def _code(self, col: str, value: Optional[str]) -> None:
@@ -100,12 +116,15 @@ class SpanTable:
         return np.flatnonzero(np.frombuffer(self.codes["name"], dtype=np.int32) == c).tolist()
 
     def span(self, row: int) -> Span:
+        return span_from_raw(self.raw(row))
+
+    def raw(self, row: int) -> tuple[Any, ...]:
+        """Row ``row`` as the fields of a Span, its attributes dict the table's own: under the lock,
+        then :func:`span_from_raw` after releasing it (the table never changes a stored dict in place)."""
         v = self.value
-        return Span.model_construct(
-            rollout_id=v("rollout_id", row), attempt_id=v("attempt_id", row), sequence_id=self.seq[row],
-            trace_id=v("trace_id", row), span_id=self.span_ids[row], parent_id=v("parent_id", row),
-            name=v("name", row), start_time=self.start[row], end_time=self.end[row], status=v("status", row),
-            attributes=copy_attributes(self.attrs[row]))
+        return (v("rollout_id", row), v("attempt_id", row), self.seq[row], v("trace_id", row), self.span_ids[row],
+                v("parent_id", row), v("name", row), self.start[row], self.end[row], v("status", row),
+                self.attrs[row])
 
     def rows(self, attempt_ids: Iterable[str]) -> list[int]:
         return [r for aid in attempt_ids for r in self.by_attempt.get(aid, ())]
