@@ -276,7 +276,7 @@ def test_supported_params_are_honoured(vllm):
     assert js["finish_reason"] == "stop" and isinstance(json.loads(js["message"]["content"])["age"], int)
 
 
-def test_load_weights_serves_new_weights_and_restores_old_ones(vllm):
+def test_load_weights_serves_new_weights_and_restores_old_ones(vllm, monkeypatch):
     """Change every Linear (the tied lm_head, i.e. the embeddings, included), reload, restore.
 
     The new log-probs must match the new in-process model; the restored ones the original ones, on a
@@ -301,20 +301,28 @@ def test_load_weights_serves_new_weights_and_restores_old_ones(vllm):
     inflight: dict = {}
 
     def long_request():
-        # long enough to still be decoding when the pause comes after the weights are written (the save took
-        # up to 7.6 s here while the orphan tests' servers were starting; 256 tokens were done by then)
         inflight["resp"] = _chat(vllm, [{"role": "user", "content": "Tell me a story."}], max_tokens=768,
                                  ignore_eos=True)
         inflight["done"] = time.monotonic()
 
+    # the completion starts once the new weights are written, just before the pause: the save alone took from
+    # 1 s to 21 s here with the machine's disk busy, so a request started before it may end before the pause
     worker = threading.Thread(target=long_request)
-    worker.start()
-    time.sleep(0.5)
+    real_export = vllm._export
+
+    def export_then_start_a_completion(*args, **kwargs):
+        real_export(*args, **kwargs)
+        worker.start()
+        time.sleep(0.5)  # decoding by now (768 tokens take several seconds here)
+        inflight["pausing"] = time.monotonic()
+
+    monkeypatch.setattr(vllm, "_export", export_then_start_a_completion)
     t0 = time.monotonic()
     assert vllm.load_weights(model) == v0 + 1 == vllm.weight_version
     returned = time.monotonic()
+    monkeypatch.undo()
     worker.join(timeout=300)
-    paused_at = t0 + vllm.last_reload_s["save"]
+    paused_at = inflight["pausing"]
     print(f"\nload_weights took {returned - t0:.2f} s {vllm.last_reload_s}; the in-flight completion ended "
           f"{inflight['done'] - paused_at:.2f} s after the pause was requested, {returned - inflight['done']:.2f} s "
           f"before load_weights returned")
