@@ -61,10 +61,15 @@ def generate(n: int, *, seed: int, split: str) -> list[dict[str, Any]]:
     Raises:
         ValueError: if ``n`` is negative.
     """
+    return _tasks(n, seed, split, _problem)
+
+
+def _tasks(n: int, seed: int, split: str, problem: Any) -> list[dict[str, Any]]:
+    """``n`` tasks ``calc-<split>-NNNN`` from ``problem(rng)`` with one ``random.Random(seed)``, each with its ``ops``."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     rng = random.Random(seed)
-    tasks = [{"id": f"calc-{split}-{i:04d}", **_problem(rng)} for i in range(n)]
+    tasks = [{"id": f"calc-{split}-{i:04d}", **problem(rng)} for i in range(n)]
     for task in tasks:
         task["ops"] = count_ops(task["expression"])
     return tasks
@@ -119,13 +124,7 @@ def generate_ood(n: int, *, seed: int, split: str = "val_ood") -> list[dict[str,
     Raises:
         ValueError: if ``n`` is negative.
     """
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    rng = random.Random(seed)
-    tasks = [{"id": f"calc-{split}-{i:04d}", **_ood_problem(rng)} for i in range(n)]
-    for task in tasks:
-        task["ops"] = count_ops(task["expression"])
-    return tasks
+    return _tasks(n, seed, split, _ood_problem)
 
 
 def count_ops(expression: str) -> int:
