@@ -7,6 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 VLLM_VENV := .venv-vllm
 STEPS ?= 12
+SEED ?= 0
 OUT ?= runs/demo
 ENGINE ?= vllm
 
@@ -27,7 +28,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 # make demo trains with VLLMEngine (sets up .venv-vllm first, ~70 s);
 # make demo ENGINE=transformers uses the in-process TransformersEngine (no extra venv; about 2x slower here)
 demo: setup $(if $(filter vllm,$(ENGINE)),setup-vllm)
-	$(BIN)/python -m lightning_nb demo --steps $(STEPS) --out $(OUT) --engine $(ENGINE)
+	$(BIN)/python -m lightning_nb demo --steps $(STEPS) --seed $(SEED) --out $(OUT) --engine $(ENGINE)
 
 # the vLLM engine is an extra that CI installs and tests too
 test: setup setup-vllm

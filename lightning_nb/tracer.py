@@ -45,6 +45,7 @@ from opentelemetry.trace import StatusCode
 
 from lightning_nb.errors import ConfigError, InvalidRewardError, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
+from lightning_nb.store.rules import INTERMEDIATE_REWARD_SPAN_NAME
 from lightning_nb.types import Span, span_construct
 
 __all__ = ["Tracer", "StoreSpanProcessor", "SpanLedger", "AttemptSpans", "emit_reward", "emit_intermediate_reward",
@@ -54,7 +55,6 @@ log = logging.getLogger(__name__)
 
 ROLLOUT_ID = "lightning_nb.rollout_id"
 ATTEMPT_ID = "lightning_nb.attempt_id"
-INTERMEDIATE_REWARD_SPAN_NAME = "intermediate_reward"  # never "reward": that name is the final reward's
 
 
 @dataclass(frozen=True)

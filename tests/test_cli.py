@@ -69,3 +69,29 @@ def test_demo_rejects_bad_steps():
     proc = subprocess.run([sys.executable, "-m", "lightning_nb", "demo", "--trainer", "verl", "--resume",
                            "/nonexistent/checkpoints"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "no such checkpoint folder (--trainer verl writes OUT/checkpoints)" in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--slice-weights", "ops=2"], "--slice-weights 'ops=2': 'ops=2' is not LABEL:WEIGHT with a weight >= 0"),
+    (["--slice-weights", "ops=2:-1"], "'ops=2:-1' is not LABEL:WEIGHT with a weight >= 0"),
+    (["--slice-by", "none"], "--slice-weights ops=2:3 weighs tasks by --slice-by labels, and --slice-by is none"),
+    (["--all-numbers-bonus", "-0.5"], "--all-numbers-bonus must be a finite number >= 0 (0: off), got -0.5"),
+    (["--all-numbers-bonus", "nan"], "--all-numbers-bonus must be a finite number >= 0"),
+])
+def test_demo_rejects_bad_shaping_and_sampling_flags(capsys, args, message):
+    from lightning_nb.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", *args])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_parse_slice_weights():
+    import argparse
+
+    from lightning_nb.cli import _parse_slice_weights
+
+    parser = argparse.ArgumentParser()
+    assert _parse_slice_weights("ops=2:3, ops=1:0.5", parser) == {"ops=2": 3.0, "ops=1": 0.5}
+    assert _parse_slice_weights("none", parser) is None and _parse_slice_weights("", parser) is None
+    assert _parse_slice_weights("kind=a:b:2", parser) == {"kind=a:b": 2.0}  # the weight follows the last colon

@@ -10,6 +10,10 @@ rollouts of any mode, in the order they finished; it grows while the runners wor
 before any training step ends. With ``slice_by`` (a task field such as ``"ops"``, or a
 function ``task -> label``) the left panel also draws one validation line per slice
 (``val ops=1``, ``val ops=2``), the labels of :meth:`LightningRL.evaluate(by=...)`.
+Named intermediate rewards (shaping terms such as ``calc_uses_all_numbers``,
+:func:`lightning_nb.emit_intermediate_reward`) get one dashed line each in the left panel,
+``train <component>``: their mean sum per training rollout of each step (0 for a rollout
+without it), apart from the final reward, which they never change.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class RewardCurve(LivePanel):
             raise ValueError(f"batch_size must be >= 1 rollout, got {batch_size}")
         self.store, self.batch_size, self.slice_by = store, batch_size, slice_by
         self.val_slices: dict[str, dict[int, list[float]]] = {}
+        self.train_components: dict[int, list[dict[str, float]]] = {}
         base = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], horizontal_spacing=0.09,
                              subplot_titles=("reward per training step", f"reward per batch of {batch_size} rollouts"))
         self.fig = go.FigureWidget(base)
@@ -111,6 +116,9 @@ class RewardCurve(LivePanel):
             self.finished.append(reward)
             if x is not None:
                 (self.train if mode == "train" else self.val).setdefault(x, []).append(reward)
+                if mode == "train":
+                    comps = self.store.reward_components([r.rollout_id]).get(r.rollout_id, {})
+                    self.train_components.setdefault(x, []).append(comps)
                 label = self._slice(r) if mode != "train" else None
                 if label is not None:
                     self.val_slices.setdefault(label, {}).setdefault(x, []).append(reward)
@@ -125,13 +133,18 @@ class RewardCurve(LivePanel):
             return None
 
     def series(self) -> dict[str, dict[str, list]]:
-        """The plotted values: ``{"train"|"val"|"batch": {"x", "mean", "min", "max", "n"}}``, and with
-        ``slice_by`` one ``"val <label>"`` entry per slice (in the slices' sorted order)."""
+        """The plotted values: ``{"train"|"val"|"batch": {"x", "mean", "min", "max", "n"}}``, with
+        ``slice_by`` one ``"val <label>"`` entry per slice (in the slices' sorted order), and one
+        ``"train <component>"`` entry per named intermediate reward seen (sorted by name)."""
         batches = {i + 1: self.finished[i * self.batch_size:(i + 1) * self.batch_size]
                    for i in range(math.ceil(len(self.finished) / self.batch_size))}
         out = {"train": _stats(self.train), "val": _stats(self.val), "batch": _stats(batches)}
         for label in sorted(self.val_slices):
             out[f"val {label}"] = _stats(self.val_slices[label])
+        names = sorted({name for rows in self.train_components.values() for c in rows for name in c})
+        for name in names:
+            out[f"train {name}"] = _stats({x: [c.get(name, 0.0) for c in rows]
+                                           for x, rows in self.train_components.items()})
         return out
 
     def _draw(self) -> None:
@@ -140,6 +153,8 @@ class RewardCurve(LivePanel):
         for key in s:
             if key.startswith("val ") and key not in names:  # a new slice: its own line, in the left panel
                 self.fig.add_scatter(name=key, mode="lines+markers", line={"dash": "dot"}, x=[], y=[], row=1, col=1)
+            elif key.startswith("train ") and key not in names:  # a new reward component (shaping term)
+                self.fig.add_scatter(name=key, mode="lines", line={"dash": "dash"}, x=[], y=[], row=1, col=1)
         with self.fig.batch_update():
             for trace in self.fig.data[3:]:
                 d = s[trace.name]

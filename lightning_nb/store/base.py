@@ -71,6 +71,7 @@ from typing import Any, Iterable, Optional, Sequence, get_args
 import pandas as pd
 
 from lightning_nb.errors import ConfigError, NotFoundError
+from lightning_nb.store.rules import INTERMEDIATE_REWARD_SPAN_NAME as _INTERMEDIATE
 from lightning_nb.store.rules import final_reward
 from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES, Flatten, check_flatten, frame_from_spans
 from lightning_nb.types import (
@@ -530,20 +531,43 @@ class LightningStore(ABC):
         return frame_from_spans(self.query_spans(rollout_id), flatten=flatten, copy=False)
 
     def rewards_df(self) -> pd.DataFrame:
-        """One row per reward span: rollout_id, attempt_id, mode, reward, time."""
+        """One row per reward span, the final reward and every named reward component.
+
+        Columns: rollout_id, attempt_id, mode, ``component`` (``"final"`` for the episode's
+        reward span, the one that counts: :func:`~lightning_nb.store.rules.final_reward`; for an
+        intermediate reward (:func:`lightning_nb.emit_intermediate_reward`, a shaping term) its
+        ``reward.name``, e.g. ``"calc_uses_all_numbers"``), reward (float), time (datetime).
+        ``df[df.component == "final"]`` gives the final rewards alone;
+        ``df.pivot_table("reward", "rollout_id", "component", aggfunc="sum")`` one column per component.
+        """
         modes = {r.rollout_id: r.mode for r in self.query_rollouts()}
         rows = [
             {
                 "rollout_id": s.rollout_id,
                 "attempt_id": s.attempt_id,
                 "mode": modes.get(s.rollout_id),
+                "component": "final" if s.name == "reward" else str(s.attributes.get("reward.name", "intermediate")),
                 "reward": s.attributes.get("reward"),
                 "time": pd.to_datetime(s.end_time, unit="s"),
             }
             for s in self.query_spans()
-            if s.name == "reward"
+            if s.name in ("reward", _INTERMEDIATE)
         ]
-        return pd.DataFrame(rows, columns=["rollout_id", "attempt_id", "mode", "reward", "time"])
+        return pd.DataFrame(rows, columns=["rollout_id", "attempt_id", "mode", "component", "reward", "time"])
+
+    def reward_components(self, rollout_ids: Sequence[str]) -> dict[str, dict[str, float]]:
+        """rollout_id -> {component name: sum} of the intermediate rewards (shaping terms) of its latest attempt.
+
+        Rollouts without any are left out. Raises NotFoundError for an unknown id.
+        """
+        out: dict[str, dict[str, float]] = {}
+        for rid in rollout_ids:
+            for s in self.query_spans(rid, "latest"):
+                if s.name == _INTERMEDIATE:
+                    name = str(s.attributes.get("reward.name", "intermediate"))
+                    comps = out.setdefault(rid, {})
+                    comps[name] = comps.get(name, 0.0) + float(s.attributes.get("reward", 0.0))
+        return out
 
     def final_rewards(self, rollout_ids: Optional[Sequence[str]] = None) -> dict[str, Optional[float]]:
         """rollout_id -> final reward (:func:`lightning_nb.store.rules.final_reward`) of every rollout, or of ``rollout_ids``.

@@ -16,12 +16,14 @@ from lightning_nb.types import (
     RolloutMode, Span, Worker, new_id,
 )
 
+INTERMEDIATE_REWARD_SPAN_NAME = "intermediate_reward"  # never "reward": that name is the final reward's
+
 __all__ = ["ATTEMPT_NEXT", "ACTIVE", "new_rollout", "start_attempt", "apply_attempt_update", "follow_attempt",
            "coerce_resources", "overdue", "SweepClock", "worker_update", "worker_on_dequeue",
            "worker_on_attempt", "DEFAULT_WATCHDOG_INTERVAL_S", "final_reward", "reward_or_zero",
            "updated_rollout", "check_manual_attempt", "span_beats", "span_sequence_id", "same_span",
            "resources_not_found",
-           "next_resources", "SPAN_BEAT_MIN_S"]
+           "next_resources", "SPAN_BEAT_MIN_S", "INTERMEDIATE_REWARD_SPAN_NAME"]
 
 ACTIVE = ("preparing", "running")  # attempt statuses the watchdog looks at
 DEFAULT_WATCHDOG_INTERVAL_S = 0.5
