@@ -306,7 +306,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     demo = sub.add_parser("demo", help="train the calculator agent on SmolLM2-135M (CPU) and show reward rising",
                           description="Train the default calc agent with GRPO on CPU; prints held-out reward "
                                       "before and after and writes metrics.csv, reward_curve.png, summary.json.")
-    demo.add_argument("--steps", type=int, default=12, help="training steps (default 12)")
+    demo.add_argument("--steps", type=int, default=16, help="training steps (default 16)")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder (default runs/demo)")
     demo.add_argument("--tasks-per-step", type=int, default=4, help="distinct tasks per step (default 4)")
     demo.add_argument("--group-size", type=int, default=4, help="rollouts per task, the GRPO group (default 4)")
