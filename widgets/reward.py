@@ -27,7 +27,7 @@ from plotly.subplots import make_subplots
 from lightning_nb.algorithm import slice_labels
 from lightning_nb.errors import ConfigError
 from lightning_nb.store.base import LightningStore
-from lightning_nb.store.rules import final_reward, reward_or_zero
+from lightning_nb.store.rules import component_sums, final_reward, reward_or_zero
 from widgets._live import LivePanel
 
 __all__ = ["RewardCurve", "rollout_point"]
@@ -42,8 +42,13 @@ def rollout_point(store: LightningStore, rollout: Any) -> Optional[tuple[str, Op
     (:func:`lightning_nb.store.rules.final_reward`): a failed rollout counts 0.0, as in
     :meth:`LightningRL.evaluate`; cancelled and unfinished rollouts are skipped.
     """
+    return _point_and_spans(store, rollout)[0]
+
+
+def _point_and_spans(store: LightningStore, rollout: Any) -> tuple[Optional[tuple[str, Optional[int], float]], list]:
+    """:func:`rollout_point` and the latest attempt's spans it read (``[]`` when it read none)."""
     if rollout.status not in ("succeeded", "failed"):
-        return None
+        return None, []
     spans = store.query_spans(rollout.rollout_id, "latest")
     reward = reward_or_zero(final_reward(rollout.status, [s.attributes.get("reward") for s in spans
                                                           if s.name == "reward"]))
@@ -55,7 +60,7 @@ def rollout_point(store: LightningStore, rollout: Any) -> Optional[tuple[str, Op
     else:
         versions = [s.attributes["weight_version"] for s in spans if "weight_version" in s.attributes]
         x = int(max(versions)) if versions else None
-    return rollout.mode, x, reward
+    return (rollout.mode, x, reward), spans
 
 
 class RewardCurve(LivePanel):
@@ -109,7 +114,7 @@ class RewardCurve(LivePanel):
         for r in fresh:
             self._seen.add(r.rollout_id)
             self._after = max(self._after, r.end_time or 0.0)
-            point = rollout_point(self.store, r)
+            point, spans = _point_and_spans(self.store, r)
             if point is None:
                 continue
             mode, x, reward = point
@@ -117,8 +122,7 @@ class RewardCurve(LivePanel):
             if x is not None:
                 (self.train if mode == "train" else self.val).setdefault(x, []).append(reward)
                 if mode == "train":
-                    comps = self.store.reward_components([r.rollout_id]).get(r.rollout_id, {})
-                    self.train_components.setdefault(x, []).append(comps)
+                    self.train_components.setdefault(x, []).append(component_sums(spans))
                 label = self._slice(r) if mode != "train" else None
                 if label is not None:
                     self.val_slices.setdefault(label, {}).setdefault(x, []).append(reward)

@@ -48,7 +48,7 @@ _CALC = re.compile(r"CALC:\s*([0-9+\-*/(). ]+)")
 _ANSWER = re.compile(r"ANSWER:\s*(-?\d+(?:\.\d+)?)")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 ALL_NUMBERS_COMPONENT = "calc_uses_all_numbers"
-_INT = re.compile(r"\d+(?:\.\d+)?")
+_UNSIGNED_NUMBER = re.compile(r"\d+(?:\.\d+)?")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.USub: operator.neg, ast.UAdd: operator.pos}
 
@@ -91,8 +91,8 @@ def uses_all_numbers(expression: str, question: str) -> bool:
     ``uses_all_numbers("29 + 16 - 12", "... 29 marbles, gets 16 more, then gives away 12 ...")`` is True;
     ``"29 - 12"`` is False. Numbers are unsigned decimal literals; a question without numbers gives False.
     """
-    want = _INT.findall(question.replace(",", ""))
-    have = _INT.findall(expression)
+    want = _UNSIGNED_NUMBER.findall(question.replace(",", ""))
+    have = _UNSIGNED_NUMBER.findall(expression)
     return bool(want) and all(have.count(n) >= want.count(n) for n in set(want))
 
 

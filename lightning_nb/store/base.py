@@ -71,8 +71,7 @@ from typing import Any, Iterable, Optional, Sequence, get_args
 import pandas as pd
 
 from lightning_nb.errors import ConfigError, NotFoundError
-from lightning_nb.store.rules import INTERMEDIATE_REWARD_SPAN_NAME as _INTERMEDIATE
-from lightning_nb.store.rules import final_reward
+from lightning_nb.store.rules import component_sums, final_reward, reward_component
 from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES, Flatten, check_flatten, frame_from_spans
 from lightning_nb.types import (
     ROLLOUT_TERMINAL,
@@ -546,12 +545,12 @@ class LightningStore(ABC):
                 "rollout_id": s.rollout_id,
                 "attempt_id": s.attempt_id,
                 "mode": modes.get(s.rollout_id),
-                "component": "final" if s.name == "reward" else str(s.attributes.get("reward.name", "intermediate")),
+                "component": component,
                 "reward": s.attributes.get("reward"),
                 "time": pd.to_datetime(s.end_time, unit="s"),
             }
             for s in self.query_spans()
-            if s.name in ("reward", _INTERMEDIATE)
+            if (component := reward_component(s)) is not None
         ]
         return pd.DataFrame(rows, columns=["rollout_id", "attempt_id", "mode", "component", "reward", "time"])
 
@@ -560,14 +559,8 @@ class LightningStore(ABC):
 
         Rollouts without any are left out. Raises NotFoundError for an unknown id.
         """
-        out: dict[str, dict[str, float]] = {}
-        for rid in rollout_ids:
-            for s in self.query_spans(rid, "latest"):
-                if s.name == _INTERMEDIATE:
-                    name = str(s.attributes.get("reward.name", "intermediate"))
-                    comps = out.setdefault(rid, {})
-                    comps[name] = comps.get(name, 0.0) + float(s.attributes.get("reward", 0.0))
-        return out
+        sums = {rid: component_sums(self.query_spans(rid, "latest")) for rid in rollout_ids}
+        return {rid: comps for rid, comps in sums.items() if comps}
 
     def final_rewards(self, rollout_ids: Optional[Sequence[str]] = None) -> dict[str, Optional[float]]:
         """rollout_id -> final reward (:func:`lightning_nb.store.rules.final_reward`) of every rollout, or of ``rollout_ids``.

@@ -23,7 +23,8 @@ __all__ = ["ATTEMPT_NEXT", "ACTIVE", "new_rollout", "start_attempt", "apply_atte
            "worker_on_attempt", "DEFAULT_WATCHDOG_INTERVAL_S", "final_reward", "reward_or_zero",
            "updated_rollout", "check_manual_attempt", "span_beats", "span_sequence_id", "same_span",
            "resources_not_found",
-           "next_resources", "SPAN_BEAT_MIN_S", "INTERMEDIATE_REWARD_SPAN_NAME"]
+           "next_resources", "SPAN_BEAT_MIN_S", "INTERMEDIATE_REWARD_SPAN_NAME", "reward_component",
+           "component_sums"]
 
 ACTIVE = ("preparing", "running")  # attempt statuses the watchdog looks at
 DEFAULT_WATCHDOG_INTERVAL_S = 0.5
@@ -392,6 +393,26 @@ def worker_on_attempt(worker: Optional[Worker], attempt: Attempt, now: float, *,
         worker.current_rollout_id, worker.current_attempt_id = attempt.rollout_id, attempt.attempt_id
         return worker
     return None
+
+
+def reward_component(span: Span) -> Optional[str]:
+    """The reward component a span records: ``"final"`` for a ``"reward"`` span, the ``reward.name`` of an
+    intermediate reward (``"intermediate"`` when unnamed), None for any other span."""
+    if span.name == "reward":
+        return "final"
+    if span.name == INTERMEDIATE_REWARD_SPAN_NAME:
+        return str(span.attributes.get("reward.name", "intermediate"))
+    return None
+
+
+def component_sums(spans: Sequence[Span]) -> dict[str, float]:
+    """``{component: sum of its rewards}`` over the intermediate rewards among ``spans`` (the final reward left out)."""
+    out: dict[str, float] = {}
+    for s in spans:
+        if s.name == INTERMEDIATE_REWARD_SPAN_NAME:
+            name = reward_component(s)
+            out[name] = out.get(name, 0.0) + float(s.attributes.get("reward", 0.0))
+    return out
 
 
 def final_reward(rollout_status: str, latest_attempt_rewards: Sequence[Any]) -> Optional[float]:
