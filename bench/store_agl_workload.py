@@ -13,6 +13,7 @@ given with ``--agl-benchmark``. Run it in a side venv where both packages import
         --agl-benchmark /tmp/agl-src/tests/benchmark/benchmark_store.py   # N=2048, batches of 256, 32 runners
     ... --keys repeated          # attribute keys reused across spans instead of fresh ones
     ... --stores memory,sqlite-FULL --runners 1 --profile /tmp/p     # ours only, cProfile top 25
+    ... --store-cpu              # also: CPU inside store calls per rollout, ratio to agentlightning
 
 What is agent-lightning's (used as is, imported from ``--agl-benchmark``):
 
@@ -78,7 +79,11 @@ idle-poll until then):
 Prints per store: seconds, process CPU seconds, the CPU seconds of the algorithm thread / of all
 runner threads (``alg/run``; the runners' includes their idle polling), rollouts/s, spans/s and
 the ratio to agentlightning (targets from issue 12: InMemoryStore >= 10x, SqliteStore FULL >= 2x),
-then ``spans_df()`` seconds on each of our stores after its run. ``--profile PATH`` profiles every
+then ``spans_df()`` seconds on each of our stores after its run. ``--store-cpu`` also sums the CPU time
+spent inside the store calls (every thread; ours with the runners' span conversion, which
+agent-lightning's ``add_otel_span`` does inside its store) and prints it per rollout and per call,
+with the ratio to agentlightning's: the store's own work, without the benchmark's algorithm
+(``check_spans``, its polls) and the threads' hand-offs. ``--profile PATH`` profiles every
 thread of our stores' runs (one cProfile per thread, merged) and prints the top 25 by tottime;
 with many runners, time blocked on the store's lock counts as tottime of ``RLock.__enter__``/
 ``lock.acquire``, so profile with ``--runners 1`` to see where the CPU goes. The machine's other
@@ -217,8 +222,8 @@ class AglStoreAdapter:
     they are: the algorithm reads ``rollout_id``/``status``, ``check_spans`` reads ``name``/``attributes``.
     """
 
-    def __init__(self, store: Any) -> None:
-        self.store = store
+    def __init__(self, store: Any, convert: Callable[[str, str, Any], Any] = to_span) -> None:
+        self.store, self.convert = store, convert
 
     async def add_resources(self, resources: dict[str, Any]) -> Any:
         from lightning_nb.types import LLMResource
@@ -240,7 +245,7 @@ class AglStoreAdapter:
         return self.store.query_workers()
 
     def add_otel_span(self, rollout_id: str, attempt_id: str, span: Any) -> Any:
-        return self.store.add_span(to_span(rollout_id, attempt_id, span))
+        return self.store.add_span(self.convert(rollout_id, attempt_id, span))
 
 
 # ----- the run ---------------------------------------------------------------------------------
@@ -271,6 +276,62 @@ class Profiles:
         for prof in self.done[1:]:
             stats.add(prof)
         return stats
+
+
+class StoreCpu:
+    """CPU seconds spent inside store calls, per call name, summed over every thread (``--store-cpu``).
+
+    Wraps the methods the benchmark calls on the store object the algorithm and runners use
+    (agent-lightning: its ``LightningStoreThreaded``, lock wait included, as ours), with
+    ``time.thread_time`` around each call; ours also counts the runners' ReadableSpan -> Span
+    conversion (``span_from_otel``), which agent-lightning's ``add_otel_span`` does inside the store.
+    About 1 µs per call of overhead, in both runs.
+    """
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self.cpu[name] = self.cpu.get(name, 0.0) + seconds
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+    def wrap(self, obj: Any, names: list[str]) -> None:
+        """Replace ``obj.<name>`` (sync or async methods) by timed versions, on the instance."""
+        for name in names:
+            fn = getattr(obj, name)
+            setattr(obj, name, self.timed_async(name, fn) if asyncio.iscoroutinefunction(fn)
+                    else self.timed(name, fn))
+
+    def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            cpu = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(name, time.thread_time() - cpu)
+        return timed
+
+    def timed_async(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            cpu = time.thread_time()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                self.add(name, time.thread_time() - cpu)
+        return timed
+
+    def total(self) -> float:
+        return sum(self.cpu.values())
+
+
+_AGL_CALLS = ["add_resources", "enqueue_rollout", "wait_for_rollouts", "query_spans", "query_workers",
+              "dequeue_rollout", "get_resources_by_id", "get_latest_resources", "add_otel_span", "update_attempt"]
+_OUR_CALLS = ["add_resources", "enqueue_rollout", "wait_for_rollouts", "query_spans", "query_workers",
+              "dequeue_rollout", "get_resources_by_id", "get_latest_resources", "add_spans", "add_span",
+              "update_attempt"]
 
 
 def run_workload(bm: types.ModuleType, store: Any, runner_target: Callable[[threading.Event], int], n: int,
@@ -305,11 +366,14 @@ def run_workload(bm: types.ModuleType, store: Any, runner_target: Callable[[thre
     return {"s": seconds, "cpu_s": cpu, "alg_cpu_s": alg_cpu, "runner_cpu_s": sum(runner_cpu)}
 
 
-def bench_agentlightning(bm, spans_for, n, batch_size, runners, runner_poll_s) -> dict[str, float]:
+def bench_agentlightning(bm, spans_for, n, batch_size, runners, runner_poll_s,
+                         store_cpu: Optional[StoreCpu] = None) -> dict[str, float]:
     from agentlightning.store import InMemoryLightningStore
     from agentlightning.store.threading import LightningStoreThreaded
 
     store = LightningStoreThreaded(InMemoryLightningStore())
+    if store_cpu is not None:
+        store_cpu.wrap(store, _AGL_CALLS)
 
     async def loop(stop: threading.Event) -> int:
         worker, count = f"w-{threading.get_ident()}", 0
@@ -329,12 +393,19 @@ def bench_agentlightning(bm, spans_for, n, batch_size, runners, runner_poll_s) -
             count += 1
         return count
 
-    return run_workload(bm, store, lambda stop: asyncio.run(loop(stop)), n, batch_size, runners, Profiles(False))
+    result = run_workload(bm, store, lambda stop: asyncio.run(loop(stop)), n, batch_size, runners, Profiles(False))
+    if store_cpu is not None:
+        result["store_cpu"] = store_cpu
+    return result
 
 
 def bench_ours(bm, store, spans_for, n, batch_size, runners, dequeue_timeout_s, agent_in_loop, profiles,
-               batched: bool = True) -> dict:
-    adapter = AglStoreAdapter(store)
+               batched: bool = True, store_cpu: Optional[StoreCpu] = None) -> dict:
+    convert = to_span
+    if store_cpu is not None:
+        store_cpu.wrap(store, _OUR_CALLS)
+        convert = store_cpu.timed("span_from_otel", to_span)
+    adapter = AglStoreAdapter(store, convert)
 
     def loop(stop: threading.Event) -> int:
         worker, count = f"w-{threading.get_ident()}", 0
@@ -353,7 +424,7 @@ def bench_ours(bm, store, spans_for, n, batch_size, runners, dequeue_timeout_s, 
                 spans = spans_for(rollout.input)
                 spans = event_loop.run_until_complete(spans) if event_loop else spans
                 if batched:  # as our Tracer writes an open attempt's spans: one add_spans when it closes
-                    store.add_spans([to_span(rid, aid, span) for span in spans])
+                    store.add_spans([convert(rid, aid, span) for span in spans])
                 else:
                     for span in spans:
                         adapter.add_otel_span(rid, aid, span)
@@ -365,10 +436,23 @@ def bench_ours(bm, store, spans_for, n, batch_size, runners, dequeue_timeout_s, 
         return count
 
     result = run_workload(bm, adapter, loop, n, batch_size, runners, profiles)
+    if store_cpu is not None:
+        result["store_cpu"] = store_cpu
     t0 = time.perf_counter()
     df = store.spans_df()
     result["spans_df_s"], result["spans_df_rows"] = time.perf_counter() - t0, len(df)
     return result
+
+
+def print_store_cpu(results: dict[str, dict[str, Any]], n: int) -> None:
+    """``--store-cpu``: CPU µs per rollout inside store calls, per call and in all, with the ratio to agentlightning."""
+    base = results.get("agentlightning InMemoryLightningStore", {}).get("store_cpu")
+    print("CPU inside store calls (all threads), µs per rollout; ratio: agentlightning's total / this store's")
+    for label, r in results.items():
+        acc = r["store_cpu"]
+        ratio = f" ({base.total() / acc.total():.1f}x)" if base is not None else ""
+        calls = ", ".join(f"{name} {cpu / n * 1e6:.0f}" for name, cpu in sorted(acc.cpu.items(), key=lambda x: -x[1]))
+        print(f"  {label}: {acc.total() / n * 1e6:.0f}{ratio}; {calls}")
 
 
 def _runner_poll_default() -> float:
@@ -406,6 +490,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="comma-separated subset of agl, memory, sqlite-FULL, sqlite-NORMAL")
     parser.add_argument("--tmp", default=None, help="folder for the SQLite files (default: the system temp folder)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for agl's generator")
+    parser.add_argument("--store-cpu", action="store_true",
+                        help="also sum the CPU time spent inside store calls (every thread; ours with the span "
+                        "conversion) and print it per rollout with its ratio to agentlightning's")
     parser.add_argument("--profile", default=None, metavar="PATH",
                         help="cProfile our stores' runs (all threads, merged) into PATH.<store>; "
                         "print the top 25 by tottime")
@@ -457,7 +544,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         load = os.getloadavg()[0]
         if name == "agl":
             label = "agentlightning InMemoryLightningStore"
-            results[label] = bench_agentlightning(bm, agl_spans_for, n, b, k, args.runner_poll_s)
+            results[label] = bench_agentlightning(bm, agl_spans_for, n, b, k, args.runner_poll_s,
+                                                  StoreCpu() if args.store_cpu else None)
         elif name == "memory" or name.startswith("sqlite-"):
             profiles = Profiles(args.profile is not None)
             with contextlib.ExitStack() as stack:
@@ -470,7 +558,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                                                     synchronous=mode)
                     stack.callback(store.close)
                 results[label] = bench_ours(bm, store, ours_spans_for, n, b, k, args.dequeue_timeout_s,
-                                            args.agent_in_loop, profiles, args.span_writes == "batch")
+                                            args.agent_in_loop, profiles, args.span_writes == "batch",
+                                            StoreCpu() if args.store_cpu else None)
                 del store
             stats = profiles.stats()
             if stats is not None:
@@ -500,6 +589,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 ratio = n / results[label]["s"] / theirs
                 print(f"{label} / agentlightning: {ratio:.1f}x (target >= {target}x: "
                       f"{'met' if ratio >= target else 'MISSED'})")
+    if args.store_cpu:
+        print_store_cpu(results, n)
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -240,6 +240,12 @@ def _span_model_construct(rollout_id: str, attempt_id: str, sequence_id: int, tr
 span_construct = _span_new if _span_new_matches_model_construct() else _span_model_construct
 
 
+def span_with_sequence_id(span: Span, sequence_id: int) -> Span:
+    """A new Span equal to ``span.model_copy(update={"sequence_id": sequence_id})`` (sharing ``span``'s
+    attributes dict, as that does) in a fifth of its time; no validation (:data:`span_construct`)."""
+    return span_construct(**{**span.__dict__, "sequence_id": sequence_id})
+
+
 class LLMResource(_Model):
     """An OpenAI-compatible endpoint agents call (usually the LLM proxy)."""
 

@@ -21,6 +21,10 @@ from lightning_nb.types import Triplet
 pytestmark = pytest.mark.slow
 
 QUESTION = "What is 17 + 25? Answer with a number."
+# float32 log-probs of one sequence, recomputed in a padded batch and alone, differ by kernel summation order:
+# up to 1.8e-5 nats measured on an AVX-512 CPU (below 1e-5 on others). A policy moved by one optimizer step, or
+# read at the wrong time, differs by orders of magnitude more (these tests assert > 1e-3 where that matters).
+LOGPROB_ATOL = 1e-4
 
 
 def _weights(model):
@@ -122,7 +126,7 @@ def test_ppo_epochs_clip_against_the_policy_fixed_at_the_start_of_the_update(eng
     for row in trainer.last_batch:
         P = len(row["input_ids"]) - len(before[row["rollout_id"]])
         got = torch.tensor(row["trainer_logprobs"][P:])
-        assert float((got - before[row["rollout_id"]]).abs().max()) < 1e-5
+        assert float((got - before[row["rollout_id"]]).abs().max()) < LOGPROB_ATOL
 
 
 def test_mini_batches_step_once_each_with_the_mini_batch_as_loss_denominator(engine, pristine):
@@ -239,8 +243,8 @@ def test_kl_reward_mode_subtracts_the_episode_kl_from_the_reward(engine, pristin
     batch = [_triplet(good, "good", "g", 1.0), _triplet(bad, "bad", "g", 0.0)]
     trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=1e-4, kl_coef=0.5, kl_mode="reward", kl_penalty="kl",
                                              norm_adv_by_std=False))
-    trainer.update(batch)  # the weights still equal the reference: KL 0, plain advantages
-    assert trainer.last_advantages == {"good": 0.5, "bad": -0.5}
+    trainer.update(batch)  # the weights still equal the reference: KL 0 (to float32 noise), plain advantages
+    assert trainer.last_advantages == pytest.approx({"good": 0.5, "bad": -0.5}, abs=LOGPROB_ATOL)
     kl = {name: float((_logprobs(trainer.model, g) - _logprobs(trainer.reference, g)).sum())
           for name, g in (("good", good), ("bad", bad))}
     assert abs(kl["good"] - kl["bad"]) > 0.05, kl  # the first step moved the policy away from the reference
@@ -360,7 +364,7 @@ def test_last_batch_holds_every_sequence_of_the_kept_episodes(engine, pristine):
             assert row["advantage"] == 0.0 and row["trainer_logprobs"] is None
         else:
             assert len(row["trainer_logprobs"]) == len(row["input_ids"]) and row["trainer_logprobs"][:P] == [0.0] * P
-            assert float((torch.tensor(row["trainer_logprobs"][P:]) - before[name]).abs().max()) < 1e-5
+            assert float((torch.tensor(row["trainer_logprobs"][P:]) - before[name]).abs().max()) < LOGPROB_ATOL
     assert rows["a"]["advantage"] > 0 > rows["b"]["advantage"]
 
 

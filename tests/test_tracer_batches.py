@@ -122,3 +122,7 @@ def test_span_construct_is_model_construct_without_the_per_field_loop():
         span.status = "nope"  # validate_assignment still applies
     span.name = "tool"
     assert span.model_dump()["name"] == "tool"
+
+    moved = types.span_with_sequence_id(span, 9)  # the store's add_spans returns these
+    assert moved == span.model_copy(update={"sequence_id": 9}) and moved is not span and span.sequence_id == 3
+    assert moved.attributes is span.attributes and moved.sequence_id == 9

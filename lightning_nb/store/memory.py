@@ -33,6 +33,7 @@ from lightning_nb.types import (
     Span,
     Worker,
     new_id,
+    span_with_sequence_id,
 )
 
 __all__ = ["InMemoryStore"]
@@ -384,7 +385,7 @@ class InMemoryStore(LightningStore):
             # no notify: nobody waits for spans (a status change above notified already)
         # each new span as the caller gave it, with its sequence id (its attributes are the caller's own;
         # the table holds a copy), made after releasing the lock
-        return [span.model_copy(update={"sequence_id": seq}) if repeat is None else repeat
+        return [span_with_sequence_id(span, seq) if repeat is None else repeat
                 for span, (_, seq, repeat) in zip(spans, plan)]
 
     def _plan_spans(self, spans: list[Span], one: bool) -> list[tuple[Attempt, int, Optional[Span]]]:

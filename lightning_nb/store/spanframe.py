@@ -29,7 +29,7 @@ from lightning_nb.errors import ConfigError
 from lightning_nb.types import Span
 
 __all__ = ["SPAN_COLUMNS", "KNOWN_ATTRIBUTES", "NUMBER_COLUMNS", "CATEGORY_COLUMNS", "FLATTEN_MAX_KEYS", "Flatten",
-           "check_flatten", "copy_attributes", "holds_list", "known_cells", "known_columns", "spans_frame", "frame_from_spans"]
+           "check_flatten", "copy_attributes", "copy_lists", "holds_list", "known_cells", "known_columns", "spans_frame", "frame_from_spans"]
 
 #: column -> the attribute it shows (OpenTelemetry GenAI conventions, as the LLM proxy writes them).
 KNOWN_ATTRIBUTES: dict[str, str] = {
@@ -95,12 +95,19 @@ def copy_attributes(attributes: dict[str, Any]) -> dict[str, Any]:
     Attribute values are scalars or flat lists of scalars (OpenTelemetry), so copying
     the lists one level deep is a full copy, and much cheaper than ``copy.deepcopy``.
     """
-    out = dict(attributes)
-    if holds_list(out):
-        for k, v in out.items():
+    return copy_lists(dict(attributes), holds_list(attributes))
+
+
+def copy_lists(attributes: dict[str, Any], has_list: bool) -> dict[str, Any]:
+    """``attributes`` (a fresh dict, changed in place and returned) with its list values replaced by copies.
+
+    ``has_list`` is :func:`holds_list` of it, known already (a scan of every value costs more than the dict copy).
+    """
+    if has_list:
+        for k, v in attributes.items():
             if type(v) is list:
-                out[k] = v[:]
-    return out
+                attributes[k] = v[:]
+    return attributes
 
 
 def known_cells(attributes: dict[str, Any]) -> tuple[Any, ...]:

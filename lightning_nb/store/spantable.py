@@ -26,22 +26,22 @@ import pandas as pd
 
 from lightning_nb.errors import LightningNbError
 from lightning_nb.store.spanframe import CATEGORY_COLUMNS as _CODED
-from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES, NUMBER_COLUMNS, copy_attributes, holds_list, known_cells
+from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES, NUMBER_COLUMNS, copy_lists, holds_list, known_cells
 from lightning_nb.types import Span, span_construct
 
 __all__ = ["SpanTable", "SpanSpill", "span_from_raw"]
 
 def span_from_raw(raw: tuple[Any, ...]) -> Span:
     """A :class:`Span` from :meth:`SpanTable.raw`, with its own copy of the attributes."""
-    *fields, attrs = raw
-    return span_construct(*fields, copy_attributes(attrs))
+    *fields, attrs, has_list = raw
+    return span_construct(*fields, copy_lists(dict(attrs), has_list))
 
 
 class SpanTable:
     """Spans as columns; rows are appended and removed in batches (``drop``).
 
     ``append`` stores a copy of the span's attributes and ``span`` hands out a copy
-    (:func:`copy_attributes`), so callers never share a list with the table.
+    (:func:`~lightning_nb.store.spanframe.copy_lists`), so callers never share a list with the table.
     """
 
     def __init__(self) -> None:
@@ -63,8 +63,9 @@ class SpanTable:
     @staticmethod
     def prepare(span: Span) -> tuple[dict[str, Any], int, tuple[Any, ...]]:
         """The part of :meth:`append` that needs no lock: a copy of the attributes and their derived cells."""
-        attrs = copy_attributes(span.attributes)
-        return attrs, holds_list(attrs), known_cells(attrs)
+        has_list = holds_list(span.attributes)
+        attrs = copy_lists(dict(span.attributes), has_list)
+        return attrs, has_list, known_cells(attrs)
 
     def append(self, span: Span, rollout_id: str, attempt_id: str, rank: int, aseq: int, seq: int,
                prepared: Optional[tuple[dict[str, Any], int, tuple[Any, ...]]] = None) -> None:
@@ -119,12 +120,13 @@ class SpanTable:
         return span_from_raw(self.raw(row))
 
     def raw(self, row: int) -> tuple[Any, ...]:
-        """Row ``row`` as the fields of a Span, its attributes dict the table's own: under the lock,
-        then :func:`span_from_raw` after releasing it (the table never changes a stored dict in place)."""
+        """Row ``row`` as the fields of a Span, its attributes dict the table's own, and whether that holds a
+        list: under the lock, then :func:`span_from_raw` after releasing it (the table never changes a stored
+        dict in place)."""
         v = self.value
         return (v("rollout_id", row), v("attempt_id", row), self.seq[row], v("trace_id", row), self.span_ids[row],
                 v("parent_id", row), v("name", row), self.start[row], self.end[row], v("status", row),
-                self.attrs[row])
+                self.attrs[row], self.has_list[row])
 
     def rows(self, attempt_ids: Iterable[str]) -> list[int]:
         return [r for aid in attempt_ids for r in self.by_attempt.get(aid, ())]
