@@ -5,8 +5,8 @@ Installs nothing and contains none of agent-lightning's code: it imports agent-l
 given with ``--agl-benchmark``. Run it in a side venv where both packages import::
 
     python3 -m venv /tmp/al
-    /tmp/al/bin/pip install agentlightning==0.3.0 torch==2.13.0+cpu   # the CPU torch build (PyTorch's CPU
-                                                                  # wheel index); an unpinned one pulls CUDA
+    /tmp/al/bin/pip install agentlightning==0.3.0 torch==2.13.0   # the CPU build on this machine's disk
+                                                              # (as the Makefile installs it); unpinned pulls CUDA
     /tmp/al/bin/pip install -e /work/main                         # this repo (lightning-nb)
     # agent-lightning's repository (microsoft/agent-lightning) at tag v0.3.0, checked out in /tmp/agl-src
     LITELLM_LOCAL_MODEL_COST_MAP=True /tmp/al/bin/python bench/store_agl_workload.py \\
