@@ -403,8 +403,8 @@ class InMemoryStore(LightningStore):
                 planned = batch.get((aid, span.span_id))
                 if planned is not None:  # repeated within the batch
                     seq = planned[0]
-                    same_span(span, planned[1].model_copy(update={"sequence_id": seq}))
-                    plan.append((attempt, seq, span.model_copy(update={"sequence_id": seq})))
+                    same_span(span, span_with_sequence_id(planned[1], seq))
+                    plan.append((attempt, seq, span_with_sequence_id(span, seq)))
                     continue
                 if span.span_id in ids:
                     plan.append((attempt, ids[span.span_id], self._repeated_span(span, attempt, ids[span.span_id])))
@@ -432,7 +432,7 @@ class InMemoryStore(LightningStore):
             found = [s for _, _, s in self._spill.read(attempt.rollout_id)  # type: ignore[union-attr]
                      if s.attempt_id == attempt.attempt_id and s.sequence_id == seq]
         if not found:  # evicted (no spill_path): nothing left to compare with
-            return span.model_copy(update={"sequence_id": seq})
+            return span_with_sequence_id(span, seq)
         return same_span(span, found[0])
 
     def _shed(self) -> None:

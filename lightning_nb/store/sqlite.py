@@ -32,7 +32,7 @@ from lightning_nb.store.rules import (
 )
 from lightning_nb.types import (
     ROLLOUT_TERMINAL, Attempt, AttemptedRollout, AttemptStatus, ResourcesUpdate, Rollout,
-    RolloutConfig, RolloutMode, Span, Worker, new_id,
+    RolloutConfig, RolloutMode, Span, Worker, new_id, span_with_sequence_id,
 )
 
 __all__ = ["SqliteStore", "MIGRATIONS"]
@@ -503,7 +503,7 @@ class SqliteStore(LightningStore):
             return same_span(span, Span.model_validate_json(same) if isinstance(same, str) else same)
         taken = span.sequence_id > 0 and bool(self._rows(
             "SELECT 1 FROM spans WHERE attempt_id = ? AND sequence_id = ?", span.attempt_id, span.sequence_id))
-        new = span.model_copy(update={"sequence_id": span_sequence_id(span, last, taken)})
+        new = span_with_sequence_id(span, span_sequence_id(span, last, taken))
         self._rows("INSERT INTO spans (attempt_id, sequence_id, rollout_id, name, span_id, data) "
                    "VALUES (?, ?, ?, ?, ?, ?)", new.attempt_id, new.sequence_id, new.rollout_id,
                    new.name, new.span_id, _json(new, "span attributes"))
