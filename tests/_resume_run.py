@@ -1,16 +1,16 @@
 """One deterministic training run in its own process, for tests/test_resume.py and tests/test_verl_trainer.py.
 
     python tests/_resume_run.py OUT.json --steps 4 [--save-at 2 --checkpoint C.pt] [--load C.pt] [--pauses]
-    python tests/_resume_run.py OUT.json --trainer verl --steps 3 --pause-after 1 --save-at 2 --checkpoint DIR
-    python tests/_resume_run.py OUT.json --trainer verl --steps 3 --load DIR
+    python tests/_resume_run.py OUT.json --trainer verl --steps 2 --save-at 1 --checkpoint DIR --background-pause
+    python tests/_resume_run.py OUT.json --trainer verl --steps 2 --load DIR
 
 The calculator agent on SmolLM2-135M behind the LLM proxy, with one runner thread, so the engine
 decodes one request at a time and the torch RNG stream that sampling draws from is consumed in a
 fixed order. ``--trainer verl`` trains with VerlTrainer (checkpoints are folders in verl's layout).
-With ``--pause-after K`` the first ``--save-at`` steps run in the background (``trainer.start``);
-once step K is done the run is paused at a step boundary, inspected (metrics, the last batch, a chat
-with the model) and resumed; then it saves and runs the remaining steps in the foreground. Writes
-the metrics row of every step it ran, what the pauses showed, timings and a SHA-256 of the final weights.
+With ``--background-pause`` the steps after ``--save-at`` run in the background (``trainer.start``),
+paused at once: the loop parks at the first step boundary it reaches inside the next step, the run is
+inspected there (metrics, the last batch, a greedy chat with the model) and resumed. Writes the
+metrics row of every step it ran, what the pauses showed, timings and a SHA-256 of the final weights.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def main() -> int:
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--load", default=None)
     parser.add_argument("--pauses", action="store_true", help="run in the background and pause/resume it")
-    parser.add_argument("--pause-after", type=int, default=0,
-                        help="run to --save-at in the background, pausing once after this step")
+    parser.add_argument("--background-pause", action="store_true",
+                        help="run the steps after --save-at in the background, pausing once inside the first")
     parser.add_argument("--trainer", choices=["grpo", "verl"], default="grpo")
     args = parser.parse_args()
 
@@ -84,12 +84,14 @@ def main() -> int:
     pauses: list = []
     step_seconds: list[float] = []
     try:
-        if args.pause_after:
+        if args.background_pause:
+            while trainer.step < args.save_at:
+                algo.step()
+            if args.checkpoint:
+                trainer.save(args.checkpoint)
             t0 = time.perf_counter()
-            trainer.start(algo, steps=args.save_at - trainer.step)
-            while trainer.step < args.pause_after and trainer.running:
-                time.sleep(0.05)
-            parked = trainer.pause(timeout=600)
+            trainer.start(algo, steps=args.steps - trainer.step)
+            parked = trainer.pause(timeout=600)  # at the first boundary the loop reaches
             batch = trainer.last_batch_df()
             pauses.append({"parked": parked, "step": trainer.step, "at": trainer.paused_at,
                            "metrics_rows": len(trainer.metrics_df()), "batch_rows": len(batch),
@@ -97,12 +99,6 @@ def main() -> int:
             trainer.resume()
             trainer.wait(timeout=900)
             step_seconds.append(time.perf_counter() - t0)
-            if args.checkpoint:
-                trainer.save(args.checkpoint)
-            while trainer.step < args.steps:
-                t0 = time.perf_counter()
-                algo.step()
-                step_seconds.append(time.perf_counter() - t0)
         elif args.pauses:
             pauser = threading.Thread(target=_pauser, args=(trainer, engine, pauses), daemon=True)
             trainer.start(algo, steps=args.steps - trainer.step)

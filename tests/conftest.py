@@ -1,4 +1,5 @@
-"""Shared fixtures. The real SmolLM2-135M model is loaded once per session (about 30 s)."""
+"""Shared fixtures. The real SmolLM2-135M model is loaded once per session (about 3 s from the model cache,
+about 20 s when the first load of the machine reads the GGUF; see `lightning_nb.engine.load_default_model`)."""
 
 from __future__ import annotations
 

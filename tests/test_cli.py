@@ -43,7 +43,8 @@ def test_demo_writes_metrics_curve_and_summary(tmp_path):
     ckpt = out / "checkpoint.pt"
     assert summary["checkpoint"] == str(ckpt) and ckpt.stat().st_size > 100_000_000
     # the checkpoint holds weights, not an engine: resume and eval it on the in-process engine (no server start-up)
-    proc = subprocess.run([*cmd, "--steps", "2", "--resume", str(ckpt), "--val-size", "2", "--engine", "transformers"],
+    proc = subprocess.run([*cmd, "--steps", "2", "--resume", str(ckpt), "--val-size", "2", "--ood-size", "0",
+                           "--engine", "transformers"],
                           capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {ckpt} at step 1" in proc.stdout

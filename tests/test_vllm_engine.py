@@ -301,7 +301,7 @@ def test_load_weights_serves_new_weights_and_restores_old_ones(vllm, monkeypatch
     inflight: dict = {}
 
     def long_request():
-        inflight["resp"] = _chat(vllm, [{"role": "user", "content": "Tell me a story."}], max_tokens=768,
+        inflight["resp"] = _chat(vllm, [{"role": "user", "content": "Tell me a story."}], max_tokens=320,
                                  ignore_eos=True)
         inflight["done"] = time.monotonic()
 
@@ -313,7 +313,7 @@ def test_load_weights_serves_new_weights_and_restores_old_ones(vllm, monkeypatch
     def export_then_start_a_completion(*args, **kwargs):
         real_export(*args, **kwargs)
         worker.start()
-        time.sleep(0.5)  # decoding by now (768 tokens take several seconds here)
+        time.sleep(0.5)  # decoding by now (320 tokens take over 10 s here)
         inflight["pausing"] = time.monotonic()
 
     monkeypatch.setattr(vllm, "_export", export_then_start_a_completion)
@@ -346,7 +346,7 @@ def test_load_weights_serves_new_weights_and_restores_old_ones(vllm, monkeypatch
     # the in-flight completion came entirely from the old (original) weights
     story = inflight["resp"]
     sids, slps = _ids_lps(story)
-    assert len(sids) == 768
+    assert len(sids) == 320
     assert _max_diff(slps, _hf_logprobs(model, story["prompt_token_ids"], sids, 0.0)) < LOGPROB_TOL
 
 
