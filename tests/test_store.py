@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import random
+import re
 import threading
 import uuid
 import time
@@ -10,7 +13,7 @@ import pandas as pd
 import pytest
 
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundError
-from lightning_nb.types import LLMResource, RolloutConfig, Span
+from lightning_nb.types import LLMResource, RolloutConfig, Span, new_id
 
 
 def _span(rollout_id, attempt_id, name="x", **attrs):
@@ -377,3 +380,26 @@ def test_returned_and_given_objects_are_never_shared_with_the_store(store):
     retry.attempt.error = "mutated"
     assert store.get_rollout_by_id(r.rollout_id).input == {"q": [1, 2]}
     assert store.query_attempts(r.rollout_id)[-1].error is None
+
+
+def test_ids_survive_random_seed_and_fork():
+    """Rollout, attempt and resources ids come from a private generator: a notebook's random.seed() does not
+    make two runs repeat ids (a durable store keeps both runs), and a forked child is reseeded, so it does not
+    repeat its parent's next ids."""
+    random.seed(0)
+    first = [new_id("ro") for _ in range(3)]
+    random.seed(0)
+    second = [new_id("ro") for _ in range(3)]
+    assert not set(first) & set(second)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next three ids, then leave at once
+        os.write(write, " ".join(new_id("ro") for _ in range(3)).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = os.read(read, 1000).decode().split()
+    os.close(read)
+    parent = [new_id("ro") for _ in range(3)]
+    assert len(child) == 3 and not set(child) & set(parent)
+    assert all(re.fullmatch(r"ro-[0-9a-f]{12}", i) for i in first + child + parent)
