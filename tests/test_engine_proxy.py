@@ -285,13 +285,17 @@ def test_tools_are_rendered_as_hermes_text_and_tool_calls_parsed(proxied):
     assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>' in prompt
     assert "<tool_response>\n391\n</tool_response>" in prompt
     assert '"description": "Evaluate an arithmetic expression"' in prompt.split("<|im_end|>")[0]  # the system turn
-    # a fresh question, 16 seeded samples: each reply is exactly what parsing the raw completion gives
-    # (SmolLM2-135M rarely writes a call: bench/tool_call_rate.py measures how often; RL is there to raise it)
+    # a fresh question, 4 seeded samples: each reply is exactly what parsing the raw completion gives.
+    # SmolLM2-135M rarely writes a call when sampled (bench/tool_call_rate.py measures how often; RL is there
+    # to raise it): seed 0 wrote none in 16 samples here, so these check the plain replies, one ended by the
+    # stop token and one cut at max_tokens; calls the model does write are parsed end to end in
+    # test_framework_agents.py (greedy, where it writes them).
     reply = client.chat.completions.create(model=M, messages=history[:1], tools=[CALCULATOR], tool_choice="required",
-                                           max_tokens=48, temperature=1.0, n=16, seed=0)
+                                           max_tokens=48, temperature=1.0, n=4, seed=0)
     spans = {s.attributes["choice_index"]: s.attributes for s in store.query_spans(rid)
-             if s.attributes.get("n") == 16}
-    assert sorted(spans) == list(range(16))
+             if s.attributes.get("n") == 4}
+    assert sorted(spans) == list(range(4))
+    assert {c.finish_reason for c in reply.choices if not c.message.tool_calls} == {"stop", "length"}
     for choice in reply.choices:
         raw = spans[choice.index]["gen_ai.completion"]
         content, calls = parse_tool_calls(raw, ["calculator"])
@@ -304,7 +308,8 @@ def test_tools_are_rendered_as_hermes_text_and_tool_calls_parsed(proxied):
             assert json.loads(spans[choice.index]["gen_ai.response.tool_calls"])[0]["function"] == calls[0]["function"]
         else:
             assert choice.message.content == raw and choice.finish_reason in ("stop", "length")
-    print(f"tool calls written: {sum(bool(c.message.tool_calls) for c in reply.choices)}/16")
+    written = sum(bool(c.message.tool_calls) for c in reply.choices)
+    print(f"tool calls written: {written}/4")
     # tool_choice="none" hides the tools and parses nothing
     client.chat.completions.create(model=M, messages=history[:1], tools=[CALCULATOR], tool_choice="none",
                                    max_tokens=4, temperature=0.0)
