@@ -76,8 +76,11 @@ def main() -> int:
     runners = start_runners(calc_agent, store, n=1)
     trainer_cls, config_cls = (VerlTrainer, VerlConfig) if args.trainer == "verl" else (GRPOTrainer, GRPOConfig)
     trainer = trainer_cls(engine, config_cls(learning_rate=5e-5, micro_batch_size=2))
+    # seed 3: step 2 (the step after the checkpoint, the one the resume tests compare) has rewards that differ
+    # within a group, so it makes a real update with both trainers (measured: GRPO 114 tokens trained, verl
+    # grad_norm 3.0); with seed 7 and groups of 3 it had reward 0 everywhere and no policy gradient
     algo = LightningRL(store, trainer, load_tasks("train"), config=AlgorithmConfig(
-        tasks_per_step=2, group_size=3, max_tokens=16, temperature=1.0, max_sample_rounds=1, seed=7))
+        tasks_per_step=2, group_size=2, max_tokens=16, temperature=1.0, max_sample_rounds=1, seed=3))
     if args.load:
         trainer.load(args.load)
     first = trainer.step

@@ -224,7 +224,7 @@ def test_a_step_paused_in_the_background_equals_that_step_resumed_in_a_new_proce
     print(f"VerlTrainer end to end on CPU: {first['seconds']:.0f} s in all; step 2 in the background with a pause "
           f"{first['step_seconds'][0]:.0f} s; pause {first['pauses']}; rows {first['rows']}")
     assert [r["step"] for r in first["rows"]] == [1, 2] and {r["trainer"] for r in first["rows"]} == {"verl"}
-    assert any(r["tokens_trained"] for r in first["rows"]), "no step trained anything: the test would be vacuous"
+    assert first["rows"][1]["grad_norm"], "step 2 had no policy gradient: comparing it would not test the update"
     (pause,) = first["pauses"]
     assert pause["parked"] and pause["step"] == 1 and pause["metrics_rows"] == 1 and pause["at"]
     assert pause["batch_rows"] > 0 and "advantage" in pause["batch_columns"] and pause["chat"]
