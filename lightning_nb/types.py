@@ -73,11 +73,12 @@ ATTEMPT_TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "timeout", 
 
 # Ids come from a private generator seeded from os.urandom, not from uuid.uuid4(): os.urandom releases the
 # GIL on every call, and a store that makes an attempt id under its lock then waits for the GIL back while
-# its runner threads queue up on that lock (with 32 runner threads that cost InMemoryStore ~15% of its CPU).
+# its runner threads queue up on that lock (with 32 runner threads that cost InMemoryStore ~10% of its CPU).
 # Private, so a notebook's random.seed() cannot make two runs repeat ids; reseeded in a forked child, so a
 # child and its parent never share a sequence.
 _ids = random.Random()
-os.register_at_fork(after_in_child=_ids.seed)
+if hasattr(os, "register_at_fork"):  # POSIX; there is no fork elsewhere
+    os.register_at_fork(after_in_child=_ids.seed)
 
 
 def new_id(prefix: str) -> str:
