@@ -45,7 +45,12 @@ def test_readme_commands_are_the_ones_ci_and_make_use():
     assert "make demo" in readme and "make test" in readme
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     makefile = (ROOT / "Makefile").read_text()
-    assert re.search(r"^demo: setup", makefile, re.M) and re.search(r"^test: setup", makefile, re.M)
+    for target, command in (("demo", "-m lightning_nb demo"), ("test", "-m pytest")):
+        recipe = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", makefile, re.M)
+        assert recipe, f"the Makefile has no {target} target with a recipe"
+        lines = recipe.group(1).splitlines()
+        # set-up first (both venvs side by side: $(MAKE) -j2 setup ...), then the command itself
+        assert "$(MAKE) -j2 setup" in lines[0] and command in lines[-1], lines
 
 
 def test_cli_help_documents_demo():
