@@ -386,10 +386,14 @@ def test_ids_survive_random_seed_and_fork():
     """Rollout, attempt and resources ids come from a private generator: a notebook's random.seed() does not
     make two runs repeat ids (a durable store keeps both runs), and a forked child is reseeded, so it does not
     repeat its parent's next ids."""
-    random.seed(0)
-    first = [new_id("ro") for _ in range(3)]
-    random.seed(0)
-    second = [new_id("ro") for _ in range(3)]
+    saved = random.getstate()  # leave the global generator as the other tests found it
+    try:
+        random.seed(0)
+        first = [new_id("ro") for _ in range(3)]
+        random.seed(0)
+        second = [new_id("ro") for _ in range(3)]
+    finally:
+        random.setstate(saved)
     assert not set(first) & set(second)
     read, write = os.pipe()
     pid = os.fork()
