@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     tasks = [f"task-{i}-generated" for i in range(args.total_tasks)]
     spans_of = {t: asyncio.run(record(t)) for t in tasks}
     print(f"{agl_workload.describe(spans_of)}; runners={args.runners}, batch={args.batch_size}, "
-          f"switch interval {sys.getswitchinterval()} s")
-    print(f"{'variant':<12} {'wall s':>7} {'main CPU s':>10} {'runner CPU µs/rollout':>22} {'ctx vol':>8} {'invol':>6}")
+          f"switch interval {sys.getswitchinterval():.3g} s")
+    print(f"{'variant':<12} {'wall s':>7} {'main CPU s':>10} {'runner CPU µs/rollout':>22} "
+          f"{'ctx vol':>8} {'invol':>6}")
     for _ in range(args.repeats):
         for v in variants:
             r = run_once(tasks, spans_of, args.runners, args.batch_size, v)
