@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union, overload
 
 from lightning_nb.adapter import TripletAdapter
+from lightning_nb.checkpoint import rng_state
 from lightning_nb.control import config_edits
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.loggers import MetricLogger, make_loggers
@@ -247,6 +248,9 @@ class LightningRL:
         self.id_key = id_key
         self.on_step = on_step
         self._rng = random.Random(self.config.seed)
+        # (state_dict(), global RNG states) at the start of the step in progress, kept until its update
+        # begins: what a checkpoint saved inside the step holds (checkpoint_state)
+        self._step_start: Optional[tuple[dict[str, Any], dict[str, Any]]] = None
         self.val_history: list[tuple[int, float]] = []
         self.last_sample_rounds = 0
         self.last_groups_with_signal = 0
@@ -269,6 +273,22 @@ class LightningRL:
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
         self.val_history = [(int(s), float(v)) for s, v in state["val_history"]]
+        self._step_start = None
+
+    def checkpoint_state(self) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+        """``(state_dict, global RNG states or None)`` for a checkpoint of the last step whose update ran.
+
+        Inside a step that has not begun its update (the loop paused ``between sample rounds`` or
+        ``before update``, or a step that raised before its update) that is the state at the step's
+        start, with the torch, numpy and Python RNG states of that moment
+        (:func:`lightning_nb.checkpoint.rng_state`): the step has drawn its tasks and sampled, but its
+        weights are those of the step before, so a run continued from the checkpoint redoes the step
+        from its start, as the uninterrupted run did. Otherwise ``(state_dict(), None)``: the RNG
+        states are the current ones.
+        """
+        if self._step_start is not None:
+            return self._step_start
+        return self.state_dict(), None
 
     def _rollout_config(self) -> RolloutConfig:
         return RolloutConfig(max_attempts=self.config.max_attempts, timeout_seconds=self.config.rollout_timeout_s)
@@ -493,6 +513,7 @@ class LightningRL:
             LightningNbError: no rollout of the step gave a triplet.
         """
         self.trainer.at_boundary("before collect")
+        self._step_start = (self.state_dict(), rng_state())  # what a checkpoint saved inside this step holds
         edits = self._config_edits()
         t0, paused0 = time.perf_counter(), self.trainer.paused_seconds
         triplets, ids = self.collect()
@@ -502,6 +523,7 @@ class LightningRL:
                 f"no triplets from {len(ids)} rollouts (skipped: {self.last_skipped}); "
                 "inspect store.attempts_df() for agent errors")
         self.trainer.at_boundary("before update")
+        self._step_start = None  # from here on the weights change: a checkpoint is of this step
         metrics = self.trainer.update(triplets)
         step = metrics["step"]
         rollouts = self.store.query_rollouts(rollout_ids=ids)

@@ -1172,20 +1172,36 @@ class GRPOTrainer(BackgroundLoop):
         the weight version; the store's latest resources id; the reference model's
         weights fingerprint and how to rebuild it (the initial weights of the default
         model); a model signature. It loads with ``torch.load(weights_only=True)``.
-        Call it at a step boundary (paused, or after ``wait()``); it takes the update lock.
+        Call it at a step boundary (paused, or after ``wait()``); it takes the update lock. Paused inside a
+        step before its update (``between sample rounds``, ``before update``), the checkpoint is of the
+        step before, with the algorithm's and RNG states from the start of the paused step
+        (:meth:`LightningRL.checkpoint_state`), so a continued run redoes that step as this one does.
         Size: weights + 2 × weights for AdamW (about 1.6 GB for SmolLM2-135M in float32). With LoRA
         (``lora_rank > 0``) it holds the adapters and their AdamW state instead of the weights (about
         60 MB for SmolLM2-135M at rank 32), and a fingerprint of the frozen base weights, which
         :meth:`load` checks.
+
+        Raises:
+            ConfigError: the loop is paused ``before evaluate`` (the step updated the weights, its
+                evaluation and metrics are not done): resume and save at the next pause.
         """
         import torch
 
         from lightning_nb import __version__
 
         path = Path(path)
+        if self.paused_at == "before evaluate":
+            raise ConfigError(f"trainer.save(): the loop is paused before step {self.step}'s evaluation, after its "
+                              "update; its metrics row and evaluation are not done yet, so a run continued from "
+                              "a checkpoint now would differ from this one. trainer.resume() and save at the next "
+                              "pause, or after trainer.wait()")
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._updating, self.engine.lock:
             store = getattr(self.algorithm, "store", None)
+            algorithm_state, rng = None, None
+            if self.algorithm is not None:
+                algorithm_state, rng = (self.algorithm.checkpoint_state() if hasattr(self.algorithm, "checkpoint_state")
+                                        else (self.algorithm.state_dict(), None))
             latest = store.get_latest_resources() if store is not None else None
             state = {
                 "format": CHECKPOINT_FORMAT, "lightning_nb_version": __version__,
@@ -1194,12 +1210,12 @@ class GRPOTrainer(BackgroundLoop):
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "step": self.step, "metrics": plain(self.metrics),
                 "config": asdict(self.config), "config_changes": plain(self.config_changes),
-                "weight_version": self.engine.weight_version, "rng": rng_state(),
+                "weight_version": self.engine.weight_version, "rng": rng if rng is not None else rng_state(),
                 "reference": None if self.reference is None else {
                     "fingerprint": weights_fingerprint(self.reference),
                     "source": getattr(self.engine, "model_source", None)},
                 "lora_base": None if self.peft_model is None else {"fingerprint": self._base_fingerprint()},
-                "algorithm": plain(self.algorithm.state_dict()) if self.algorithm is not None else None,
+                "algorithm": plain(algorithm_state) if algorithm_state is not None else None,
                 "resources_id": latest.resources_id if latest is not None else None,
             }
             tmp = path.with_suffix(path.suffix + ".tmp")

@@ -9,7 +9,9 @@ decodes one request at a time and the torch RNG stream that sampling draws from 
 fixed order. ``--trainer verl`` trains with VerlTrainer (checkpoints are folders in verl's layout).
 With ``--background-pause`` the steps after ``--save-at`` run in the background (``trainer.start``),
 paused at once: the loop parks at the first step boundary it reaches inside the next step, the run is
-inspected there (metrics, the last batch, a greedy chat with the model) and resumed. Writes the
+inspected there (metrics, the last batch, a greedy chat with the model) and resumed. With ``--pauses``
+and ``--checkpoint``, the checkpoint is saved while paused inside step ``--save-at`` + 1, after its
+rollouts were collected and before its update (as a notebook's Pause then Save does). Writes the
 metrics row of every step it ran, what the pauses showed, timings and a SHA-256 of the final weights.
 """
 
@@ -35,17 +37,31 @@ def weights_sha256(model) -> str:
     return h.hexdigest()
 
 
-def _pauser(trainer, engine, log: list) -> None:
-    """Pause at a few points of the run, chat greedily while paused, then resume."""
+def _pauser(trainer, engine, log: list, store, checkpoint=None, save_at: int = 0, per_step: int = 0) -> None:
+    """Pause at a few points of the run, chat greedily while paused, then resume.
+
+    With ``checkpoint``: the timed pauses stop once step ``save_at`` is done; then the run is paused while
+    step ``save_at`` + 1 collects (its ``per_step`` rollouts enqueued), so it parks before that step's
+    update, and the checkpoint is saved there.
+    """
     for delay in (0.5, 1.5, 1.5, 3.0):
         time.sleep(delay)
-        if not trainer.running:
-            return
+        if not trainer.running or (checkpoint and trainer.step >= save_at):
+            break
         if trainer.pause(timeout=300) and trainer.paused_at:  # not when the run ended before it parked
             log.append({"step": trainer.step, "at": trainer.paused_at,
                         "chat": engine.chat("What is 2 + 2?", max_tokens=6)})
             time.sleep(0.5)
         trainer.resume()
+    if not checkpoint:
+        return
+    while trainer.running and not (trainer.step == save_at and len(store.query_rollouts()) > per_step * save_at):
+        time.sleep(0.005)
+    if trainer.pause(timeout=300) and trainer.paused_at:
+        trainer.save(checkpoint)
+        log.append({"step": trainer.step, "at": trainer.paused_at, "saved": True,
+                    "chat": engine.chat("What is 2 + 2?", max_tokens=6)})
+    trainer.resume()
 
 
 def main() -> int:
@@ -103,7 +119,8 @@ def main() -> int:
             trainer.wait(timeout=900)
             step_seconds.append(time.perf_counter() - t0)
         elif args.pauses:
-            pauser = threading.Thread(target=_pauser, args=(trainer, engine, pauses), daemon=True)
+            pauser = threading.Thread(target=_pauser, args=(trainer, engine, pauses, store, args.checkpoint,
+                                                             args.save_at, 2 * 2), daemon=True)  # tasks x group
             trainer.start(algo, steps=args.steps - trainer.step)
             pauser.start()
             trainer.wait(timeout=900)

@@ -53,9 +53,20 @@ def test_save_load_in_a_new_process_continues_bit_for_bit(straight, tmp_path):
 
 
 def test_pause_and_resume_at_step_boundaries_equal_an_uninterrupted_run(straight, tmp_path):
+    """Pauses (with a save while paused inside step N+1) change nothing, and that checkpoint continues the run."""
     result, _ = straight
-    paused = _run(tmp_path, "paused", "--steps", str(2 * N), "--pauses")
+    ckpt = tmp_path / "mid-step.pt"
+    paused = _run(tmp_path, "paused", "--steps", str(2 * N), "--pauses", "--save-at", str(N),
+                  "--checkpoint", str(ckpt))
     assert len(paused["pauses"]) >= 2, paused["pauses"]
     assert all(p["at"] and p["chat"] for p in paused["pauses"]), paused["pauses"]
     assert paused["rows"] == result["rows"]
     assert paused["weights"] == result["weights"]
+    saved = [p for p in paused["pauses"] if p.get("saved")]
+    assert [(p["step"], p["at"]) for p in saved] == [(N, "before update")], paused["pauses"]
+    # Saved after step N+1 drew its tasks and sampled its completions, before its update: the checkpoint is
+    # step N's (the state at the start of step N+1), so the continued run redoes step N+1 as the
+    # uninterrupted run did. Saving the state as it was at the pause would draw the next tasks instead.
+    resumed = _run(tmp_path, "resumed-mid-step", "--steps", str(2 * N), "--load", str(ckpt))
+    assert resumed["rows"] == result["rows"][N:]
+    assert resumed["weights"] == result["weights"]

@@ -8,7 +8,7 @@ import pytest
 
 from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy, start_runners
 from lightning_nb.calc import calc_agent, load_tasks
-from lightning_nb.errors import LightningNbError
+from lightning_nb.errors import ConfigError, LightningNbError
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +75,30 @@ def test_start_refuses_a_second_loop_and_state_follows_the_loop(engine):
     assert trainer.wait(timeout=0.3) is False and trainer.state == "running"
     assert trainer.pause(timeout=10) and trainer.state == "paused" and trainer.paused_at == "before collect"
     assert trainer.stop(timeout=10) and trainer.state == "stopped"
+
+
+def test_save_refuses_while_paused_before_evaluate(engine, tmp_path):
+    """Paused after a step's update and before its evaluation, a checkpoint would continue differently."""
+    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+
+    class Evaluating:  # parks only where a step evaluates
+        def __init__(self):
+            self.trainer = trainer
+
+        def run(self, steps):
+            for _ in range(steps):
+                trainer.at_boundary("before evaluate")
+                time.sleep(0.05)
+
+    trainer.start(Evaluating(), steps=10_000)
+    try:
+        assert trainer.pause(timeout=10) and trainer.paused_at == "before evaluate"
+        with pytest.raises(ConfigError, match=r"paused before step 0's evaluation.*trainer.resume\(\) and save"):
+            trainer.save(tmp_path / "ckpt.pt")
+        assert list(tmp_path.iterdir()) == []
+        trainer.resume()
+    finally:
+        assert trainer.stop(timeout=10) and trainer.state == "stopped"
 
 
 KERNEL_SETUP = """

@@ -25,7 +25,9 @@ class TrainerPanel(LivePanel):
     runs; then ``paused``), Resume ``trainer.resume()`` (a config edited while paused is
     validated first; an invalid one is shown and the loop stays paused), Save
     ``trainer.save(path)`` in a helper thread (``{step}`` in the path is replaced by
-    the step). The chat box asks the current policy (``trainer.engine.chat``, greedy)
+    the step; paused inside a step before its update, the checkpoint is of the step
+    before, and paused ``before evaluate`` the save is refused and the reason shown,
+    see :meth:`GRPOTrainer.save`). The chat box asks the current policy (``trainer.engine.chat``, greedy)
     and is enabled whenever the loop is not running (paused, idle, finished, stopped).
 
     Args:
