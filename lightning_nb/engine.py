@@ -79,11 +79,14 @@ def load_default_model(num_threads: Optional[int] = None, *, device: str = "cpu"
 
     Reading the GGUF (parsing its metadata, building the tokenizer, dequantizing) takes
     about 20 s on 2 CPU cores. So the first load writes the result as a Hugging Face
-    folder (float32 safetensors and tokenizer files, about 520 MB) to the cache, and later
-    loads read that folder instead (about a second). The folder's name holds the GGUF's
-    SHA-256 and the transformers and gguf versions, so a new GGUF or a new converter converts
-    afresh; weights and tokenizer come out identical either way. A cache that cannot be
-    written (read-only or full disk) only costs the speed-up: a warning is logged.
+    folder (float32 safetensors and tokenizer files, about 520 MB) to the cache and returns
+    the model read back from it; later loads read that folder only (about a second). The
+    folder's name holds the GGUF's SHA-256 and the transformers and gguf versions, so a new
+    GGUF or a new converter converts afresh; weights and tokenizer come out identical either
+    way, and every load through the cache computes the same bits on CPU (the tensors read
+    straight from the GGUF lie at other memory alignments, where CPU kernels round
+    differently in the last bits). A cache that cannot be written (read-only or full disk)
+    only costs the speed-up: a warning is logged.
 
     Args:
         num_threads: torch CPU threads (``torch.set_num_threads``); None leaves them.
@@ -114,18 +117,27 @@ def load_default_model(num_threads: Optional[int] = None, *, device: str = "cpu"
     if loaded is None:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, clean_up_tokenization_spaces=False)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    else:
+        _fix_special_tokens(model, tokenizer)
+        if folder is not None and _write_cached_model(model, tokenizer, folder):
+            # the first load returns the folder's model too, so it computes as every later load does: the
+            # GGUF's tensors lie at other memory alignments, and CPU kernels then round differently (a
+            # one-token forward differs in the last bits; a resumed run would not match the first one)
+            loaded = _load_cached_model(folder)
+    if loaded is not None:
         model, tokenizer = loaded
+        _fix_special_tokens(model, tokenizer)
+    place_model(model, device, dtype)
+    model.eval()
+    return model, tokenizer
+
+
+def _fix_special_tokens(model: Any, tokenizer: Any) -> None:
+    """eos and pad ``<|im_end|>`` (the GGUF metadata says ``<|im_start|>``), and no tokenization-space cleanup."""
     tokenizer.clean_up_tokenization_spaces = False  # BPE: cleanup would strip spaces before punctuation
     tokenizer.eos_token = IM_END
     tokenizer.pad_token = IM_END
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(IM_END)
     model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids(IM_END)
-    if loaded is None and folder is not None:
-        _write_cached_model(model, tokenizer, folder)
-    place_model(model, device, dtype)
-    model.eval()
-    return model, tokenizer
 
 
 def _cached_model_folder(gguf: Path, root: Path) -> Path:
@@ -155,8 +167,11 @@ def _load_cached_model(folder: Path) -> Optional[tuple[Any, Any]]:
     return model, tokenizer
 
 
-def _write_cached_model(model: Any, tokenizer: Any, folder: Path) -> None:
-    """Write the cache folder atomically (a temporary sibling renamed into place); warn on failure."""
+def _write_cached_model(model: Any, tokenizer: Any, folder: Path) -> bool:
+    """Write the cache folder atomically (a temporary sibling renamed into place); warn on failure.
+
+    Returns whether the folder is there afterwards (written here, or by a concurrent first load).
+    """
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -171,6 +186,7 @@ def _write_cached_model(model: Any, tokenizer: Any, folder: Path) -> None:
                         folder, exc)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return folder.is_dir()
 
 
 class Engine(abc.ABC):
