@@ -55,23 +55,25 @@ def test_pause_returns_only_at_a_step_boundary_under_load(engine, pristine):
         proxy.stop()
 
 
+class _Sleeper:
+    """An algorithm whose steps only reach one boundary and sleep: the control surface alone."""
+
+    def __init__(self, trainer, boundary: str, sleep_s: float):
+        self.trainer, self.boundary, self.sleep_s = trainer, boundary, sleep_s
+
+    def run(self, steps):
+        for _ in range(steps):
+            self.trainer.at_boundary(self.boundary)
+            time.sleep(self.sleep_s)
+
+
 def test_start_refuses_a_second_loop_and_state_follows_the_loop(engine):
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
-
-    class Sleeper:  # an algorithm whose steps only sleep: the control surface alone
-        def __init__(self):
-            self.trainer = trainer
-
-        def run(self, steps):
-            for _ in range(steps):
-                trainer.at_boundary("before collect")
-                time.sleep(0.1)
-
     assert trainer.state == "idle"
-    trainer.start(Sleeper(), steps=10_000)
+    trainer.start(_Sleeper(trainer, "before collect", 0.1), steps=10_000)
     assert trainer.state == "running"
     with pytest.raises(LightningNbError, match="already running"):
-        trainer.start(Sleeper(), steps=1)
+        trainer.start(_Sleeper(trainer, "before collect", 0.1), steps=1)
     assert trainer.wait(timeout=0.3) is False and trainer.state == "running"
     assert trainer.pause(timeout=10) and trainer.state == "paused" and trainer.paused_at == "before collect"
     assert trainer.stop(timeout=10) and trainer.state == "stopped"
@@ -80,17 +82,7 @@ def test_start_refuses_a_second_loop_and_state_follows_the_loop(engine):
 def test_save_refuses_while_paused_before_evaluate(engine, tmp_path):
     """Paused after a step's update and before its evaluation, a checkpoint would continue differently."""
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
-
-    class Evaluating:  # parks only where a step evaluates
-        def __init__(self):
-            self.trainer = trainer
-
-        def run(self, steps):
-            for _ in range(steps):
-                trainer.at_boundary("before evaluate")
-                time.sleep(0.05)
-
-    trainer.start(Evaluating(), steps=10_000)
+    trainer.start(_Sleeper(trainer, "before evaluate", 0.05), steps=10_000)  # parks only where a step evaluates
     try:
         assert trainer.pause(timeout=10) and trainer.paused_at == "before evaluate"
         with pytest.raises(ConfigError, match=r"paused before step 0's evaluation.*trainer.resume\(\) and save"):
