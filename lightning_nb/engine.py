@@ -119,10 +119,7 @@ def load_default_model(num_threads: Optional[int] = None, *, device: str = "cpu"
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         _fix_special_tokens(model, tokenizer)
         if folder is not None and _write_cached_model(model, tokenizer, folder):
-            # the first load returns the folder's model too, so it computes as every later load does: the
-            # GGUF's tensors lie at other memory alignments, and CPU kernels then round differently (a
-            # one-token forward differs in the last bits; a resumed run would not match the first one)
-            loaded = _load_cached_model(folder)
+            loaded = _load_cached_model(folder)  # the same bits as every later load (see the docstring)
     if loaded is not None:
         model, tokenizer = loaded
         _fix_special_tokens(model, tokenizer)
