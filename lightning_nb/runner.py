@@ -19,9 +19,13 @@ is retried per the rollout's ``retry_condition``/``max_attempts``), with an erro
   ``httpx.ConnectError`` over ``ConnectionRefusedError``, ...), the error starts with
   one line naming the endpoint and how to publish a restarted proxy again
   (see :func:`unreachable_endpoint_hint`); a stale endpoint is typical after a
-  kernel restart with a reopened ``SqliteStore``. The endpoint is not probed before
-  the agent runs: agents that never call the LLM must keep working, and a probe
-  would add its own ways to fail.
+  kernel restart with a reopened ``SqliteStore``. :func:`start_runners` probes the
+  endpoint once and warns before any rollout runs, but never blocks a start on it:
+  agents that never call the LLM must keep working. After such a failure the group's
+  runners hold off the queue until the store's latest resources name an endpoint that
+  answers, and then put the rollouts that failed only for that reason back in the queue
+  (:class:`~lightning_nb.endpoint_gate.EndpointGate`), so a dead proxy does not turn the
+  whole queue into failures.
 * a span could not be stored (after the tracer's retries of transient errors, see
   :mod:`lightning_nb.tracer`): one line per span, e.g. ``span 'reward' could not be
   stored after 3 tries: ...``, so a lost reward is never passed off as a success.
@@ -41,7 +45,9 @@ Re-running ``start_runners``
 for at most ``REPLACE_STOP_TIMEOUT_S`` seconds) and says so in a ``UserWarning``: re-running
 the cell no longer leaves the old group, with the old agent, pulling from the
 same queue. ``replace=False`` keeps both. Runner threads are tracked per store
-with weak references only.
+with weak references only. The group ``start_runners`` started last on a store is its
+:func:`live_runner_group`, which the dashboard's runner panel follows; the panel's
+**Start runners** button (:meth:`RunnerGroup.restart`) goes through the same rule.
 
 Heartbeats and the watchdog
 ---------------------------
@@ -92,18 +98,20 @@ from urllib.parse import urlsplit
 
 import pandas as pd
 
+from lightning_nb.endpoint_gate import EndpointGate, check_llm_endpoint
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.tracer import AttemptSpans, Tracer, emit_reward
 from lightning_nb.types import ATTEMPT_TERMINAL, AttemptedRollout, LLMResource, Rollout
 
-__all__ = ["Agent", "Runner", "RunnerGroup", "FailureNotices", "start_runners", "attributed_llm",
-           "unreachable_endpoint_hint", "REPLACE_STOP_TIMEOUT_S"]
+__all__ = ["Agent", "Runner", "RunnerGroup", "FailureNotices", "start_runners", "live_runner_group",
+           "attributed_llm", "unreachable_endpoint_hint", "REPLACE_STOP_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 Agent = Callable[[Any, LLMResource], Any]
 _RUNNER_IDS = itertools.count()
 REPLACE_STOP_TIMEOUT_S = 10.0  # start_runners(replace=True): how long the previous group may finish its attempts
+UNREACHABLE = "unreachable LLM endpoint"  # the failure kind of an attempt whose LLM endpoint refused the connect
 NO_REWARD_ERROR = ("the agent returned None and emitted no reward span; return a float reward from the agent, "
                    "or call lightning_nb.emit_reward(value) inside it")
 
@@ -230,23 +238,45 @@ class _LiveRunners:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_store: dict[int, tuple[weakref.ref, "weakref.WeakSet[Runner]"]] = {}
+        self._groups: dict[int, weakref.ref] = {}  # id(store) -> the latest RunnerGroup start_runners registered
+
+    def _entry(self, store: LightningStore) -> Optional[tuple[weakref.ref, "weakref.WeakSet[Runner]"]]:
+        """The store's entry, made if missing (call with the lock held); None for a store without weakrefs."""
+        key = id(store)
+        entry = self._by_store.get(key)
+        if entry is None or entry[0]() is not store:
+            try:
+                ref = weakref.ref(store, lambda r, key=key: self._drop(key, r))
+            except TypeError:
+                return None
+            entry = self._by_store[key] = (ref, weakref.WeakSet())
+            self._groups.pop(key, None)
+        return entry
 
     def add(self, runner: "Runner") -> None:
-        store, key = runner.store, id(runner.store)
         with self._lock:
-            entry = self._by_store.get(key)
-            if entry is None or entry[0]() is not store:
-                try:
-                    ref = weakref.ref(store, lambda r, key=key: self._drop(key, r))
-                except TypeError:
-                    return
-                entry = self._by_store[key] = (ref, weakref.WeakSet())
-            entry[1].add(runner)
+            entry = self._entry(runner.store)
+            if entry is not None:
+                entry[1].add(runner)
+
+    def register_group(self, group: "RunnerGroup") -> None:
+        """Make ``group`` the store's live group (what :func:`live_runner_group` returns)."""
+        with self._lock:
+            if self._entry(group.store) is not None:
+                self._groups[id(group.store)] = weakref.ref(group)
+
+    def group(self, store: LightningStore) -> Optional["RunnerGroup"]:
+        with self._lock:
+            entry, ref = self._by_store.get(id(store)), self._groups.get(id(store))
+            if entry is None or entry[0]() is not store or ref is None:
+                return None
+            return ref()
 
     def _drop(self, key: int, ref: weakref.ref) -> None:
         with self._lock:
             if key in self._by_store and self._by_store[key][0] is ref:
                 del self._by_store[key]
+                self._groups.pop(key, None)
 
     def running(self, store: LightningStore) -> list["Runner"]:
         """Runners on ``store`` whose thread runs and was not asked to stop, oldest first."""
@@ -263,6 +293,16 @@ class _LiveRunners:
 
 
 _LIVE = _LiveRunners()
+
+
+def live_runner_group(store: LightningStore) -> Optional["RunnerGroup"]:
+    """The runner group :func:`start_runners` (threads) started last on ``store``, or None.
+
+    That is the group a re-run of the ``start_runners`` cell replaced the earlier one with;
+    the dashboard's runner panel follows it. It is returned while it exists (its runner
+    threads keep it alive, and so does any handle on it), even once stopped.
+    """
+    return _LIVE.group(store)
 
 
 @dataclass
@@ -288,12 +328,15 @@ class Runner:
         heartbeat_interval_s: seconds between heartbeats to the store (see the module docstring).
         notices: warns on the first failure of each kind; :func:`start_runners` shares one
             among the runners of a group (a new one per runner when None).
+        gate: holds the runner off the queue while the LLM endpoint refuses connections
+            (:class:`~lightning_nb.endpoint_gate.EndpointGate`); :func:`start_runners` shares
+            one among the runners of a group (a new one per runner when None).
     """
 
     def __init__(self, agent: Agent, store: LightningStore, tracer: Tracer, *,
                  default_timeout_s: Optional[float] = 300.0, llm_resource: str = "main_llm",
                  poll_interval_s: float = 0.2, heartbeat_interval_s: float = 5.0,
-                 notices: Optional[FailureNotices] = None) -> None:
+                 notices: Optional[FailureNotices] = None, gate: Optional[EndpointGate] = None) -> None:
         if not callable(agent):
             raise ConfigError(f"agent must be callable (task, llm) -> reward, got {type(agent).__name__}")
         if not heartbeat_interval_s > 0:
@@ -309,6 +352,7 @@ class Runner:
         self._seq = next(_RUNNER_IDS)
         self.worker_id = f"runner-{self._seq}"
         self.notices = notices if notices is not None else FailureNotices()
+        self.gate = gate if gate is not None else EndpointGate(store, llm_resource)
         self.stats = RunnerStats()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"lightning_nb-{self.worker_id}", daemon=True)
@@ -357,6 +401,9 @@ class Runner:
             if time.monotonic() >= next_beat:
                 self._worker_heartbeat("idle")
                 next_beat = time.monotonic() + self.heartbeat_interval_s
+            if not self.gate.ready():  # the LLM endpoint refused a connection: hold off the queue
+                self._stop.wait(self.poll_interval_s)
+                continue
             try:
                 item = self.store.dequeue_rollout(self.worker_id, timeout=self.poll_interval_s)
             except Exception:  # keep the runner alive; the store logs its own errors
@@ -473,7 +520,10 @@ class Runner:
         status, error, kind, summary = self._verdict(outcome, spans, rid, aid, resource.endpoint)
         if kind is not None:
             self.notices.notify(kind, self.worker_id, rid, summary)
-        return self._finish(rid, aid, status, error)
+        status = self._finish(rid, aid, status, error)
+        if kind == UNREACHABLE:  # after the attempt is recorded: the gate may requeue its rollout
+            self.gate.close(resource.endpoint, rid)
+        return status
 
     def _verdict(self, outcome: dict[str, Any], spans: AttemptSpans, rid: str, aid: str,
                  endpoint: str) -> tuple[str, Optional[str], Optional[str], str]:
@@ -482,7 +532,7 @@ class Runner:
         if "error" in outcome:
             exc = outcome.get("exc")
             hint = unreachable_endpoint_hint(exc, endpoint, self.llm_resource) if exc is not None else None
-            kind = "unreachable LLM endpoint" if hint else type(exc).__name__ if exc is not None else "agent error"
+            kind = UNREACHABLE if hint else type(exc).__name__ if exc is not None else "agent error"
             summary = hint or (f"{type(exc).__name__}: {_first_line(exc)}" if exc is not None
                                else outcome["error"].strip().splitlines()[-1])
             error = "\n".join(part for part in (hint, outcome["error"].rstrip(), lost) if part)
@@ -557,10 +607,42 @@ class GroupLifecycle:
 
 
 class RunnerGroup(GroupLifecycle):
-    """Handle on runner threads started by :func:`start_runners`."""
+    """Handle on runner threads started by :func:`start_runners`.
+
+    Attributes:
+        runners: the :class:`Runner` objects, one per thread.
+        started_at: when the group was made (seconds since the epoch).
+    """
 
     def __init__(self, runners: list[Runner]) -> None:
+        if not runners:
+            raise ConfigError("a RunnerGroup needs at least one Runner")
         self.runners = runners
+        self.started_at = time.time()
+
+    @property
+    def store(self) -> LightningStore:
+        """The store the group's runners work on."""
+        return self.runners[0].store
+
+    def restart(self) -> "RunnerGroup":
+        """Start the same agent and settings again as a new group, through ``start_runners(replace=True)``.
+
+        A Python thread cannot be started twice, so this makes a new group of as many
+        runners, each carrying on its predecessor's counts, and it goes through the same
+        rule as re-running a ``start_runners`` cell: runner threads still running on the
+        store (this group's, or a newer group's) are stopped first, with the same
+        ``UserWarning``. The new group becomes the store's :func:`live_runner_group`.
+        This is what the runner panel's **Start runners** button does.
+
+        Returns:
+            The new group (this one stays stopped).
+        """
+        first = self.runners[0]
+        return _start_thread_runners(first.agent, first.store, len(self.runners), tracer=first.tracer,
+                                     default_timeout_s=first.default_timeout_s, llm_resource=first.llm_resource,
+                                     heartbeat_interval_s=first.heartbeat_interval_s, replace=True,
+                                     carry_from=self.runners)
 
     def stop(self, timeout: float = 30.0, *, grace_s: float = 3.0) -> list[str]:
         """Stop all runners after their current attempts; abort the ones still running after ``timeout`` s.
@@ -643,6 +725,15 @@ def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Op
     ``actor_options`` go to :func:`~lightning_nb.runners_ray.start_ray_runners`) and returns
     a ``RayRunnerGroup`` with the same ``stop()`` / ``status()``.
 
+    Before any runner starts, the endpoint of ``llm_resource`` in the store's latest
+    resources is probed once (``GET {endpoint}/models``, at most 3 s); if it does not
+    answer, a ``RuntimeWarning`` names it and says to ``store.add_resources`` the running
+    proxy (a reopened ``SqliteStore`` after a kernel restart still names the dead one).
+    It only warns: agents that never call the LLM keep working. Once an attempt fails
+    because that endpoint refused the connection, the group's runners hold off the queue
+    until the latest resources name an endpoint that answers, then requeue the rollouts
+    that failed only for that reason (:mod:`lightning_nb.endpoint_gate`).
+
     Raises:
         ConfigError: ``n`` < 1, ``agent`` not callable, unknown ``backend``, or options the backend lacks.
         MissingDependencyError: ``backend="ray"`` without Ray installed.
@@ -652,6 +743,7 @@ def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Op
             raise ConfigError("tracer cannot be passed with backend='ray': each Ray actor makes its own Tracer")
         from lightning_nb.runners_ray import start_ray_runners
 
+        warn_if_llm_endpoint_dead(store, llm_resource)
         return start_ray_runners(agent, store, n, default_timeout_s=default_timeout_s,  # type: ignore[return-value]
                                  llm_resource=llm_resource, heartbeat_interval_s=heartbeat_interval_s,
                                  **backend_options)
@@ -662,15 +754,41 @@ def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Op
                           f"they apply to backend='ray' only")
     if n < 1:
         raise ConfigError(f"n must be >= 1 runner, got {n}")
+    return _start_thread_runners(agent, store, n, tracer=tracer, default_timeout_s=default_timeout_s,
+                                 llm_resource=llm_resource, heartbeat_interval_s=heartbeat_interval_s, replace=replace)
+
+
+def warn_if_llm_endpoint_dead(store: LightningStore, llm_resource: str, stacklevel: int = 3) -> None:
+    """Probe the store's latest LLM endpoint once and warn (``RuntimeWarning``) if it does not answer.
+
+    What :func:`start_runners` does before starting any runner; see
+    :func:`lightning_nb.endpoint_gate.check_llm_endpoint`.
+    """
+    dead = check_llm_endpoint(store, llm_resource)
+    if dead is not None:
+        warnings.warn(f"start_runners: {dead.message(llm_resource)}", RuntimeWarning, stacklevel=stacklevel)
+
+
+def _start_thread_runners(agent: Agent, store: LightningStore, n: int, *, tracer: Optional[Tracer],
+                          default_timeout_s: Optional[float], llm_resource: str, heartbeat_interval_s: float,
+                          replace: bool, carry_from: Optional[list[Runner]] = None) -> RunnerGroup:
+    """Make ``n`` runners sharing one tracer, failure notices and endpoint gate; replace, register and start them."""
+    warn_if_llm_endpoint_dead(store, llm_resource, stacklevel=4)
     tracer = tracer or Tracer(store)
     notices = FailureNotices()  # first failure of each kind warns once per group
+    gate = EndpointGate(store, llm_resource)
     runners = [Runner(agent, store, tracer, default_timeout_s=default_timeout_s, llm_resource=llm_resource,
-                      heartbeat_interval_s=heartbeat_interval_s, notices=notices) for _ in range(n)]
+                      heartbeat_interval_s=heartbeat_interval_s, notices=notices, gate=gate) for _ in range(n)]
+    for old, new in zip(carry_from or [], runners):
+        new.stats.succeeded, new.stats.failed, new.stats.timed_out = (
+            old.stats.succeeded, old.stats.failed, old.stats.timed_out)
     if replace:
         _replace_running(store, n)
+    group = RunnerGroup(runners)
+    _LIVE.register_group(group)
     for r in runners:
         r.start()
-    return RunnerGroup(runners)
+    return group
 
 
 def _replace_running(store: LightningStore, n_new: int) -> None:
@@ -688,4 +806,4 @@ def _replace_running(store: LightningStore, n_new: int) -> None:
         note += f"; {len(abandoned)} could not be stopped and were abandoned: {', '.join(abandoned)}"
     warnings.warn(f"start_runners: stopped the previous group of {len(previous)} runner(s) on this store "
                   f"({', '.join(ids)}) in {time.monotonic() - t0:.1f} s and replaced it with {n_new} new one(s)"
-                  f"{note}; pass replace=False to keep both", UserWarning, stacklevel=3)
+                  f"{note}; pass replace=False to keep both", UserWarning, stacklevel=4)

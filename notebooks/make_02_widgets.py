@@ -43,7 +43,7 @@ N_RUNNERS = 6 if SMOKE else 8       # runner threads
 VAL_EVERY = 0 if SMOKE else 4       # evaluate on held-out tasks every N steps (0: never)"""),
     ("md", """## Model, store, proxy, runners and trainer
 
-The same set-up as `01_quickstart.ipynb`, in one cell. Nothing trains yet."""),
+The same set-up as `01_quickstart.ipynb`. Nothing trains yet."""),
     ("code", """from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy,
                           TransformersEngine, start_runners)
 from lightning_nb.calc import calc_agent, load_tasks
@@ -53,11 +53,14 @@ engine = TransformersEngine.from_default(max_batch_size=8)
 store = InMemoryStore()
 proxy = LLMProxy(engine, store).start()
 store.add_resources({"main_llm": proxy.as_resource()})
-runners = start_runners(calc_agent, store, n=N_RUNNERS)
 trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=2e-5))
 algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=16),
                    AlgorithmConfig(tasks_per_step=TASKS_PER_STEP, group_size=GROUP_SIZE, max_tokens=MAX_TOKENS,
                                    val_every=VAL_EVERY, max_sample_rounds=SAMPLE_ROUNDS))"""),
+    ("md", """The runners get a cell of their own: after you edit the agent or its reward, re-run just this cell. The
+new group replaces the old one (its runners finish their current rollout first, and a warning says so), and
+the dashboard's runner panel follows the new group."""),
+    ("code", """runners = start_runners(calc_agent, store, n=N_RUNNERS)"""),
     ("md", """## The dashboard
 
 `dashboard(store, runners, trainer)` shows every panel; each one also works alone
@@ -75,6 +78,10 @@ trainer.state"""),
     ("md", """Displaying the main objects in a cell shows a summary (`_repr_html_`):"""),
     ("code", """store"""),
     ("code", """runners"""),
+    ("md", """Re-running the `start_runners` cell never adds threads: the kernel runs one group per store."""),
+    ("code", """import threading
+
+print("runner threads in this kernel:", sum(t.name.startswith("lightning_nb-runner-") for t in threading.enumerate()))"""),
     ("md", """## When you are done
 
 Close the dashboard (its polling threads stop) and the background threads:"""),

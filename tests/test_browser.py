@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -208,8 +209,42 @@ def _drive(page, base: str, token: str, shots: Path, t0: float) -> None:
 
     page.locator(f"{dash} button.lnb-resume").click()
     page.wait_for_selector(f"{state}[data-state='running'], {state}[data-state='finished']", timeout=30_000)
+    _rerun_start_runners(page, dash, shots)
 
     errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']",
                           has_text="Traceback")
     assert errors.count() == 0, errors.first.inner_text()
     assert _count(page, ".jp-OutputArea-output .lnb-store, .jp-RenderedHTMLCommon:has-text('InMemoryStore')") >= 1
+
+
+def _run_cell(page, text: str, shots: Path, timeout_s: float = 90) -> Any:
+    """Run the code cell whose source holds ``text`` (select it, Ctrl+Enter) and wait until it has run again.
+
+    Returns its locator. "Ran again": its execution count changed and is no longer ``[*]``.
+    """
+    cell = page.locator(".jp-CodeCell", has=page.locator(".jp-InputArea", has_text=text)).first
+    prompt = cell.locator(".jp-InputPrompt")
+    before = prompt.inner_text().strip()
+    prompt.click()  # command mode on this cell
+    page.keyboard.press("Control+Enter")
+    _wait_for(page, f"the cell {text!r} to run", lambda: re.fullmatch(r"\[\d+\]:", prompt.inner_text().strip())
+              and prompt.inner_text().strip() != before, timeout_s, shots)
+    return cell
+
+
+def _rerun_start_runners(page, dash: str, shots: Path) -> None:
+    """Re-run the start_runners cell (as after editing a reward): the runner panel shows the new group, all of
+    it alive, and the kernel runs as many runner threads as before, not twice as many."""
+    table = page.locator(f"{dash} .lnb-runner-panel table.lnb-runners")
+    workers = lambda: set(re.findall(r"runner-\d+", table.inner_text()))  # noqa: E731
+    old = workers()
+    n = len(old)
+    assert n > 0 and f"{n} of {n} runners alive" in page.locator(f"{dash} .lnb-runner-panel").inner_text()
+    _run_cell(page, "runners = start_runners(", shots)
+    _wait_for(page, "the runner panel to show the new group",
+              lambda: workers() and not workers() & old and f"{n} of {n} runners alive" in
+              page.locator(f"{dash} .lnb-runner-panel").inner_text(), 60, shots)
+    assert page.locator(f"{dash} button.lnb-runners-start").is_disabled()  # nothing to restart: all alive
+    output = _run_cell(page, "runner threads in this kernel", shots).locator(".jp-OutputArea-output")
+    assert output.first.inner_text().strip() == f"runner threads in this kernel: {n}"
+    page.locator(".lnb-runner-panel").screenshot(path=str(shots / "06-runner-panel-after-rerun.png"))

@@ -219,7 +219,8 @@ def test_runner_registry_keeps_no_store_alive():
 # ----- item 15: a dead LLM endpoint says so in one line ---------------------------------------
 def _openai_agent(task, llm):
     client = openai.OpenAI(base_url=llm.endpoint, api_key="none", max_retries=0, timeout=2.0)
-    reply = client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": str(task)}])
+    reply = client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": str(task)}],
+                                           max_tokens=4)
     return float(len(reply.choices))
 
 
@@ -229,39 +230,85 @@ def _expected_hint(endpoint: str) -> str:
             f"store.add_resources({{'main_llm': proxy.as_resource()}})")
 
 
-def test_dead_llm_endpoint_error_starts_with_one_clear_line(store):
+def _until(predicate, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_dead_llm_endpoint_warns_at_start_fails_one_line_and_requeues_when_published(store, engine):
+    from lightning_nb import LLMProxy
+
     endpoint = f"http://127.0.0.1:{_closed_port()}/v1"
     _resources(store, endpoint)
     ids = [store.enqueue_rollout(f"task {i}", config=RolloutConfig(max_attempts=1)).rollout_id for i in range(2)]
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        with start_runners(_openai_agent, store, n=1):
-            assert len(store.wait_for_rollouts(ids, timeout=30)) == 2
-    for rid in ids:
-        (attempt,) = store.query_attempts(rid)
-        assert attempt.status == "failed"
-        first, rest = attempt.error.split("\n", 1)
-        assert first == _expected_hint(endpoint)
-        assert rest.startswith("Traceback") and "APIConnectionError" in rest  # the full traceback follows
-    notes = _runner_warnings(record)
-    assert len(notes) == 1 and _expected_hint(endpoint) in notes[0]  # the first one only
+        with start_runners(_openai_agent, store, n=1) as group:
+            start_notes = [str(w.message) for w in record if str(w.message).startswith("start_runners:")]
+            assert len(start_notes) == 1 and endpoint in start_notes[0]  # said before any rollout ran
+            assert "store.add_resources({'main_llm': proxy.as_resource()})" in start_notes[0]
+            assert record[0].category is RuntimeWarning and str(record[0].message) == start_notes[0]
+            _until(lambda: store.get_rollout_by_id(ids[0]).status == "failed")
+            time.sleep(1.5)  # the gate is closed: the runner takes nothing more while the endpoint is dead
+            assert store.get_rollout_by_id(ids[1]).status == "queuing" and group.runners[0].gate.closed
+            (attempt,) = store.query_attempts(ids[0])
+            first, rest = attempt.error.split("\n", 1)
+            assert first == _expected_hint(endpoint)
+            assert rest.startswith("Traceback") and "APIConnectionError" in rest  # the full traceback follows
+            notes = _runner_warnings(record)
+            assert len(notes) == 1 and _expected_hint(endpoint) in notes[0]
+
+            with LLMProxy(engine, store) as proxy:  # the proxy restarted, and published again
+                store.add_resources({"main_llm": proxy.as_resource()})
+                _until(lambda: [store.get_rollout_by_id(r).status for r in ids] == ["succeeded"] * 2)
+    latest = store.get_latest_resources().resources_id
+    assert [store.get_rollout_by_id(r).resources_id for r in ids] == [latest, latest]  # re-pinned
+    assert [a.status for a in store.query_attempts(ids[0])] == ["failed", "succeeded"]  # one more attempt
+    assert group.runners[0].gate.reopened == [(proxy.endpoint(), 1, 1)]  # 1 requeued, 1 re-pinned
+    assert any("answers; taking rollouts again (requeued 1" in str(w.message) for w in record)
 
 
-def test_reopened_sqlite_store_with_a_dead_proxy_says_publish_again(tmp_path):
+def test_reopened_sqlite_store_with_a_dead_proxy_says_publish_again(tmp_path, engine):
+    from lightning_nb import LLMProxy
+
     endpoint = f"http://127.0.0.1:{_closed_port()}/v1"
     before = SqliteStore(tmp_path / "run.db")
     _resources(before, endpoint)  # the proxy of the previous kernel
+    rid = before.enqueue_rollout("t", config=RolloutConfig(max_attempts=1)).rollout_id  # queued before the restart
     before.close()
     store = SqliteStore(tmp_path / "run.db")  # kernel restarted: reopened, resources still point at it
     try:
-        rid = store.enqueue_rollout("t", config=RolloutConfig(max_attempts=1)).rollout_id
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with start_runners(_openai_agent, store, n=1):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            with start_runners(_openai_agent, store, n=2):
                 assert store.wait_for_rollouts([rid], timeout=30)
-        assert store.query_attempts(rid)[0].error.splitlines()[0] == _expected_hint(endpoint)
+                assert store.query_attempts(rid)[0].error.splitlines()[0] == _expected_hint(endpoint)
+                with LLMProxy(engine, store) as proxy:
+                    store.add_resources({"main_llm": proxy.as_resource()})
+                    _until(lambda: store.get_rollout_by_id(rid).status == "succeeded")
+        assert str(record[0].message).startswith(f"start_runners: the LLM endpoint {endpoint} of 'main_llm'")
     finally:
         store.close()
+
+
+def test_start_runners_does_not_warn_about_an_endpoint_that_answers(proxied_store):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        start_runners(lambda task, llm: 1.0, proxied_store, n=1).stop()
+    assert not [w for w in record if "does not answer" in str(w.message)]
+
+
+def test_an_agent_that_never_calls_the_llm_keeps_working_with_a_dead_endpoint():
+    store = _resources(InMemoryStore(), f"http://127.0.0.1:{_closed_port()}/v1")
+    ids = [r.rollout_id for r in store.enqueue_rollouts(range(3))]
+    with pytest.warns(RuntimeWarning, match="does not answer"):
+        group = start_runners(lambda task, llm: 1.0, store, n=1)
+    try:
+        assert [r.status for r in store.wait_for_rollouts(ids, timeout=30)] == ["succeeded"] * 3
+    finally:
+        group.stop()
 
 
 def test_connect_error_to_another_host_gets_no_llm_hint():

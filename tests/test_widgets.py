@@ -16,7 +16,7 @@ import pytest
 from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy,
                           start_runners)
 from lightning_nb.calc import calc_agent
-from lightning_nb.runner import Runner
+from lightning_nb.runner import Runner, live_runner_group
 from lightning_nb.tracer import Tracer
 from lightning_nb.types import Span
 from widgets import RewardCurve, RunnerPanel, SpanBrowser, TrainerPanel, close_all, dashboard
@@ -158,15 +158,56 @@ def test_runner_panel_counts_and_start_stop_buttons():
         assert "0 of 2 runners alive" in panel.table.value and 'data-state="stopped"' in panel.table.value
         assert not panel.start_button.disabled and panel.stop_button.disabled
 
-        panel.start_button.click()
+        panel.start_button.click()  # a new group through start_runners' replace rule (nothing runs: no warning)
         panel.refresh()
-        assert all(r.alive for r in group.runners) and "2 of 2 runners alive" in panel.table.value
-        assert group.status()["succeeded"].sum() == 3  # counts carried over to the new threads
+        restarted = panel.runners
+        assert restarted is not group and restarted is live_runner_group(store)
+        assert all(r.alive for r in restarted.runners) and "2 of 2 runners alive" in panel.table.value
+        assert restarted.status()["succeeded"].sum() == 3  # counts carried over to the new threads
+        assert "started 2 runner threads" in panel.status_line.value
         more = store.enqueue_rollout(4).rollout_id
         assert len(store.wait_for_rollouts([more], timeout=30)) == 1
     finally:
         panel.close()
-        group.stop()
+        panel.runners.stop()
+
+
+def _runner_threads() -> int:
+    return sum(t.name.startswith("lightning_nb-runner-") and not t.name.endswith("-agent") and t.is_alive()
+               for t in threading.enumerate())
+
+
+def test_runner_panel_follows_a_rerun_of_start_runners_and_start_replaces():
+    store = InMemoryStore()
+    store.add_resources({"main_llm": {"endpoint": "http://127.0.0.1:9/v1", "model": "none"}})
+    before = _runner_threads()
+    with pytest.warns(RuntimeWarning, match="does not answer"):
+        old = start_runners(lambda task, llm: 0.0, store, n=2)  # the agent before the user edited its reward
+    panel = RunnerPanel(old, autostart=False)
+    try:
+        with pytest.warns(UserWarning, match="stopped the previous group of 2"):
+            new = start_runners(lambda task, llm: 1.0, store, n=2)  # the cell re-run after the edit
+        panel.refresh()
+        assert panel.runners is new and "2 of 2 runners alive" in panel.table.value
+        assert all(r.worker_id in panel.table.value for r in new.runners)
+        assert not any(r.worker_id in panel.table.value for r in old.runners)
+        assert panel.start_button.disabled  # every runner of the live group runs
+        _until(lambda: _runner_threads() == before + 2)
+
+        new.runners[0].stop()  # one runner of the live group ends; Start replaces the whole group
+        new.runners[0].join(10)
+        panel.refresh()
+        assert not panel.start_button.disabled
+        with pytest.warns(UserWarning, match="stopped the previous group of 1"):
+            panel.start_button.click()
+        assert "stopped the previous group of 1" in panel.status_line.value  # the warning, shown in the panel
+        assert panel.runners is live_runner_group(store) and panel.runners is not new
+        _until(lambda: _runner_threads() == before + 2)  # 2 threads, never 4 or 6
+        ids = [r.rollout_id for r in store.enqueue_rollouts(range(4))]
+        assert [store.final_reward(r.rollout_id) for r in store.wait_for_rollouts(ids, timeout=30)] == [1.0] * 4
+    finally:
+        panel.close()
+        panel.runners.stop()
 
 
 # ----- trainer panel (real engine and trainer) ------------------------------------------------------

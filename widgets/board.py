@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import ipywidgets as ipw
 
-from lightning_nb.runner import RunnerGroup
+from lightning_nb.runner import RunnerGroup, live_runner_group
 from lightning_nb.store.base import LightningStore
 from lightning_nb.trainer import GRPOTrainer
 from widgets._live import LivePanel
@@ -53,6 +53,9 @@ def dashboard(store: LightningStore, runners: Optional[RunnerGroup] = None, trai
               chat_system: Optional[str] = None, slice_by: Any = None) -> Dashboard:
     """Trainer and runner panels side by side (when given), the reward curve and the span browser.
 
+    Without ``runners`` the runner panel shows the store's live runner group, if any
+    (:func:`~lightning_nb.runner.live_runner_group`); either way it follows a re-run of ``start_runners``.
+
     Each panel is also usable alone: :class:`TrainerPanel`, :class:`RunnerPanel`,
     :class:`RewardCurve`, :class:`SpanBrowser`. Every panel polls on its own daemon
     thread every ``interval_s`` seconds; ``dash.close()`` stops them all. ``slice_by`` (a task field such as
@@ -61,6 +64,7 @@ def dashboard(store: LightningStore, runners: Optional[RunnerGroup] = None, trai
     panels: dict[str, LivePanel] = {}
     if trainer is not None:
         panels["trainer"] = TrainerPanel(trainer, interval_s=interval_s, chat_system=chat_system)
+    runners = runners if runners is not None else live_runner_group(store)
     if runners is not None:
         panels["runners"] = RunnerPanel(runners, interval_s=interval_s)
     panels["reward"] = RewardCurve(store, batch_size=batch_size, interval_s=interval_s, slice_by=slice_by)

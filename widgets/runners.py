@@ -3,50 +3,48 @@
 from __future__ import annotations
 
 import threading
-from typing import Optional
+import warnings
+from typing import Any, Optional
 
 import ipywidgets as ipw
 
 from lightning_nb._repr import runner_group_html
-from lightning_nb.runner import Runner, RunnerGroup
+from lightning_nb.runner import RunnerGroup, live_runner_group
 from widgets._live import LivePanel
 
 __all__ = ["RunnerPanel", "restart_runners"]
 
 
-def restart_runners(group: RunnerGroup) -> int:
-    """Replace every stopped runner thread of ``group`` by a new one with the same agent, store and settings.
+def restart_runners(group: RunnerGroup) -> Optional[RunnerGroup]:
+    """Start ``group``'s agent and settings again as a new group; None when all its runners are running.
 
-    A Python thread cannot be started twice, so each new :class:`Runner` takes the
-    old one's place in ``group.runners`` and carries its counts on. Returns how many
-    were started.
+    Goes through :meth:`~lightning_nb.runner.RunnerGroup.restart`, so the replace rule
+    of ``start_runners`` applies (running threads on the store are stopped first, with
+    its ``UserWarning``) and the new group becomes the store's live runner group.
     """
-    started = 0
-    for i, old in enumerate(list(getattr(group, "runners", []))):
-        if not isinstance(old, Runner) or old.alive:
-            continue
-        new = Runner(old.agent, old.store, old.tracer, default_timeout_s=old.default_timeout_s,
-                     llm_resource=old.llm_resource, poll_interval_s=old.poll_interval_s)
-        new.stats.succeeded, new.stats.failed, new.stats.timed_out = (
-            old.stats.succeeded, old.stats.failed, old.stats.timed_out)
-        group.runners[i] = new.start()
-        started += 1
-    return started
+    if not isinstance(group, RunnerGroup) or all(r.alive for r in group.runners):
+        return None
+    return group.restart()
 
 
 class RunnerPanel(LivePanel):
-    """Live table of a :class:`~lightning_nb.runner.RunnerGroup` with Start and Stop buttons.
+    """Live table of the store's runner group with Start and Stop buttons.
 
-    Stop asks every runner to finish its current attempt (in a helper thread, so the
-    kernel stays free); Start starts new threads in place of the stopped ones.
+    The panel follows the store's live runner group
+    (:func:`~lightning_nb.runner.live_runner_group`): after the ``start_runners`` cell is
+    re-run, it shows the new group, not the stopped one it was given. Stop asks every
+    runner to finish its current attempt (in a helper thread, so the kernel stays free);
+    Start restarts the group through ``start_runners``' replace rule
+    (:meth:`~lightning_nb.runner.RunnerGroup.restart`) and shows its warning in the panel.
 
     Args:
-        runners: the handle :func:`~lightning_nb.runner.start_runners` returned.
+        runners: the handle :func:`~lightning_nb.runner.start_runners` returned (a Ray
+            group is shown as given; Start is for thread runners).
         interval_s: seconds between polls.
     """
 
-    def __init__(self, runners: RunnerGroup, *, interval_s: float = 1.0, autostart: bool = True) -> None:
-        self.runners = runners
+    def __init__(self, runners: Any, *, interval_s: float = 1.0, autostart: bool = True) -> None:
+        self._given = runners
         self.table = ipw.HTML()
         self.start_button = ipw.Button(description="Start runners", icon="play", button_style="success")
         self.stop_button = ipw.Button(description="Stop runners", icon="stop", button_style="warning")
@@ -59,33 +57,54 @@ class RunnerPanel(LivePanel):
                          interval_s=interval_s, autostart=autostart)
         self.add_class("lnb-runner-panel")
 
+    @property
+    def runners(self) -> Any:
+        """The group shown: the store's live runner group when it is a newer one than the group given, else that."""
+        given = self._given
+        if isinstance(given, RunnerGroup):
+            live = live_runner_group(given.store)
+            if live is not None and live is not given and live.started_at >= given.started_at:
+                self._given = given = live
+        return given
+
     def stop_runners(self, wait: bool = False) -> None:
         """What the Stop button does: ``runners.stop()`` in a helper thread (joined when ``wait``)."""
         self.notify("stopping runners after their current attempts…")
-        self._stopper = threading.Thread(target=self._stop_and_report, name="lightning_nb-runner-stop", daemon=True)
+        self._stopper = threading.Thread(target=self._stop_and_report, args=(self.runners,),
+                                         name="lightning_nb-runner-stop", daemon=True)
         self._stopper.start()
         self.refresh()
         if wait:
             self._stopper.join()
 
-    def _stop_and_report(self) -> None:
-        self.runners.stop()
-        alive = sum(r.alive for r in getattr(self.runners, "runners", []))
+    def _stop_and_report(self, group: Any) -> None:
+        group.stop()
+        alive = sum(r.alive for r in getattr(group, "runners", []))
         self.notify("runners stopped" if not alive else f"{alive} runners still finishing an attempt")
         self.refresh()
 
     def start_runners(self) -> int:
-        """What the Start button does: restart the stopped runners. Returns how many started."""
-        n = restart_runners(self.runners)
-        self.notify(f"started {n} runner threads" if n else "all runners are already running")
+        """What the Start button does: :func:`restart_runners` on the group shown. Returns how many started.
+
+        A warning raised by the replace rule (running threads stopped) is shown in the panel.
+        """
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            group = restart_runners(self.runners)
+        n = 0 if group is None else len(group.runners)
+        notes = [str(w.message) for w in caught]
+        self.notify("; ".join([f"started {n} runner threads"] + notes) if n else "all runners are already running")
+        for w in caught:  # still a warning for logs and tests, as start_runners gives it
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         self.refresh()
         return n
 
     def _refresh(self) -> None:
-        html = runner_group_html(self.runners)
+        group = self.runners
+        html = runner_group_html(group)
         if self.table.value != html:
             self.table.value = html
-        threads = getattr(self.runners, "runners", None)
+        threads = getattr(group, "runners", None)
         alive = [r.alive for r in threads] if threads is not None else [True]
         self.stop_button.disabled = not any(alive)
-        self.start_button.disabled = all(alive) or threads is None  # restart is for thread runners
+        self.start_button.disabled = all(alive) or not isinstance(group, RunnerGroup)  # restart: thread runners
