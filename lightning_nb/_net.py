@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 import threading
 import time
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 from lightning_nb.errors import LightningNbError
 
 __all__ = ["is_loopback", "ThreadedServer"]
+
+log = logging.getLogger(__name__)
 
 
 def is_loopback(host: str) -> bool:
@@ -56,5 +59,12 @@ class ThreadedServer:
         return self.port
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Ask the server to exit and wait up to ``timeout`` seconds for its thread (in-flight requests finish
+        first); then its port is closed. ``timeout=0``, or a call from the server's own thread (a finalizer
+        the garbage collector runs there), only asks."""
         self.server.should_exit = True
-        self.thread.join(timeout)
+        if timeout and self.thread is not threading.current_thread() and self.thread.ident is not None:
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                log.warning("%s on %s:%s did not stop within %.0f s (a request still running?)", self.name,
+                            self.host, self.port, timeout)

@@ -94,4 +94,6 @@ class OpenAIEndpoint(Engine):
                                "trainer cannot update them; serve the policy with TransformersEngine or VLLMEngine")
 
     def close(self) -> None:
-        """Nothing to release: the server is not ours."""
+        """Nothing to release: the server is not ours, and this engine starts no thread and holds no
+        connection between calls (its one probe is a single ``httpx.post``). A proxy may still route to it
+        afterwards (:attr:`closed` stays False)."""

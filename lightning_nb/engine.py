@@ -18,6 +18,7 @@ import shutil
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,7 +213,9 @@ class Engine(abc.ABC):
       from, and make a completion started after :meth:`load_weights` returns use the new
       weights (no stale KV cache);
     * release everything in :meth:`close` (idempotent): no thread or server process of
-      the engine may outlive it, nor the interpreter.
+      the engine may outlive it, nor the interpreter, and nothing the engine started may
+      keep a reference to it (so the engine, its model and its tokenizer are freed once
+      the caller drops them); :attr:`closed` is True afterwards.
 
     Attributes:
         model_name: the name requests use in ``model``.
@@ -249,6 +252,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop serving and release threads and processes (idempotent)."""
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran: the engine serves nothing more (an engine with nothing to close: never)."""
+        return False
 
     def deployment(self) -> dict[str, Any]:
         """This engine as a LiteLLM deployment: ``litellm_params`` are what ``litellm.acompletion`` takes."""
@@ -324,6 +332,69 @@ class _Request:
     seed: Optional[int] = None
     stop: tuple[str, ...] = ()
     future: Future = field(default_factory=Future)
+    engine: Any = None  # the TransformersEngine that decodes it: the batching thread holds it only via requests
+
+
+class _Serving:
+    """A :class:`TransformersEngine`'s request queue, batching thread and HTTP server: what :meth:`close` and
+    the engine's finalizer stop. Holds no reference to the engine, so the engine can be freed."""
+
+    def __init__(self) -> None:
+        self.queue: "queue.Queue[Optional[_Request]]" = queue.Queue()
+        self.thread = threading.Thread(target=_batch_loop, args=(self.queue,), name="lightning_nb-engine",
+                                       daemon=True)
+        self.server: Any = None
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def shutdown(self, wait_s: float = 0.0) -> None:
+        """Stop the server and the batching thread (pending requests fail); wait up to ``wait_s`` seconds for
+        each (0: only signal them, as the finalizer does: it may run on either thread). Idempotent."""
+        with self.lock:
+            first = not self.closed
+            self.closed = True
+            server, self.server = self.server, None
+        if server is not None:
+            server.stop(timeout=wait_s)
+        if first:
+            self.queue.put(None)
+        if wait_s and self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=wait_s)
+
+
+def _batch_loop(requests: "queue.Queue[Optional[_Request]]") -> None:
+    """The batching thread: gather a batch (:func:`_gather`) and decode it, until ``None`` arrives; then fail
+    what is left. It reaches the engine only through the requests it is decoding, so an idle engine is not
+    kept alive by its own thread."""
+    stop = False
+    while not stop:
+        first = requests.get()
+        if first is None:
+            break
+        batch, stop = _gather(requests, first)
+        first.engine._decode(batch)
+        first = batch = None  # hold no engine while waiting for the next request
+    while not requests.empty():
+        left = requests.get_nowait()
+        if left is not None:
+            left.future.set_exception(LightningNbError("engine stopped"))
+
+
+def _gather(requests: "queue.Queue[Optional[_Request]]", first: _Request) -> tuple[list[_Request], bool]:
+    """``first`` and what else arrives within its engine's ``batch_wait_s`` seconds (at most ``max_batch_size``
+    in all); returns ``(batch, whether None arrived)``."""
+    engine = first.engine
+    batch = [first]
+    deadline = time.monotonic() + engine.batch_wait_s
+    while len(batch) < engine.max_batch_size:
+        try:
+            item = requests.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if item is None:
+            return batch, True
+        batch.append(item)
+    return batch, False
 
 
 class TransformersEngine(Engine):
@@ -376,10 +447,11 @@ class TransformersEngine(Engine):
         self.weight_version = 0
         self.tokens_generated = 0
         self.model_source: Optional[str] = None  # "default": the weights came from load_default_model()
-        self._server: Any = None
-        self._server_lock = threading.Lock()
-        self._queue: "queue.Queue[Optional[_Request]]" = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="lightning_nb-engine", daemon=True)
+        self._serving = _Serving()
+        self._queue, self._thread = self._serving.queue, self._serving.thread
+        # an engine dropped without close() still ends its threads (its finalizer holds only _serving)
+        self._finalizer = weakref.finalize(self, self._serving.shutdown)
+        self._url: Optional[str] = None
         self._thread.start()
 
     @classmethod
@@ -465,10 +537,10 @@ class TransformersEngine(Engine):
             raise ConfigError(f"temperature must be in [0, 5], got {temperature}")
         if not 0.0 < top_p <= 1.0:
             raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
-        if not self._thread.is_alive():
+        if self._serving.closed or not self._thread.is_alive():
             raise LightningNbError("the engine is stopped; create a new TransformersEngine")
         request = _Request(list(map(int, prompt_ids)), int(max_tokens), float(temperature), float(top_p),
-                           None if seed is None else int(seed), stop)
+                           None if seed is None else int(seed), stop, engine=self)
         self._queue.put(request)
         return request.future
 
@@ -496,68 +568,63 @@ class TransformersEngine(Engine):
 
     @property
     def base_url(self) -> str:
-        """``http://127.0.0.1:PORT/v1``: this engine's OpenAI-compatible endpoint (started on first use)."""
-        with self._server_lock:
-            if self._server is None:
+        """``http://127.0.0.1:PORT/v1``: this engine's OpenAI-compatible endpoint (started on first use).
+
+        Raises:
+            LightningNbError: the engine is closed and its endpoint never started.
+        """
+        serving = self._serving
+        with serving.lock:
+            if serving.server is None:
+                if serving.closed:
+                    if self._url is None:
+                        raise LightningNbError("the engine is closed; create a new TransformersEngine")
+                    return self._url  # no server answers there any more: callers get connection refused
                 from lightning_nb._net import ThreadedServer
 
                 server = ThreadedServer(_engine_app(self), "127.0.0.1", 0, "transformers engine")
                 server.start()
-                self._server = server
-            return f"http://127.0.0.1:{self._server.port}/v1"
+                serving.server = server
+                self._url = f"http://127.0.0.1:{server.port}/v1"
+            return self._url
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._serving.closed
 
     def close(self) -> None:
-        """Stop the HTTP endpoint and the batching thread (pending requests fail). Idempotent."""
-        with self._server_lock:
-            if self._server is not None:
-                self._server.stop()
-                self._server = None
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=30)
+        """Stop the HTTP endpoint and the batching thread (pending requests fail). Idempotent.
+
+        Released: the endpoint's thread and port, and the batching thread (waits up to 30 s for
+        a batch being decoded). Neither holds the engine afterwards, so the engine, its model and
+        its tokenizer are freed once the caller (and any trainer, proxy or notebook variable)
+        drops them. An engine dropped without :meth:`close` is closed when it is collected.
+        """
+        self._serving.shutdown(wait_s=30)
+        self._finalizer.detach()
 
     def stop(self) -> None:
         """Same as :meth:`close`."""
         self.close()
 
-    # ----- batching loop --------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                break
-            batch = [first]
-            deadline = time.monotonic() + self.batch_wait_s
-            stop = False
-            while len(batch) < self.max_batch_size:
-                try:
-                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                    break
-                batch.append(item)
-            groups: dict[tuple[Any, ...], list[_Request]] = {}
-            for i, r in enumerate(batch):  # a seeded request is decoded alone
-                groups.setdefault((r.temperature, r.top_p) if r.seed is None else (i,), []).append(r)
-            for reqs in groups.values():
-                try:
-                    results = self._run_batch([r.prompt_ids for r in reqs], [r.max_tokens for r in reqs],
-                                              reqs[0].temperature, reqs[0].top_p, reqs[0].seed, [r.stop for r in reqs])
-                    for r, g in zip(reqs, results):
-                        r.future.set_result(g)
-                except BaseException as exc:  # report to every waiter, keep serving
-                    log.exception("engine batch failed")
-                    for r in reqs:
-                        if not r.future.done():
-                            r.future.set_exception(exc)
-            if stop:
-                break
-        while not self._queue.empty():
-            item = self._queue.get_nowait()
-            if item is not None:
-                item.future.set_exception(LightningNbError("engine stopped"))
+    # ----- batching -------------------------------------------------------------------
+    def _decode(self, batch: list[_Request]) -> None:
+        """Decode a batch gathered by the batching thread, grouped by sampling settings; resolve its futures."""
+        groups: dict[tuple[Any, ...], list[_Request]] = {}
+        for i, r in enumerate(batch):  # a seeded request is decoded alone
+            groups.setdefault((r.temperature, r.top_p) if r.seed is None else (i,), []).append(r)
+        for reqs in groups.values():
+            try:
+                results = self._run_batch([r.prompt_ids for r in reqs], [r.max_tokens for r in reqs],
+                                          reqs[0].temperature, reqs[0].top_p, reqs[0].seed, [r.stop for r in reqs])
+                for r, g in zip(reqs, results):
+                    r.future.set_result(g)
+            except BaseException as exc:  # report to every waiter, keep serving
+                log.exception("engine batch failed")
+                for r in reqs:
+                    if not r.future.done():
+                        r.future.set_exception(exc)
 
     def _run_batch(
         self, prompts: list[list[int]], max_tokens: list[int], temperature: float, top_p: float,
@@ -673,80 +740,128 @@ class _EngineRequest(BaseModel):
 
 
 def _engine_app(engine: "TransformersEngine") -> Any:
-    """The OpenAI-compatible endpoint of a :class:`TransformersEngine` (vLLM's ``return_token_ids`` included)."""
-    import asyncio
+    """The OpenAI-compatible endpoint of a :class:`TransformersEngine` (vLLM's ``return_token_ids`` included).
 
+    Its routes are module-level functions that find the engine through a weak reference in
+    ``request.app.state.engine``: FastAPI keeps every route function it has seen in process-wide
+    caches (``fastapi.dependencies.models``), so a route closing over the engine would keep it, its
+    model and its tokenizer alive for good, and a strong reference would let the server thread keep an
+    engine dropped without :meth:`~TransformersEngine.close` (whose finalizer then stops the server).
+    """
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
 
     app = FastAPI(title="lightning-nb TransformersEngine")
-
-    def error(status: int, message: str, param: Optional[str] = None) -> JSONResponse:
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "weight_version": engine.weight_version}
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "owned_by": "lightning-nb"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Any:
-        try:
-            body = _EngineRequest.model_validate(await request.json())
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "body"
-            hint = " (TransformersEngine does not take this parameter)" if first["type"] == "extra_forbidden" else ""
-            return error(400, f"invalid field '{where}': {first['msg']}{hint}", where)
-        except ValueError:
-            return error(400, "request body is not valid JSON")
-        if body.model != engine.model_name:
-            return error(404, f"model {body.model!r} is not served here; this engine serves {engine.model_name!r}",
-                         "model")
-        if body.stream:
-            return error(400, "invalid field 'stream': this endpoint answers whole completions; the LLM proxy "
-                              "streams (stream=true there)", "stream")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            return error(400, "invalid field 'response_format': TransformersEngine has no constrained decoding; "
-                              "use {'type': 'text'} or serve with VLLMEngine", "response_format")
-        for i, m in enumerate(body.messages):
-            if m.role not in ("system", "developer", "user", "assistant"):
-                return error(400, f"invalid field 'messages.{i}.role': {m.role!r}; tool turns are rendered as text "
-                                  "by the LLM proxy (lightning_nb.chat_format.render_tools)", f"messages.{i}.role")
-        try:
-            prompt_ids = engine.apply_chat_template([m.model_dump() for m in body.messages])
-            stop = [body.stop] if isinstance(body.stop, str) else body.stop
-            futures = [engine.submit(prompt_ids, max_tokens=body.max_completion_tokens or body.max_tokens or 256,
-                                     temperature=body.temperature, top_p=body.top_p, stop=stop,
-                                     seed=None if body.seed is None else body.seed + i) for i in range(body.n)]
-        except ConfigError as exc:
-            return error(400, str(exc))
-        gens: list[Generation] = list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
-        choices = []
-        for i, g in enumerate(gens):
-            choice: dict[str, Any] = {"index": i, "finish_reason": g.finish_reason,
-                                      "message": {"role": "assistant", "content": g.text},
-                                      "logprobs": _openai_logprobs(engine.tokenizer, g) if body.logprobs else None}
-            if body.return_token_ids:
-                choice["token_ids"] = g.completion_ids
-            choices.append(choice)
-        completion = sum(len(g.completion_ids) for g in gens)
-        payload: dict[str, Any] = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": engine.model_name, "choices": choices,
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-                      "total_tokens": len(prompt_ids) + completion},
-            "weight_version": min(g.weight_version for g in gens),
-        }
-        if body.return_token_ids:
-            payload["prompt_token_ids"] = prompt_ids
-        return payload
-
+    app.state.engine = weakref.ref(engine)
+    app.get("/health")(_engine_health)
+    app.get("/v1/models")(_engine_models)
+    app.post("/v1/chat/completions")(_engine_chat)
     return app
+
+
+def _engine_error(status: int, message: str, param: Optional[str] = None) -> Any:
+    from fastapi.responses import JSONResponse
+
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+def _served_engine(request: Request) -> "TransformersEngine":
+    engine = request.app.state.engine()
+    if engine is None or engine.closed:
+        raise _EngineHTTPError(503, "this TransformersEngine is closed")
+    return engine
+
+
+class _EngineHTTPError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+async def _engine_health(request: Request) -> Any:
+    try:
+        return {"status": "ok", "weight_version": _served_engine(request).weight_version}
+    except _EngineHTTPError as exc:
+        return _engine_error(exc.status, exc.message)
+
+
+async def _engine_models(request: Request) -> Any:
+    try:
+        name = _served_engine(request).model_name
+    except _EngineHTTPError as exc:
+        return _engine_error(exc.status, exc.message)
+    return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "lightning-nb"}]}
+
+
+async def _engine_chat(request: Request) -> Any:
+    """``POST /v1/chat/completions``: the request's ``n`` completions, decoded by the engine's batching thread."""
+    import asyncio
+
+    try:
+        engine = _served_engine(request)
+        body = _engine_request(engine, await _json_body(request))
+        prompt_ids = engine.apply_chat_template([m.model_dump() for m in body.messages])
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop
+        futures = [engine.submit(prompt_ids, max_tokens=body.max_completion_tokens or body.max_tokens or 256,
+                                 temperature=body.temperature, top_p=body.top_p, stop=stop,
+                                 seed=None if body.seed is None else body.seed + i) for i in range(body.n)]
+    except _EngineHTTPError as exc:
+        return _engine_error(exc.status, exc.message, exc.param)
+    except ConfigError as exc:
+        return _engine_error(400, str(exc))
+    gens: list[Generation] = list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+    choices = []
+    for i, g in enumerate(gens):
+        choice: dict[str, Any] = {"index": i, "finish_reason": g.finish_reason,
+                                  "message": {"role": "assistant", "content": g.text},
+                                  "logprobs": _openai_logprobs(engine.tokenizer, g) if body.logprobs else None}
+        if body.return_token_ids:
+            choice["token_ids"] = g.completion_ids
+        choices.append(choice)
+    completion = sum(len(g.completion_ids) for g in gens)
+    payload: dict[str, Any] = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        "model": engine.model_name, "choices": choices,
+        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+                  "total_tokens": len(prompt_ids) + completion},
+        "weight_version": min(g.weight_version for g in gens),
+    }
+    if body.return_token_ids:
+        payload["prompt_token_ids"] = prompt_ids
+    return payload
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError:
+        raise _EngineHTTPError(400, "request body is not valid JSON") from None
+
+
+def _engine_request(engine: "TransformersEngine", raw: Any) -> _EngineRequest:
+    """``raw`` validated as a chat request this engine can answer; a 400 (404 for another model) otherwise."""
+    try:
+        body = _EngineRequest.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        hint = " (TransformersEngine does not take this parameter)" if first["type"] == "extra_forbidden" else ""
+        raise _EngineHTTPError(400, f"invalid field '{where}': {first['msg']}{hint}", where) from None
+    if body.model != engine.model_name:
+        raise _EngineHTTPError(404, f"model {body.model!r} is not served here; this engine serves "
+                                    f"{engine.model_name!r}", "model")
+    if body.stream:
+        raise _EngineHTTPError(400, "invalid field 'stream': this endpoint answers whole completions; the LLM "
+                                    "proxy streams (stream=true there)", "stream")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise _EngineHTTPError(400, "invalid field 'response_format': TransformersEngine has no constrained "
+                                    "decoding; use {'type': 'text'} or serve with VLLMEngine", "response_format")
+    for i, m in enumerate(body.messages):
+        if m.role not in ("system", "developer", "user", "assistant"):
+            raise _EngineHTTPError(400, f"invalid field 'messages.{i}.role': {m.role!r}; tool turns are rendered "
+                                        "as text by the LLM proxy (lightning_nb.chat_format.render_tools)",
+                                   f"messages.{i}.role")
+    return body
 
 
 def _openai_logprobs(tokenizer: Any, gen: Generation) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, Literal, Optional, Sequence, Union
 
 from fastapi import FastAPI, Request
@@ -37,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from lightning_nb._net import ThreadedServer, is_loopback
 from lightning_nb.chat_format import parse_tool_calls, render_tools
 from lightning_nb.engine import Engine
-from lightning_nb.errors import ConfigError, NotFoundError
+from lightning_nb.errors import ConfigError, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.tracer import Tracer
 from lightning_nb.types import LLMResource
@@ -151,7 +152,13 @@ class LLMProxy:
         api_key: bearer token required on every request. Required (ConfigError
             otherwise) when ``host`` is not a loopback address.
 
-    Use as a context manager or call :meth:`start` / :meth:`stop`.
+    Use as a context manager or call :meth:`start` / :meth:`stop`. The proxy holds its
+    engines from construction until :meth:`stop`; a stopped proxy only remembers them
+    weakly, so it never keeps a closed engine's model (about 540 MB for the default one)
+    in memory. See :meth:`start` for starting it again.
+
+    Raises:
+        ConfigError: ``engines`` is empty, or ``host`` is not loopback and ``api_key`` is missing.
     """
 
     def __init__(self, engines: Union[Engine, Sequence[Engine]], store: LightningStore, *, host: str = "127.0.0.1",
@@ -161,10 +168,12 @@ class LLMProxy:
                 f"host={host!r} is reachable from other machines, so api_key is required; "
                 f"pass api_key=secrets.token_urlsafe() (or bind to 127.0.0.1)"
             )
-        self.engines: list[Engine] = [engines] if isinstance(engines, Engine) else list(engines)
-        if not self.engines:
+        held: list[Engine] = [engines] if isinstance(engines, Engine) else list(engines)
+        if not held:
             raise ConfigError("engines is empty; pass at least one Engine (e.g. TransformersEngine.from_default())")
-        self.engine = self.engines[0]
+        self._engines: Optional[list[Engine]] = held  # None once stopped: then only the weak references below
+        self._engine_refs = [weakref.ref(e) for e in held]
+        self._model_names = [e.model_name for e in held]
         self.store = store
         self.host, self.port = host, port
         self.api_key = api_key
@@ -175,25 +184,58 @@ class LLMProxy:
 
     # ----- lifecycle ------------------------------------------------------------------
     def start(self) -> "LLMProxy":
-        """Start serving in a background thread; returns once the port is bound."""
+        """Start serving in a background thread; returns once the port is bound (a no-op while serving).
+
+        A stopped proxy can be started again: it serves the same engines if they still exist
+        (the caller kept a reference to them) and are not closed.
+
+        Raises:
+            LightningNbError: an engine is closed, or (after :meth:`stop`) was freed; the
+                message names it and the fix (a new engine and a new ``LLMProxy(engine, store)``).
+        """
         with self._lock:
             if self._server is not None:
                 return self
             import litellm
 
+            engines = self._engines if self._engines is not None else self._reclaim_engines()
+            closed = [f"{type(e).__name__} {e.model_name!r}" for e in engines if e.closed]
+            if closed:
+                raise LightningNbError(f"cannot start the LLM proxy: {', '.join(closed)} is closed; build a new "
+                                       "engine and serve it with a new LLMProxy(engine, store)")
             litellm.telemetry = False
-            for engine in self.engines:
+            for engine in engines:
                 _register_free_model(engine)
-            self._server = ThreadedServer(self._app(), self.host, self.port, "LLM proxy")
-            self.port = self._server.start()
+            server = ThreadedServer(_proxy_app(self), self.host, self.port, "LLM proxy")
+            self.port = server.start()
+            self._server, self._engines = server, engines
             return self
 
+    def _reclaim_engines(self) -> list[Engine]:
+        """The engines a stopped proxy served, while they still exist; raises LightningNbError once one was freed."""
+        engines = [ref() for ref in self._engine_refs]
+        freed = [name for name, e in zip(self._model_names, engines) if e is None]
+        if freed:
+            raise LightningNbError(
+                f"cannot start the LLM proxy again: the engine(s) serving {freed} were freed after LLMProxy.stop() "
+                "(a stopped proxy does not keep its engines alive); build a new LLMProxy(engine, store) with a "
+                "live engine")
+        return [e for e in engines if e is not None]
+
     def stop(self) -> None:
-        """Stop serving (the engines keep running; close them yourself)."""
+        """Stop serving and let go of the engines. Idempotent.
+
+        Released: the HTTP server's thread and port (in-flight requests get up to 10 s to finish),
+        and the proxy's references to its engines, so an engine nobody else holds is freed with
+        its model and tokenizer. The engines keep running: close them yourself
+        (``engine.close()``). :attr:`engines` lists those still alive elsewhere; :meth:`start`
+        serves them again.
+        """
         with self._lock:
             if self._server is not None:
                 self._server.stop()
                 self._server = None
+            self._engines = None
 
     def __enter__(self) -> "LLMProxy":
         return self.start()
@@ -202,12 +244,34 @@ class LLMProxy:
         self.stop()
 
     @property
+    def engines(self) -> list[Engine]:
+        """The engines served, in the order given; after :meth:`stop`, only those still alive elsewhere."""
+        held = self._engines
+        if held is not None:
+            return held
+        return [e for e in (ref() for ref in self._engine_refs) if e is not None]
+
+    @property
+    def engine(self) -> Engine:
+        """The first engine (whose model :meth:`as_resource` names).
+
+        Raises:
+            LightningNbError: the proxy was stopped and that engine freed since.
+        """
+        held = self._engines
+        engine = held[0] if held is not None else self._engine_refs[0]()
+        if engine is None:
+            raise LightningNbError(f"the engine serving {self._model_names[0]!r} was freed after LLMProxy.stop(); "
+                                   "build a new LLMProxy(engine, store)")
+        return engine
+
+    @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     @property
     def served_models(self) -> list[str]:
-        return sorted({e.model_name for e in self.engines})
+        return sorted(set(self._model_names))
 
     def endpoint(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> str:
         """Base URL (ending in /v1) for the OpenAI SDK; attributed when ids are given."""
@@ -217,71 +281,8 @@ class LLMProxy:
 
     def as_resource(self, **sampling_parameters: Any) -> LLMResource:
         """This proxy as the ``main_llm`` resource agents receive (its model: the first engine's)."""
-        return LLMResource(endpoint=self.endpoint(), model=self.engine.model_name,
+        return LLMResource(endpoint=self.endpoint(), model=self._model_names[0],
                            sampling_parameters=sampling_parameters, api_key=self.api_key or "not-needed")
-
-    # ----- HTTP app -------------------------------------------------------------------
-    def _app(self) -> Any:
-        app = FastAPI(title="lightning-nb LLM proxy")
-
-        def error(status: int, message: str, param: Optional[str] = None) -> JSONResponse:
-            kind = "invalid_request_error" if status < 500 else "server_error"
-            return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
-
-        if self.api_key:
-            app.add_middleware(_BearerAuth, token=self.api_key)
-
-        @app.get("/health")
-        async def health() -> dict:
-            return {"status": "ok", "models": self.served_models,
-                    "weight_versions": {e.model_name: e.weight_version for e in self.engines},
-                    "weight_version": self.engine.weight_version}
-
-        def models() -> dict:
-            return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "lightning-nb"}
-                                               for m in self.served_models]}
-
-        app.get("/v1/models")(models)
-        app.get("/rollout/{rollout_id}/attempt/{attempt_id}/v1/models")(models)
-
-        def responses_api() -> JSONResponse:
-            return error(404, "the Responses API (/v1/responses) is not served; use Chat Completions. With the "
-                              "OpenAI Agents SDK: agents.set_default_openai_api('chat_completions'), or "
-                              "model=OpenAIChatCompletionsModel(model=llm.model, openai_client=AsyncOpenAI("
-                              "base_url=llm.endpoint, api_key=llm.api_key))")
-
-        app.post("/v1/responses")(responses_api)
-        app.post("/rollout/{rollout_id}/attempt/{attempt_id}/v1/responses")(responses_api)
-
-        async def handle(request: Request, rollout_id: Optional[str], attempt_id: Optional[str]) -> Any:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                return error(400, "request body is not valid JSON; send a JSON chat completion request")
-            try:
-                req = self._validate(body)
-                engine = self._engine_for(req)
-                enforced = await self._rollout_sampling(rollout_id, attempt_id)
-                completion = await self._complete(req, engine, rollout_id, attempt_id, enforced,
-                                                  agent_name=request.headers.get(AGENT_NAME_HEADER))
-            except _HTTPError as exc:
-                return error(exc.status, exc.message, exc.param)
-            if req.stream:
-                return StreamingResponse(_sse(completion, req), media_type="text/event-stream")
-            for c in completion["choices"]:
-                del c["_pieces"]
-            # already JSON-safe: skip FastAPI's jsonable_encoder walk over every token ID
-            return Response(json.dumps(completion), media_type="application/json")
-
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request) -> Any:
-            return await handle(request, None, None)
-
-        @app.post("/rollout/{rollout_id}/attempt/{attempt_id}/v1/chat/completions")
-        async def chat_attributed(rollout_id: str, attempt_id: str, request: Request) -> Any:
-            return await handle(request, rollout_id, attempt_id)
-
-        return app
 
     # ----- request checks -------------------------------------------------------------
     def _validate(self, body: Any) -> ChatCompletionRequest:
@@ -519,6 +520,81 @@ class LLMProxy:
                 span.end()
 
         await asyncio.to_thread(end_all)  # ending a span writes it to the store: off the event loop
+
+
+def _error(status: int, message: str, param: Optional[str] = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+def _proxy_app(proxy: LLMProxy) -> Any:
+    """The proxy's ASGI app. Its routes are module-level functions that find the proxy in
+    ``request.app.state.proxy``: FastAPI keeps every route function it has seen in process-wide
+    caches (``fastapi.dependencies.models``, up to 4096 each), so a route closing over the proxy
+    would keep it, and through it the engines and the store, alive after :meth:`LLMProxy.stop`.
+    Only the app (dropped at stop) holds the proxy."""
+    app = FastAPI(title="lightning-nb LLM proxy")
+    app.state.proxy = proxy
+    if proxy.api_key:
+        app.add_middleware(_BearerAuth, token=proxy.api_key)
+    app.get("/health")(_health)
+    for prefix in ("", "/rollout/{rollout_id}/attempt/{attempt_id}"):
+        app.get(f"{prefix}/v1/models")(_models)
+        app.post(f"{prefix}/v1/responses")(_responses_api)
+    app.post("/v1/chat/completions")(_chat)
+    app.post("/rollout/{rollout_id}/attempt/{attempt_id}/v1/chat/completions")(_chat_attributed)
+    return app
+
+
+async def _health(request: Request) -> dict:
+    proxy: LLMProxy = request.app.state.proxy
+    engines = proxy.engines
+    return {"status": "ok", "models": proxy.served_models,
+            "weight_versions": {e.model_name: e.weight_version for e in engines},
+            "weight_version": engines[0].weight_version if engines else None}
+
+
+async def _models(request: Request) -> dict:
+    return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "lightning-nb"}
+                                       for m in request.app.state.proxy.served_models]}
+
+
+def _responses_api() -> JSONResponse:
+    return _error(404, "the Responses API (/v1/responses) is not served; use Chat Completions. With the "
+                       "OpenAI Agents SDK: agents.set_default_openai_api('chat_completions'), or "
+                       "model=OpenAIChatCompletionsModel(model=llm.model, openai_client=AsyncOpenAI("
+                       "base_url=llm.endpoint, api_key=llm.api_key))")
+
+
+async def _chat(request: Request) -> Any:
+    return await _handle(request, None, None)
+
+
+async def _chat_attributed(rollout_id: str, attempt_id: str, request: Request) -> Any:
+    return await _handle(request, rollout_id, attempt_id)
+
+
+async def _handle(request: Request, rollout_id: Optional[str], attempt_id: Optional[str]) -> Any:
+    """One chat completion request: validated, routed, completed, recorded; errors in the OpenAI shape."""
+    proxy: LLMProxy = request.app.state.proxy
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _error(400, "request body is not valid JSON; send a JSON chat completion request")
+    try:
+        req = proxy._validate(body)
+        engine = proxy._engine_for(req)
+        enforced = await proxy._rollout_sampling(rollout_id, attempt_id)
+        completion = await proxy._complete(req, engine, rollout_id, attempt_id, enforced,
+                                           agent_name=request.headers.get(AGENT_NAME_HEADER))
+    except _HTTPError as exc:
+        return _error(exc.status, exc.message, exc.param)
+    if req.stream:
+        return StreamingResponse(_sse(completion, req), media_type="text/event-stream")
+    for c in completion["choices"]:
+        del c["_pieces"]
+    # already JSON-safe: skip FastAPI's jsonable_encoder walk over every token ID
+    return Response(json.dumps(completion), media_type="application/json")
 
 
 async def _sse(completion: dict[str, Any], req: ChatCompletionRequest) -> Any:

@@ -172,6 +172,11 @@ class StoreSpanProcessor(SpanProcessor):
     span (the LLM proxy's for attempts it does not run, late ones) is written as it ends.
     ``flush_s=0`` writes every span as it ends.
 
+    The background thread (``lightning-nb-span-flush``) runs only while spans wait: a span
+    buffered when none runs starts it, and it ends at the first tick (every ``flush_s``) that
+    finds nothing buffered, or at :meth:`shutdown`. So an attempt left open, or a tracer
+    nobody uses any more, keeps no thread, and no buffered span is left without one.
+
     Args:
         store: where spans go.
         ledger: where stored reward spans and lost spans of open attempts are recorded.
@@ -209,11 +214,13 @@ class StoreSpanProcessor(SpanProcessor):
             return
         with self._lock:
             self._batches.setdefault((rollout_id, attempt_id), _Batch())
-            if self._flusher is None:
-                self._wake.clear()
-                self._flusher = threading.Thread(target=self._flush_loop, name="lightning-nb-span-flush",
-                                                 daemon=True)
-                self._flusher.start()
+
+    def _ensure_flusher(self) -> None:
+        """Start the background flush unless it runs (call with ``_lock`` held, after buffering a span)."""
+        if self._flusher is None:
+            self._wake.clear()
+            self._flusher = threading.Thread(target=self._flush_loop, name="lightning-nb-span-flush", daemon=True)
+            self._flusher.start()
 
     def close(self, rollout_id: str, attempt_id: str) -> None:
         """Write the attempt's buffered spans now (waiting for a flush under way); later ones are written as they end."""
@@ -235,13 +242,14 @@ class StoreSpanProcessor(SpanProcessor):
                 self._write(spans[start:start + self.max_batch], rollout_id, attempt_id)
 
     def _flush_loop(self) -> None:
-        """The background flush: every ``flush_s``, write the batches that are due; ends when no attempt is open."""
+        """The background flush: every ``flush_s``, write the batches that are due; ends when nothing is buffered
+        (the next buffered span starts it again; both under ``_lock``, so no span is left waiting unwatched)."""
         while not self._wake.wait(self.flush_s):
             with self._lock:
-                if not self._batches:
+                items = [(key, batch) for key, batch in self._batches.items() if batch.spans]
+                if not items:
                     self._flusher = None
                     return
-                items = list(self._batches.items())
             for (rollout_id, attempt_id), batch in items:
                 self._flush(rollout_id, attempt_id, batch, force=False)
         with self._lock:
@@ -276,6 +284,7 @@ class StoreSpanProcessor(SpanProcessor):
                         batch.since = time.monotonic()
                     batch.spans.append(record)
                     due = len(batch.spans) >= self.max_batch or time.monotonic() - batch.since >= self.flush_s
+                    self._ensure_flusher()
                 else:  # closed meanwhile
                     batch = None
         if batch is None:

@@ -289,12 +289,18 @@ class VLLMEngine(Engine):
         """Stop the server and every process it started; remove the temporary workdir. Idempotent.
 
         Sends SIGTERM to the server's process group, waits up to 10 s for the whole group
-        to exit, then sends SIGKILL.
+        to exit, then sends SIGKILL. Released: the server processes, the :meth:`submit` threads
+        (queued completions are cancelled, running ones fail once the server is gone), the HTTP
+        client, and (once no other VLLMEngine's server runs) the thread that spawns servers. None
+        of them holds the engine, so it is freed with :attr:`model` once the caller drops it.
         """
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
         self._http.close()
         self._finalizer()
+        if executor is not None:
+            executor.shutdown(wait=True)  # the server is gone: a request still running fails at once
 
     def stop(self) -> None:
         """Same as :meth:`close`."""
@@ -588,7 +594,7 @@ def _pdeathsig_preexec() -> Callable[[], None]:
 
     ``prctl`` is resolved here, in the parent, so the child only makes the call.
     PR_SET_PDEATHSIG fires when the *thread* that forked exits, so :func:`_spawn` forks
-    from one long-lived daemon thread that ends only with the interpreter.
+    from one daemon thread that lives as long as a server it started does.
     """
     libc = ctypes.CDLL(None, use_errno=True)
     prctl = libc.prctl
@@ -604,14 +610,29 @@ def _pdeathsig_preexec() -> Callable[[], None]:
 
 _spawn_queue: "queue.Queue[tuple[Callable[[], Any], Future]]" = queue.Queue()
 _spawn_thread: Optional[threading.Thread] = None
-_spawn_lock = threading.Lock()
+_spawn_lock = threading.Lock()  # held to start the spawner, to queue work for it, and by it to decide to end
+_spawned: list[subprocess.Popen] = []  # servers the spawner started that may still run (their PDEATHSIG thread)
+_SPAWNER_IDLE_CHECK_S = 1.0
 
 
 def _spawner_loop() -> None:
+    """Start the processes queued by :func:`_spawn`; end once every one of them has exited and none is queued
+    (checked every ``_SPAWNER_IDLE_CHECK_S`` seconds), so no thread outlives the last closed VLLMEngine."""
+    global _spawn_thread
     while True:
-        fn, fut = _spawn_queue.get()
         try:
-            fut.set_result(fn())
+            fn, fut = _spawn_queue.get(timeout=_SPAWNER_IDLE_CHECK_S)
+        except queue.Empty:
+            with _spawn_lock:
+                _spawned[:] = [p for p in _spawned if p.poll() is None]
+                if not _spawned and _spawn_queue.empty():
+                    _spawn_thread = None
+                    return
+            continue
+        try:
+            proc = fn()
+            _spawned.append(proc)
+            fut.set_result(proc)
         except BaseException as exc:  # handed to the caller
             fut.set_exception(exc)
 
@@ -621,10 +642,6 @@ def _spawn(cmd: list[str], *, env: dict[str, str], cwd: str, log_file: Any) -> s
     global _spawn_thread
     if not sys.platform.startswith("linux"):
         raise LightningNbError("VLLMEngine needs Linux (it relies on prctl(PR_SET_PDEATHSIG) and /proc)")
-    with _spawn_lock:
-        if _spawn_thread is None or not _spawn_thread.is_alive():
-            _spawn_thread = threading.Thread(target=_spawner_loop, name="lightning_nb-vllm-spawner", daemon=True)
-            _spawn_thread.start()
     preexec = _pdeathsig_preexec()
 
     def popen() -> subprocess.Popen:
@@ -632,5 +649,9 @@ def _spawn(cmd: list[str], *, env: dict[str, str], cwd: str, log_file: Any) -> s
                                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec)
 
     fut: Future = Future()
-    _spawn_queue.put((popen, fut))
+    with _spawn_lock:  # queued under the lock: the spawner cannot decide to end between the check and the put
+        if _spawn_thread is None or not _spawn_thread.is_alive():
+            _spawn_thread = threading.Thread(target=_spawner_loop, name="lightning_nb-vllm-spawner", daemon=True)
+            _spawn_thread.start()
+        _spawn_queue.put((popen, fut))
     return fut.result()

@@ -74,7 +74,7 @@ def set_up():
 
 
 engine, store, proxy, runners, trainer, algo = set_up()
-trainer"""),
+display(trainer)  # not a bare `trainer`: IPython's Out cache would keep it, and its engine, alive after a restart"""),
     ("md", """## 2. Preflight: is there anything to learn from?
 
 Hours of compute are easily spent on a batch with nothing in it: no reward reached the store, the token IDs are

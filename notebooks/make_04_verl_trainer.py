@@ -86,7 +86,7 @@ def set_up():
 
 
 engine, store, proxy, runners, trainer, algo = set_up()
-trainer"""),
+display(trainer)  # not a bare `trainer`: IPython's Out cache would keep it, and its engine, alive after a restart"""),
     ("md", """### The config as verl sees it
 
 `config.hydra_overrides()` lists the verl keys the fields map to, followed by `overrides`.

@@ -126,3 +126,34 @@ def test_span_construct_is_model_construct_without_the_per_field_loop():
     moved = types.span_with_sequence_id(span, 9)  # the store's add_spans returns these
     assert moved == span.model_copy(update={"sequence_id": 9}) and moved is not span and span.sequence_id == 3
     assert moved.attributes is span.attributes and moved.sequence_id == 9
+
+
+def _flushers():
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "lightning-nb-span-flush"]
+
+
+def test_the_flush_thread_runs_only_while_spans_wait_and_loses_none():
+    """An attempt left open keeps no thread: the flush thread starts with a buffered span and ends at the first
+    tick with nothing buffered; a later span starts it again; a dropped tracer is freed with no thread left."""
+    import gc
+    import weakref
+
+    store = _counting(InMemoryStore)()
+    tracer = Tracer(store, span_flush_s=0.1)
+    before = set(_flushers())
+    rid, aid = _open(store, tracer)
+    assert set(_flushers()) == before  # opening an attempt starts nothing
+    for round_ in range(2):
+        tracer.start_span(f"llm{round_}", rid, aid, {}).end()
+        assert len(set(_flushers()) - before) == 1
+        deadline = time.monotonic() + 5
+        while (set(_flushers()) - before or len(store.query_spans(rid)) <= round_) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert set(_flushers()) - before == set(), "the flush thread outlived its last buffered span"
+        assert [s.name for s in store.query_spans(rid)] == [f"llm{i}" for i in range(round_ + 1)]  # none lost
+    ref = weakref.ref(tracer)
+    del tracer
+    gc.collect()
+    assert ref() is None  # the attempt is still open: nothing pins the tracer

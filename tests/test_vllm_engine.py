@@ -183,7 +183,7 @@ def test_missing_python_and_a_server_that_dies_at_start_up_raise_clearly(default
 
 def test_pdeathsig_follows_the_forking_thread_so_servers_are_forked_from_one_long_lived_thread():
     """PR_SET_PDEATHSIG fires when the *thread* that forked exits: forking from a short-lived thread would kill
-    the server at once. VLLMEngine forks from one daemon thread that lives as long as the interpreter."""
+    the server at once. VLLMEngine forks from one daemon thread that lives as long as a server it started does."""
     from lightning_nb.vllm_engine import _pdeathsig_preexec, _spawn
 
     box = {}
