@@ -9,6 +9,8 @@ adapts the spans with :class:`~lightning_nb.adapter.TripletAdapter` and calls
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 import time
@@ -29,7 +31,7 @@ from lightning_nb.types import RolloutConfig
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["AlgorithmConfig", "LightningRL", "SliceReport", "Slicer", "slice_labels"]
+__all__ = ["AlgorithmConfig", "LightningRL", "SliceReport", "Slicer", "slice_labels", "task_key"]
 
 Slicer = Union[str, Callable[[Any], Any]]
 """What to slice tasks by: a task field name (``"ops"``) or a function ``task -> label``."""
@@ -77,6 +79,22 @@ def slice_labels(items: Sequence[Any], by: Slicer, *, what: str = "task",
             exception), or ``by`` is neither a str nor callable.
     """
     return [label for _, label in _slice_keys(items, by, what, names)]
+
+
+def task_key(task: Any, id_key: str = "id") -> str:
+    """The key that names ``task``'s GRPO group: ``str(task[id_key])`` when the task is a mapping with that
+    field, else a hash of its content.
+
+    The hash is the first 12 hex digits of the SHA-1 of ``json.dumps(task, sort_keys=True, default=repr)``:
+    equal tasks get the same key in every process and run (two dicts with the same fields, whatever their
+    key order), different ones different keys. Values JSON cannot encode are hashed by their ``repr()``,
+    so a task object whose ``repr`` shows its memory address (no ``__repr__`` of its own) gets a key
+    that changes between runs: give such tasks an ``id`` field.
+    """
+    if isinstance(task, Mapping) and id_key in task:
+        return str(task[id_key])
+    body = dict(task) if isinstance(task, Mapping) else task
+    return hashlib.sha1(json.dumps(body, sort_keys=True, default=repr).encode()).hexdigest()[:12]
 
 
 def _ordered(keys: Sequence[tuple[Any, str]]) -> list[str]:
@@ -203,13 +221,18 @@ class LightningRL:
     """Drive GRPO training of ``trainer`` on ``train_tasks`` through ``store``.
 
     Runners must be consuming ``store`` (see :func:`~lightning_nb.runner.start_runners`).
-    Tasks are dicts; ``task[id_key]`` names the GRPO group.
+    Tasks are usually dicts. A step's rollouts of one task form a GRPO group, whose ``group_id`` is
+    ``"<step>.<round>:<task key>"``; the task key is ``task[id_key]`` (the ``"id"`` field by default),
+    or for a task without that field (or one that is not a dict) a hash of its content
+    (:func:`task_key`: equal tasks share a key, so give tasks an ``id`` when two equal ones must stay
+    apart, or when a task's ``repr`` is not its content).
 
     Args:
         store: the store the runners read.
         trainer: updates weights.
         train_tasks / val_tasks: task inputs handed to the agent.
         config: :class:`AlgorithmConfig`.
+        id_key: the task field whose value names the task's GRPO group (see above and :func:`task_key`).
         on_step: optional callback ``on_step(metrics_row)`` after every step (e.g. a progress bar).
         loggers: experiment loggers that get every step's row (:mod:`lightning_nb.loggers`):
             :class:`~lightning_nb.loggers.MetricLogger` objects, or the shorthands
@@ -294,12 +317,14 @@ class LightningRL:
         return RolloutConfig(max_attempts=self.config.max_attempts, timeout_seconds=self.config.rollout_timeout_s)
 
     def wait_for(self, rollout_ids: list[str], desc: Optional[str] = None,
-                 start_timeout_s: Optional[float] = None) -> bool:
+                 start_timeout_s: Optional[float] = None,
+                 on_progress: Optional[Callable[[int, int], None]] = None) -> bool:
         """Wait until every rollout is terminal; a tqdm.auto bar named ``desc`` if given.
 
         Returns True when all are terminal. With ``start_timeout_s``, returns False (having
         cancelled them) when none has left the queue after that many seconds: no runner is
-        consuming the store.
+        consuming the store. ``on_progress(finished, total)`` is called at each poll (about
+        once a second) with the count of terminal rollouts of ``rollout_ids`` and ``len(rollout_ids)``.
 
         Raises:
             TrainerStopped: the trainer was stopped while waiting (the rollouts are cancelled).
@@ -310,17 +335,20 @@ class LightningRL:
 
             bar = tqdm(total=len(rollout_ids), desc=desc, unit="rollout")
         try:
-            return self._wait_loop(rollout_ids, bar, start_timeout_s)
+            return self._wait_loop(rollout_ids, bar, start_timeout_s, on_progress)
         finally:
             if bar is not None:
                 bar.close()
 
-    def _wait_loop(self, rollout_ids: list[str], bar: Any, start_timeout_s: Optional[float]) -> bool:
+    def _wait_loop(self, rollout_ids: list[str], bar: Any, start_timeout_s: Optional[float],
+                   on_progress: Optional[Callable[[int, int], None]]) -> bool:
         t0 = time.monotonic()
         while True:
             done = self.store.wait_for_rollouts(rollout_ids, timeout=1.0)
             if bar is not None:
                 bar.update(len(done) - bar.n)
+            if on_progress is not None:
+                on_progress(len(done), len(rollout_ids))
             if len(done) == len(rollout_ids):
                 return True
             stopped = self.trainer.stop_requested
@@ -371,8 +399,7 @@ class LightningRL:
                 task = self.train_tasks[self._rng.randrange(len(self.train_tasks))]
             else:
                 task = self._rng.choices(self.train_tasks, weights)[0]
-            key = task.get(self.id_key, id(task)) if isinstance(task, dict) else id(task)
-            group = f"{self.trainer.step + 1}.{round_}:{key}"
+            group = f"{self.trainer.step + 1}.{round_}:{task_key(task, self.id_key)}"
             for _ in range(cfg.group_size):
                 ids.append(self.store.enqueue_rollout(
                     task, mode="train", config=self._rollout_config(),
@@ -401,7 +428,8 @@ class LightningRL:
             if round_ > 0:
                 self.trainer.at_boundary("between sample rounds")
             new_ids = self._enqueue_groups(cfg.tasks_per_step - with_signal, round_)
-            self.wait_for(new_ids)
+            self.wait_for(new_ids, on_progress=self._reporter("rollouts", self.trainer.step + 1, len(new_ids),
+                                                              before=len(ids)))
             new = self.adapter.adapt(self.store, new_ids)
             for k, v in self.adapter.last_skipped.items():
                 skipped[k] = skipped.get(k, 0) + v
@@ -414,6 +442,16 @@ class LightningRL:
         self.last_groups_with_signal = with_signal
         self.last_skipped = skipped
         return triplets, ids
+
+    def _reporter(self, phase: str, step: int, n: int, before: int = 0) -> Callable[[int, int], None]:
+        """The ``on_progress`` of :meth:`wait_for` that reports ``phase`` of ``step`` to the trainer
+        (:meth:`BackgroundLoop.report_progress`), ``before`` finished rollouts counted ahead of the ``n`` waited
+        for (earlier sample rounds of the step); reports 0 of ``n`` at once."""
+        def report(finished: int, total: int) -> None:
+            self.trainer.report_progress(phase, before + finished, before + total, unit="rollouts", step=step)
+
+        report(0, n)
+        return report
 
     def rollout_rewards(self, rollout_ids: Sequence[str]) -> list[float]:
         """Final rewards of the finished, not cancelled ``rollout_ids``, a failed one (or one without reward) as 0.
@@ -469,7 +507,8 @@ class LightningRL:
         sampling = {"temperature": 0.0, "max_tokens": self.config.max_tokens}
         ids = [self.store.enqueue_rollout(t, mode="val", config=self._rollout_config(),
                                           metadata={"sampling_parameters": sampling}).rollout_id for t in tasks]
-        self.wait_for(ids, desc="evaluating" if progress else None)
+        self.wait_for(ids, desc="evaluating" if progress else None,
+                      on_progress=self._reporter("evaluate", self.trainer.step, len(ids)))
         finished = self._finished_rewards(ids)
         rewards = list(finished.values())
         mean = sum(rewards) / len(rewards) if rewards else math.nan
@@ -509,9 +548,14 @@ class LightningRL:
         ``slice_by``, also ``val_reward/<slice>`` per slice, :meth:`SliceReport.metrics`), and
         ``config_changes`` (edits of either config applied at this step).
 
+        While it runs, ``trainer.progress`` (:class:`~lightning_nb.control.LoopProgress`) says where it is:
+        phase ``"rollouts"`` (the step's rollouts finished of those enqueued, every sample round), then
+        ``"update"`` (micro-batches done, reported by the trainer), then ``"evaluate"`` when due.
+
         Raises:
             LightningNbError: no rollout of the step gave a triplet.
         """
+        self.trainer.report_progress("rollouts", 0, 0, unit="rollouts", step=self.trainer.step + 1)
         self.trainer.at_boundary("before collect")
         self._step_start = (self.state_dict(), rng_state())  # what a checkpoint saved inside this step holds
         edits = self._config_edits()

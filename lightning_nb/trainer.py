@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import pandas as pd
 
@@ -625,7 +625,9 @@ class GRPOTrainer(BackgroundLoop):
           2. :meth:`_optimize`: ``ppo_epochs`` passes over mini-batches of ``mini_batch_size``
              sequences, one AdamW step each with gradient-norm clipping; each mini-batch is
              forwarded in micro-batches of ``micro_batch_size`` (:meth:`_micro_step`, gradients
-             accumulated) through the model's own ``forward``;
+             accumulated) through the model's own ``forward``; each micro-batch done (also those
+             of π_start's scoring forwards) moves :attr:`progress` (phase ``"update"``, unit
+             ``"micro-batches"``);
           3. ``engine.load_weights(model)`` serves the new weights and bumps
              ``engine.weight_version`` (only when the weights changed); the learning rate
              moves one step along its schedule (:func:`lr_factor`).
@@ -707,6 +709,7 @@ class GRPOTrainer(BackgroundLoop):
             changes = self._sync_config()
             lr = float(self.optimizer.param_groups[0]["lr"])
             t0 = time.perf_counter()
+            self.report_progress("update", 0, 0, unit="micro-batches", step=self.step + 1)
             with self.engine.lock:
                 batch = self._build_batch(triplets, core_algos)
                 stats = self._optimize(batch.seqs, core_algos)
@@ -769,7 +772,9 @@ class GRPOTrainer(BackgroundLoop):
         advantages, by_turn, dropped = self._advantages(episodes, groups)
         seqs = [s for r in advantages for s in packed[r]]
         if cfg.kl_coef > 0 and cfg.kl_mode == "reward" and seqs:  # credit="episode" (validated)
-            self._score_at_start([s for s in seqs if any(s.mask)], core_algos, with_reference=True)
+            scored = [s for s in seqs if any(s.mask)]
+            tick = self._micro_batch_counter(_micro_batches(scored, cfg.micro_batch_size))
+            self._score_at_start(scored, core_algos, tick, with_reference=True)
             kl_sums: dict[str, list[float]] = {}
             for s in seqs:
                 kl_sums.setdefault(s.rollout_id, []).append(s.kl_sum)
@@ -849,8 +854,12 @@ class GRPOTrainer(BackgroundLoop):
             s.trained = any(s.mask) and not (skip and all(a == 0.0 for a, m in zip(s.token_advantages, s.mask) if m))
         size = cfg.mini_batch_size or max(len(seqs), 1)
         minis = [m for m in (seqs[i: i + size] for i in range(0, len(seqs), size)) if any(s.trained for s in m)]
-        if cfg.ppo_epochs * len(minis) > 1:  # fix π_start before the first step changes the weights
-            self._score_at_start([s for s in seqs if s.trained and s.trainer_logprobs is None], core_algos)
+        scored = ([s for s in seqs if s.trained and s.trainer_logprobs is None]
+                  if cfg.ppo_epochs * len(minis) > 1 else [])
+        tick = self._micro_batch_counter(_micro_batches(scored, cfg.micro_batch_size) + cfg.ppo_epochs * sum(
+            _micro_batches([s for s in m if s.trained], cfg.micro_batch_size) for m in minis))
+        if scored:  # fix π_start before the first step changes the weights
+            self._score_at_start(scored, core_algos, tick)
         stats = dict.fromkeys(("loss", "pg_loss", "kl", "ppo_kl", "pg_clipfrac", "tis_weight", "tokens",
                                "logprob_diff_max", "grad_norm"), 0.0)
         stats["optimizer_steps"] = 0
@@ -860,6 +869,7 @@ class GRPOTrainer(BackgroundLoop):
                 trained = [s for s in mini if s.trained]
                 for i in range(0, len(trained), cfg.micro_batch_size):
                     part = self._micro_step(trained[i: i + cfg.micro_batch_size], view, core_algos)
+                    tick()
                     for k, v in part.items():
                         stats[k] = max(stats[k], v) if k == "logprob_diff_max" else stats[k] + v
                 stats["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self._trainable,
@@ -868,6 +878,18 @@ class GRPOTrainer(BackgroundLoop):
                 self.optimizer.zero_grad(set_to_none=True)
                 stats["optimizer_steps"] += 1
         return stats
+
+    def _micro_batch_counter(self, total: int) -> Callable[[], None]:
+        """A function to call after each of the update's ``total`` micro-batches: reports ``update`` progress."""
+        done = 0
+        self.report_progress("update", 0, total, unit="micro-batches", step=self.step + 1)
+
+        def tick() -> None:
+            nonlocal done
+            done += 1
+            self.report_progress("update", done, total, unit="micro-batches", step=self.step + 1)
+
+        return tick
 
     def _advance_schedule(self) -> None:
         """One LR-scheduler step per update (also one that took no optimizer step: the schedule counts updates)."""
@@ -954,11 +976,13 @@ class GRPOTrainer(BackgroundLoop):
         temp_B = torch.tensor([s.temperature if s.temperature > 0 else 1.0 for s in micro], device=device)
         return T, device, ids_B_T, attn_B_T, mask_B_L, temp_B
 
-    def _score_at_start(self, seqs: list[_Sequence], core_algos: Any, with_reference: bool = False) -> None:
+    def _score_at_start(self, seqs: list[_Sequence], core_algos: Any, tick: Optional[Callable[[], None]] = None,
+                        with_reference: bool = False) -> None:
         """Record π_start, the log-probs of ``seqs`` under the weights before any step of this update, without grad.
 
         Sets each sequence's ``trainer_logprobs``; ``with_reference`` also sets ``kl_sum``,
-        the ``kl_penalty`` estimator to the reference summed over its response tokens.
+        the ``kl_penalty`` estimator to the reference summed over its response tokens. ``tick()`` is
+        called after each micro-batch.
         """
         import torch
 
@@ -974,6 +998,8 @@ class GRPOTrainer(BackgroundLoop):
                     s.trainer_logprobs = [0.0] + logp_B_L[b, : len(s.input_ids) - 1].tolist()
                     if with_reference:
                         s.kl_sum = float(kl_B[b])
+                if tick is not None:
+                    tick()
 
     def _reference_active(self) -> bool:
         """Whether the update measures KL to the reference (a kept copy, or with LoRA the base model when
@@ -1387,6 +1413,11 @@ class GRPOTrainer(BackgroundLoop):
             f"checkpoint {path} was trained against a reference model (the initial weights) that differs from "
             "this trainer's, and it cannot be rebuilt; build this trainer on the same starting weights as the "
             "run that saved it, or use GRPOConfig(track_reference_kl=False, kl_coef=0)")
+
+
+def _micro_batches(seqs: Sequence[Any], size: int) -> int:
+    """Micro-batches of ``size`` that ``seqs`` make (the last may be smaller)."""
+    return -(-len(seqs) // size)
 
 
 def _mean(values: Sequence[float]) -> float:

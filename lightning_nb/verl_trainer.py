@@ -341,19 +341,28 @@ class VerlTrainer(GRPOTrainer):
         """DataProto → π_old (and π_ref) → verl's GRPO advantages → verl's PPO update.
 
         Returns ``(data, stats)``: the DataProto with ``old_log_probs``, ``advantages`` (and ``ref_log_prob``), and
-        verl's metrics plus ``kl`` and ``logprob_diff_max``.
+        verl's metrics plus ``kl`` and ``logprob_diff_max``. Each stage done moves :attr:`progress` (phase
+        ``"update"``, unit ``"stages"``: π_old, π_ref when active, verl's policy update).
         """
         from lightning_nb.verl_bridge import grpo_advantages, triplets_to_dataproto
 
         cfg = self.config
+        stages = 3 if self._reference_active() else 2
+
+        def report(done: int) -> None:
+            self.report_progress("update", done, stages, unit="stages", step=self.step + 1)
+
+        report(0)
         data = triplets_to_dataproto(kept, pad_token_id=self.engine.pad_token_id, pack_turns=cfg.pack_turns)
         lengths = data.batch["attention_mask"].sum(-1)
         max_tokens = int(cfg.micro_batch_size * int(lengths.max()))  # verl's dynamic micro-batch budget
         data = data.union(self.actor.compute_log_prob(data, max_token_len=max_tokens))
+        report(1)
         mask = data.batch["response_mask"].bool()
         stats: dict[str, float] = {"kl": math.nan}
         if self._reference_active():
             ref = self._reference_log_prob(data, max_tokens)
+            report(2)
             data.batch["ref_log_prob"] = ref
             kl = core_algos.kl_penalty(data.batch["old_log_probs"], ref, cfg.kl_penalty)
             stats["kl"] = float(kl[mask].mean()) if mask.any() else math.nan
@@ -365,6 +374,7 @@ class VerlTrainer(GRPOTrainer):
         else:
             stats["logprob_diff_max"] = math.nan
         stats.update(self.actor.update_policy(data, mini_batch_size=cfg.mini_batch_size, max_token_len=max_tokens))
+        report(stages)
         return data, stats
 
     def _reference_log_prob(self, data: Any, max_tokens: int) -> Any:

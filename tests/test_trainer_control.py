@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+import threading
 import time
 
 import pytest
 
 from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy, start_runners
 from lightning_nb.calc import calc_agent, load_tasks
+from lightning_nb.control import LoopProgress
 from lightning_nb.errors import ConfigError, LightningNbError
 
 pytestmark = pytest.mark.slow
@@ -56,15 +59,63 @@ def test_pause_returns_only_at_a_step_boundary_under_load(engine, pristine):
 
 
 class _Sleeper:
-    """An algorithm whose steps only reach one boundary and sleep: the control surface alone."""
+    """An algorithm whose steps only reach one boundary and sleep: the control surface alone.
 
-    def __init__(self, trainer, boundary: str, sleep_s: float):
-        self.trainer, self.boundary, self.sleep_s = trainer, boundary, sleep_s
+    With ``units``, a step reports its progress as ``LightningRL.step`` and the trainer's update do
+    (0 to ``units`` rollouts, the boundary ``before update``, 0 to ``units`` micro-batches, ``sleep_s`` after each),
+    then counts itself done (``trainer.step += 1``).
+    """
+
+    def __init__(self, trainer, boundary: str, sleep_s: float, units: int = 0):
+        self.trainer, self.boundary, self.sleep_s, self.units = trainer, boundary, sleep_s, units
 
     def run(self, steps):
         for _ in range(steps):
             self.trainer.at_boundary(self.boundary)
+            if not self.units:
+                time.sleep(self.sleep_s)
+                continue
+            self._phase("rollouts", "rollouts")
+            self.trainer.at_boundary("before update")
+            self._phase("update", "micro-batches")
+            self.trainer.step += 1
+
+    def _phase(self, phase, unit):
+        for done in range(self.units + 1):
+            self.trainer.report_progress(phase, done, self.units, unit=unit, step=self.trainer.step + 1)
             time.sleep(self.sleep_s)
+
+
+def _watch(trainer):
+    """Record every distinct ``trainer.progress`` (polled each 2 ms) until the returned event is set."""
+    seen, done = [], threading.Event()
+
+    def poll():
+        while not done.is_set():
+            p = trainer.progress
+            if not seen or seen[-1] != p:
+                seen.append(p)
+            time.sleep(0.002)
+
+    threading.Thread(target=poll, daemon=True).start()
+    return seen, done
+
+
+def _frames(err: str) -> list[tuple[float, str]]:
+    """``(n, frame)`` of each frame of a text tqdm bar of ``wait(progress=True)`` (``| 0.25/2 steps [...]``)."""
+    out = []
+    for frame in re.split(r"[\r\n]+", err):
+        m = re.search(r"\| (\d+\.\d\d)/\d+ steps \[", frame)
+        if m:
+            out.append((float(m.group(1)), frame))
+    return out
+
+
+def _until(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
 
 
 def test_start_refuses_a_second_loop_and_state_follows_the_loop(engine):
@@ -183,3 +234,91 @@ def test_a_new_reward_function_set_while_paused_takes_effect_on_resume(engine, p
     assert later and set(later.values()) <= {0.25, 0.75}, later
     changed = [m["step"] for m in trainer.metrics if "learning_rate 2e-05 → 1e-05" in m["config_changes"]]
     assert len(changed) == 1 and changed[0] >= 2 and trainer.metrics[-1]["lr"] == 1e-5
+
+
+def test_progress_moves_within_a_step_and_reads_paused_where_the_loop_parks(engine):
+    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+    assert (trainer.progress.phase, trainer.progress.step) == ("idle", 0)
+    seen, done = _watch(trainer)
+    trainer.start(_Sleeper(trainer, "before collect", 0.1, units=4), steps=1000)
+    try:
+        _until(lambda: trainer.step >= 1)
+        assert trainer.pause(timeout=10) and trainer.state == "paused"
+        p = trainer.progress
+        assert p.phase == "paused" and p.boundary == trainer.paused_at and f"paused {p.boundary}" in str(p)
+        trainer.resume()
+        assert trainer.progress.phase != "paused"
+    finally:
+        assert trainer.stop(timeout=10)
+        done.set()
+    assert trainer.progress.phase == "ended"
+    step1 = [p for p in seen if p.step == 1 and p.phase in ("rollouts", "update")]
+    assert [p.phase for p in step1] == sorted((p.phase for p in step1), key=["rollouts", "update"].index)
+    for phase in ("rollouts", "update"):
+        counts = [p.done for p in step1 if p.phase == phase]
+        assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 4 and len(set(counts)) >= 3, counts
+    assert str(step1[-1]) == "step 1 · update 4/4 micro-batches"
+
+
+def test_wait_progress_moves_within_a_step_and_shows_no_eta_before_a_step_was_measured(engine, capsys):
+    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+    trainer.start(_Sleeper(trainer, "before collect", 0.3, units=4), steps=2)  # a step: 10 reports 0.3 s apart
+    try:
+        assert trainer.wait(progress=True, timeout=60) is True
+    finally:
+        trainer.stop(timeout=10)
+    frames = _frames(capsys.readouterr().err)
+    ns = [n for n, _ in frames]
+    assert ns and ns == sorted(ns) and ns[-1] == 2.0, ns
+    assert len({n for n in ns if 0 < n < 1}) >= 4, ns  # moved inside step 1, not once per step
+    before = [f for n, f in frames if n < 1]
+    assert before and not any("<" in f for f in before), before  # tqdm's "<remaining" only after a step
+    assert any(re.search(r"<\d\d:\d\d", f) for n, f in frames if n >= 1)
+    assert any("step 1 · rollouts" in f for f in before) and any("step 1 · update" in f for f in before)
+
+
+def test_pause_progress_shows_the_phase_it_waits_for(engine, capsys):
+    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+    trainer.start(_Sleeper(trainer, "before collect", 0.3, units=4), steps=1000)
+    try:
+        _until(lambda: trainer.progress.phase == "update" and trainer.progress.done == 1)
+        assert trainer.pause(timeout=30, progress=True) is True
+        assert trainer.state == "paused" and trainer.paused_at == "before collect" and trainer.step == 1
+        err = capsys.readouterr().err
+        assert "pausing: step 1 update" in err and re.search(r"\| [234]/4 micro-batches", err), err
+    finally:
+        assert trainer.stop(timeout=10)
+
+
+def test_the_algorithm_and_the_update_report_progress_and_wait_returns_at_until_step(
+        engine, pristine, proxied_store, agent_with_reward, capsys):
+    store = proxied_store
+    runners = start_runners(agent_with_reward([0.0, 1.0]), store, n=2)
+    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False, micro_batch_size=1))
+    algo = LightningRL(store, trainer, load_tasks("train"), config=AlgorithmConfig(
+        tasks_per_step=1, group_size=4, max_tokens=4, max_sample_rounds=1))
+    seen, done = _watch(trainer)
+    try:
+        trainer.start(algo, steps=3)
+        assert trainer.wait(until_step=1, progress=True, timeout=300) is True
+        assert trainer.step == 1 and trainer.running  # returned at step 1; the loop goes on
+        frames = _frames(capsys.readouterr().err)
+        _until(lambda: len(store.query_rollouts()) == 8)  # step 2 collects (its LLM calls take a second or more)
+        assert trainer.pause(timeout=300) and trainer.paused_at == "before update"
+        assert trainer.progress == LoopProgress(step=2, phase="paused", done=4, total=4, unit="rollouts",
+                                                boundary="before update")
+    finally:
+        trainer.stop(timeout=60)
+        runners.stop()
+        done.set()
+    step1 = [p for p in seen if p.step == 1]
+    rollouts = [p for p in step1 if p.phase == "rollouts"]
+    update = [p for p in step1 if p.phase == "update"]
+    assert rollouts[0].done == 0 and {p.total for p in rollouts} == {4}, rollouts
+    assert [p.done for p in rollouts] == sorted(p.done for p in rollouts)
+    assert step1.index(rollouts[-1]) < step1.index(update[0])
+    # 4 sequences with non-zero advantages, one per micro-batch (each a forward and backward: the poll sees most)
+    counts = [p.done for p in update if p.total]
+    assert counts == sorted(counts) and len(set(counts)) >= 3 and {p.total for p in update if p.total} == {4}, update
+    assert frames and frames[-1][0] == 1.0 and "training to step 1" in frames[-1][1]
+    assert any(0 < n < 1 and "step 1 · update" in f for n, f in frames), frames

@@ -90,6 +90,52 @@ def test_reward_curve_polls_in_the_background_and_stops_when_closed():
     assert list(curve.fig.data[2].y) == [1.0] and curve.refresh_count == count  # no update after close
 
 
+def test_reward_curve_holds_back_a_step_the_trainer_is_paused_inside(engine, pristine, proxied_store):
+    """Paused ``before update`` of step 2, step 2's rollouts are in the store but its point is not final."""
+    import itertools
+
+    from openai import OpenAI
+
+    store, gate, counter = proxied_store, threading.Event(), itertools.count()
+
+    def agent(task, llm):  # one LLM call (a triplet); step 2's rollouts (the 3rd and 4th) wait for the gate
+        i = next(counter)
+        OpenAI(base_url=llm.endpoint, api_key="x", max_retries=0).chat.completions.create(
+            model=llm.model, messages=[{"role": "user", "content": "Say hi."}], **llm.sampling_parameters)
+        if i >= 2:
+            gate.wait(120)
+        return float(i % 2)
+
+    runners = start_runners(agent, store, n=2)
+    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+    algo = LightningRL(store, trainer, [{"id": "t", "question": "1 + 1?", "answer": 2}], config=AlgorithmConfig(
+        tasks_per_step=1, group_size=2, max_tokens=4, max_sample_rounds=1))
+    curve = RewardCurve(store, autostart=False, trainer=trainer)
+    unbound = RewardCurve(store, autostart=False)  # no trainer: draws every step with finished rollouts
+    try:
+        trainer.start(algo, steps=2)
+        assert trainer.wait(until_step=1, timeout=300)
+        _until(lambda: len(store.query_rollouts()) == 4, timeout=60)  # step 2 is collecting (held by the gate)
+        trainer.pause(wait=False)  # the loop parks once step 2's rollouts finish, before its update
+        gate.set()
+        assert trainer.pause(timeout=300) and trainer.paused_at == "before update" and trainer.step == 1
+        for c in (curve, unbound):
+            c.refresh()
+        assert sorted(curve.train) == [1, 2]  # step 2's rollouts were read...
+        assert curve.series()["train"]["x"] == [1] and list(curve.fig.data[0].x) == [1]  # ...and held back
+        assert unbound.series()["train"]["x"] == [1, 2]
+        trainer.resume()
+        assert trainer.wait(timeout=300) and trainer.step == 2
+        curve.refresh()  # no rollout finished since: the trainer's step alone moves the curve
+        assert curve.series()["train"]["x"] == [1, 2] and list(curve.fig.data[0].x) == [1, 2]
+    finally:
+        trainer.stop(timeout=60)
+        gate.set()
+        runners.stop()
+        curve.close()
+        unbound.close()
+
+
 # ----- span browser (real engine, proxy and calc agent) --------------------------------------------
 @pytest.fixture
 def served(engine):
@@ -240,6 +286,9 @@ def test_trainer_panel_buttons_drive_the_trainer(engine, tmp_path):
         _until(lambda: trainer.state == "paused")
         panel.refresh()
         assert 'data-state="paused"' in panel.summary.value
+        # the row "now": inside step 1 (its agent makes no LLM call, so no group has signal: a second round is due)
+        assert trainer.paused_at == "between sample rounds"
+        assert "step 1 · paused between sample rounds" in panel.summary.value
         assert panel.pause_button.disabled and not panel.resume_button.disabled and not panel.chat_button.disabled
 
         panel.chat_input.value = "What is 2 + 2?"

@@ -67,6 +67,7 @@ def dashboard(store: LightningStore, runners: Optional[RunnerGroup] = None, trai
     runners = runners if runners is not None else live_runner_group(store)
     if runners is not None:
         panels["runners"] = RunnerPanel(runners, interval_s=interval_s)
-    panels["reward"] = RewardCurve(store, batch_size=batch_size, interval_s=interval_s, slice_by=slice_by)
+    panels["reward"] = RewardCurve(store, batch_size=batch_size, interval_s=interval_s, slice_by=slice_by,
+                                   trainer=trainer)
     panels["spans"] = SpanBrowser(store, limit=span_rows, interval_s=interval_s)
     return Dashboard(panels)

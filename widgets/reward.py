@@ -13,7 +13,10 @@ function ``task -> label``) the left panel also draws one validation line per sl
 Named intermediate rewards (shaping terms such as ``calc_uses_all_numbers``,
 :func:`lightning_nb.emit_intermediate_reward`) get one dashed line each in the left panel,
 ``train <component>``: their mean sum per training rollout of each step (0 for a rollout
-without it), apart from the final reward, which they never change.
+without it), apart from the final reward, which they never change. Given the ``trainer``, the
+left panel plots a training step only once its update is done (``step <= trainer.step``): a
+step still collecting, or paused inside (``before update``, ``between sample rounds``), has
+rollouts still to come, so its mean is not final yet.
 """
 
 from __future__ import annotations
@@ -76,14 +79,20 @@ class RewardCurve(LivePanel):
             line per slice (trace name ``val <label>``, e.g. ``val ops=2``). Validation rollouts
             whose input has no such field (or on which the function raises) are left out of
             the slice lines, not of ``val mean``.
+        trainer: the trainer whose steps the training rollouts belong to (anything with a
+            ``step`` attribute, the count of updates done): the left panel's training lines
+            then stop at ``trainer.step``, so a step whose update has not run is not drawn (the
+            right panel still counts its rollouts). None: every step with finished rollouts is
+            drawn, the last one possibly before all its rollouts (later sample rounds) finished.
     """
 
     def __init__(self, store: LightningStore, *, batch_size: int = 8, interval_s: float = 1.0, height: int = 330,
                  width: Optional[int] = 900, autostart: bool = True,
-                 slice_by: Optional[Union[str, Callable[[Any], Any]]] = None) -> None:
+                 slice_by: Optional[Union[str, Callable[[Any], Any]]] = None, trainer: Any = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 rollout, got {batch_size}")
-        self.store, self.batch_size, self.slice_by = store, batch_size, slice_by
+        self.store, self.batch_size, self.slice_by, self.trainer = store, batch_size, slice_by, trainer
+        self._drawn_step: Optional[int] = None
         self.val_slices: dict[str, dict[int, list[float]]] = {}
         self.train_components: dict[int, list[dict[str, float]]] = {}
         base = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], horizontal_spacing=0.09,
@@ -109,7 +118,7 @@ class RewardCurve(LivePanel):
 
     def _refresh(self) -> None:
         fresh = [r for r in self.store.completed_since(self._after - 1.0) if r.rollout_id not in self._seen]
-        if not fresh and self.refresh_count:
+        if not fresh and self.refresh_count and self._last_step() == self._drawn_step:
             return
         for r in fresh:
             self._seen.add(r.rollout_id)
@@ -136,22 +145,30 @@ class RewardCurve(LivePanel):
         except ConfigError:
             return None
 
+    def _last_step(self) -> Optional[int]:
+        """The last training step the left panel may draw: ``trainer.step`` (None without a trainer)."""
+        return None if self.trainer is None else int(self.trainer.step)
+
     def series(self) -> dict[str, dict[str, list]]:
         """The plotted values: ``{"train"|"val"|"batch": {"x", "mean", "min", "max", "n"}}``, with
         ``slice_by`` one ``"val <label>"`` entry per slice (in the slices' sorted order), and one
-        ``"train <component>"`` entry per named intermediate reward seen (sorted by name)."""
+        ``"train <component>"`` entry per named intermediate reward seen (sorted by name). With a
+        ``trainer``, the ``train`` entries hold the steps up to ``trainer.step`` only."""
+        last = self._last_step()
+        train = {x: v for x, v in self.train.items() if last is None or x <= last}
+        components = {x: rows for x, rows in self.train_components.items() if last is None or x <= last}
         batches = {i + 1: self.finished[i * self.batch_size:(i + 1) * self.batch_size]
                    for i in range(math.ceil(len(self.finished) / self.batch_size))}
-        out = {"train": _stats(self.train), "val": _stats(self.val), "batch": _stats(batches)}
+        out = {"train": _stats(train), "val": _stats(self.val), "batch": _stats(batches)}
         for label in sorted(self.val_slices):
             out[f"val {label}"] = _stats(self.val_slices[label])
-        names = sorted({name for rows in self.train_components.values() for c in rows for name in c})
+        names = sorted({name for rows in components.values() for c in rows for name in c})
         for name in names:
-            out[f"train {name}"] = _stats({x: [c.get(name, 0.0) for c in rows]
-                                           for x, rows in self.train_components.items()})
+            out[f"train {name}"] = _stats({x: [c.get(name, 0.0) for c in rows] for x, rows in components.items()})
         return out
 
     def _draw(self) -> None:
+        self._drawn_step = self._last_step()
         s = self.series()
         names = {t.name for t in self.fig.data}
         for key in s:

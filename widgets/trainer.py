@@ -28,7 +28,9 @@ class TrainerPanel(LivePanel):
     the step; paused inside a step before its update, the checkpoint is of the step
     before, and paused ``before evaluate`` the save is refused and the reason shown,
     see :meth:`GRPOTrainer.save`). The chat box asks the current policy (``trainer.engine.chat``, greedy)
-    and is enabled whenever the loop is not running (paused, idle, finished, stopped).
+    and is enabled whenever the loop is not running (paused, idle, finished, stopped). While a loop
+    runs, the row ``now`` under ``step`` (the updates done) says where it is, ``trainer.progress``:
+    ``step 2 · update 3/4 micro-batches``, ``step 2 · paused before update``.
 
     Args:
         trainer: the trainer to watch and control.
@@ -148,6 +150,9 @@ class TrainerPanel(LivePanel):
         if now > t_old:
             self.gen_tokens_per_s = (tokens - n_old) / (now - t_old)
         items = trainer_summary(self.trainer) + [("generated tokens/s (last 10 s)", self.gen_tokens_per_s)]
+        if self.trainer.running:
+            at = next((i + 1 for i, (label, _) in enumerate(items) if label == "step"), len(items))
+            items.insert(at, ("now", str(self.trainer.progress)))
         html = kv_table(items)
         if self.trainer.error is not None:
             html += f'<pre style="color:#cf222e">{esc(repr(self.trainer.error))}</pre>'
