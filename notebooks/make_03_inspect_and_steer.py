@@ -38,7 +38,6 @@ small sizes (2 to 3 minutes; the tests use it), set `LIGHTNING_NB_SMOKE=1` befor
 uncomment its `%env LIGHTNING_NB_SMOKE=1` line, or start Jupyter with `LIGHTNING_NB_SMOKE=1 jupyter lab`."""),
     ("code", """# %env LIGHTNING_NB_SMOKE=1      # uncomment for the smoke run with small sizes
 import os
-import time
 
 SMOKE = os.environ.get("LIGHTNING_NB_SMOKE") == "1"  # small sizes: a few minutes in all
 STEPS = 2 if SMOKE else 4           # training steps before the checkpoint (one more after loading it)
@@ -101,11 +100,8 @@ are until you resume. `trainer.paused_at` names the boundary: `'before update'` 
 the next step had already started collecting before the pause was asked (the rest of that step waits for
 `resume()`)."""),
     ("code", """trainer.start(algo, steps=STEPS)
-while trainer.step < 1 and trainer.running:      # about 1 to 2 minutes in a full run
-    time.sleep(1)
-if trainer.error is not None:
-    raise trainer.error
-trainer.pause()
+trainer.wait(until_step=1, progress=True)   # a bar through step 1's rollouts and update; re-raises a failure
+trainer.pause(progress=True)                # a bar of what the pause waits for
 trainer.state, trainer.step, trainer.paused_at"""),
     ("code", """trainer.metrics_df()[["step", "reward_mean", "loss", "kl", "grad_norm", "groups_with_signal",
                       "tokens_trained"]]"""),
