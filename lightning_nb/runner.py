@@ -353,6 +353,7 @@ class Runner:
         self.worker_id = f"runner-{self._seq}"
         self.notices = notices if notices is not None else FailureNotices()
         self.gate = gate if gate is not None else EndpointGate(store, llm_resource)
+        self.group: Optional["RunnerGroup"] = None  # the group start_runners made it in (kept alive by its thread)
         self.stats = RunnerStats()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"lightning_nb-{self.worker_id}", daemon=True)
@@ -787,6 +788,7 @@ def _start_thread_runners(agent: Agent, store: LightningStore, n: int, *, tracer
     group = RunnerGroup(runners)
     _LIVE.register_group(group)
     for r in runners:
+        r.group = group  # a running thread keeps its group alive, so live_runner_group finds it
         r.start()
     return group
 

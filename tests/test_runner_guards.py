@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from lightning_nb import emit_reward, start_runners
-from lightning_nb.runner import NO_REWARD_ERROR, _LIVE, unreachable_endpoint_hint
+from lightning_nb.runner import NO_REWARD_ERROR, _LIVE, live_runner_group, unreachable_endpoint_hint
 from lightning_nb.store import InMemoryStore, SqliteStore, StoreClient, StoreServer
 from lightning_nb.tracer import Tracer
 from lightning_nb.types import LLMResource, RolloutConfig
@@ -214,6 +214,21 @@ def test_runner_registry_keeps_no_store_alive():
     del group, store
     gc.collect()
     assert ref() is None
+
+
+def test_live_runner_group_is_the_latest_and_outlives_a_dropped_handle():
+    store = _resources(InMemoryStore())
+    first = start_runners(lambda task, llm: 1.0, store, n=1)
+    assert live_runner_group(store) is first
+    with pytest.warns(UserWarning, match="stopped the previous group"):
+        start_runners(lambda task, llm: 1.0, store, n=2)  # the handle is not kept, as in a cell without `=`
+    gc.collect()
+    group = live_runner_group(store)
+    try:
+        assert group is not None and group is not first and len(group.runners) == 2
+        assert all(r.alive for r in group.runners) and not any(r.alive for r in first.runners)
+    finally:
+        group.stop()
 
 
 # ----- item 15: a dead LLM endpoint says so in one line ---------------------------------------
