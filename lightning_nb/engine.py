@@ -117,7 +117,8 @@ def load_default_model(num_threads: Optional[int] = None, *, device: str = "cpu"
     loaded = _load_cached_model(folder) if folder is not None and folder.is_dir() else None
     if loaded is None:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, clean_up_tokenization_spaces=False)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                     **_dense_gguf_options(path))
         _fix_special_tokens(model, tokenizer)
         if folder is not None and _write_cached_model(model, tokenizer, folder):
             loaded = _load_cached_model(folder)  # the same bits as every later load (see the docstring)
@@ -127,6 +128,23 @@ def load_default_model(num_threads: Optional[int] = None, *, device: str = "cpu"
     place_model(model, device, dtype)
     model.eval()
     return model, tokenizer
+
+
+def _dense_gguf_options(path: Path) -> dict[str, Any]:
+    """``from_pretrained`` options that read the GGUF at ``path`` into plain float32 weights, as every version does.
+
+    transformers 5.12 and later keep a GGUF's weights in their quantized blocks unless asked
+    (``GgufConfig(dequantize=True)``), and a model loaded that way refuses ``save_pretrained``
+    ("quantized with QuantizationMethod.GGUF and is not serializable"), so the cache was never
+    written. Asked, they dequantize and drop the quantizer: with transformers 5.19 the weights
+    are bit for bit those transformers 5.10 reads, and the model saves. Older versions always
+    dequantize and have no ``GgufConfig``: no options.
+    """
+    try:
+        from transformers.utils.quantization_config import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(gguf_file=path.name, dequantize=True)}
 
 
 def _fix_special_tokens(model: Any, tokenizer: Any) -> None:
