@@ -251,7 +251,12 @@ def test_preflight_on_a_healthy_setup_is_ok_then_the_batch_view_shows_the_update
     s = report.stats
     assert s["rollouts"] == s["succeeded"] == 4 and s["llm_calls"] == s["triplets"] == 8
     assert s["groups_with_signal"] == 2 and s["render_mismatches"] == 0
-    assert s["forks"] == 0 and s["sequences"] == 4, report.fidelity.to_dict("records")
+    # the reply goes back verbatim, so the packer merges each rollout's two turns into one sequence; a sampled
+    # reply may still re-tokenize differently (a non-canonical split, rare at 0.7: once in a CI run), and that
+    # turn then forks, with the cause named and one sequence more, never an edited history
+    forks = report.fidelity[report.fidelity.kind == "fork"]
+    assert set(forks.cause) <= {"retokenized"}, forks.to_dict("records")
+    assert s["forks"] == len(forks) and s["sequences"] == 4 + len(forks), report.fidelity.to_dict("records")
     assert 'data-ok="true"' in report._repr_html_() and str(report).startswith("preflight: OK")
 
     trainer = algo.trainer
