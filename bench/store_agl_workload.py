@@ -208,7 +208,7 @@ def describe(recordings: dict[str, list[Any]]) -> str:
 # ----- lightning-nb behind the async API agent-lightning's algorithm calls ---------------------
 def to_span(rollout_id: str, attempt_id: str, span: Any) -> Any:
     """An OTel ReadableSpan as a ``lightning_nb.types.Span``: our tracer's own conversion (``span_from_otel``)."""
-    from lightning_nb.tracer import span_from_otel
+    from lightning_nb.tracing.tracer import span_from_otel
 
     return span_from_otel(span, rollout_id, attempt_id)
 
@@ -459,7 +459,7 @@ def _runner_poll_default() -> float:
     """Our Runner's default ``poll_interval_s``: the timeout it passes to ``dequeue_rollout``."""
     import inspect
 
-    from lightning_nb.runner import Runner
+    from lightning_nb.runners.runner import Runner
 
     return inspect.signature(Runner.__init__).parameters["poll_interval_s"].default
 
@@ -485,7 +485,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="agl's runners: sleep between dequeue_rollout calls that found nothing")
     parser.add_argument("--dequeue-timeout-s", type=float, default=_runner_poll_default(),
                         help="our runners: dequeue_rollout's timeout, a wait woken by the next enqueue (default: "
-                        "lightning_nb.runner.Runner's poll_interval_s)")
+                        "lightning_nb.runners.runner.Runner's poll_interval_s)")
     parser.add_argument("--stores", default="agl,memory,sqlite-FULL,sqlite-NORMAL",
                         help="comma-separated subset of agl, memory, sqlite-FULL, sqlite-NORMAL")
     parser.add_argument("--tmp", default=None, help="folder for the SQLite files (default: the system temp folder)")

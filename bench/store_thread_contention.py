@@ -48,7 +48,7 @@ VARIANTS = ("plain", "gate", "fewer-calls")
 def run_once(tasks: list[str], spans_of: dict[str, list[Any]], runners: int, batch_size: int,
              variant: str) -> dict[str, float]:
     from lightning_nb.store import InMemoryStore
-    from lightning_nb.tracer import span_from_otel
+    from lightning_nb.tracing.tracer import span_from_otel
     from lightning_nb.types import LLMResource
 
     store = InMemoryStore()

@@ -100,7 +100,7 @@ def _run_threads(k: int, target: Callable[[], int]) -> int:
 
 # ----- lightning-nb -------------------------------------------------------------------------
 def bench_ours(store: Any, n: int, k: int, s: int, sdk_spans: bool) -> dict[str, float]:
-    from lightning_nb.tracer import StoreSpanProcessor
+    from lightning_nb.tracing.tracer import StoreSpanProcessor
     from lightning_nb.types import LLMResource
 
     make = _span_factory(s, sdk_spans, tag_ids=True)

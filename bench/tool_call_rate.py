@@ -8,16 +8,16 @@ Run from the repo root with the project's venv::
 Workload: the default engine (``TransformersEngine.from_default()``, in-process, no proxy). For each
 prompt variant, tool_choice (``auto``, ``required``) and temperature (0.0, 1.0), ``n`` arithmetic questions
 ("What is 17 * 23?", "Compute 48 + 95.", ... from a fixed seed, all different so that greedy decoding does
-not repeat one answer n times) are rendered with :func:`lightning_nb.chat_format.render_tools` with one
+not repeat one answer n times) are rendered with :func:`lightning_nb.engines.chat_format.render_tools` with one
 ``calculator`` tool (``expression: string``), tokenized with the engine's chat template and completed with
 ``max_tokens`` (default 64), all submitted at once so the engine batches them. A reply counts as a *call*
 when ``parse_tool_calls(text, ["calculator"])`` returns at least one call, and as *good* when that call's
-arguments hold a non-empty string ``expression`` that :func:`lightning_nb.calc.calculator` evaluates
+arguments hold a non-empty string ``expression`` that :func:`lightning_nb.tasks.calc.calculator` evaluates
 (no error). ``--system`` adds the application's own system message before rendering (frameworks send one:
 AutoGen's default is shown with ``--system autogen``).
 
 Variants are alternative ``(TOOL_SYSTEM_PROMPT, TOOL_HINT_AUTO, TOOL_HINT)`` texts (placeholders ``{tools}``
-and ``{example}``; see ``render_tools``); ``shipped`` is what ``lightning_nb/chat_format.py`` holds. The script
+and ``{example}``; see ``render_tools``); ``shipped`` is what ``lightning_nb/engines/chat_format.py`` holds. The script
 patches those module constants for each variant in turn and prints one table row per
 (variant, tool_choice, temperature).
 
@@ -51,8 +51,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from lightning_nb import chat_format  # noqa: E402
-from lightning_nb.calc import calculator  # noqa: E402
+from lightning_nb.engines import chat_format  # noqa: E402
+from lightning_nb.tasks.calc import calculator  # noqa: E402
 
 CALCULATOR_TOOL = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression",
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show", type=int, default=0, help="print this many replies per cell")
     args = parser.parse_args(argv)
 
-    from lightning_nb.engine import TransformersEngine
+    from lightning_nb.engines.transformers import TransformersEngine
 
     engine = TransformersEngine.from_default(max_batch_size=16)
     qs = questions(args.n)

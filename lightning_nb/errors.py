@@ -15,6 +15,7 @@ __all__ = [
     "InvalidStatusTransition",
     "MissingDependencyError",
     "AttemptTimeout",
+    "SpanSchemaError",
 ]
 
 
@@ -47,3 +48,7 @@ class MissingDependencyError(LightningNbError, ImportError):
 
 class AttemptTimeout(LightningNbError, TimeoutError):
     """An agent ran past its rollout's ``timeout_seconds``."""
+
+
+class SpanSchemaError(LightningNbError, ValueError):
+    """A stored span lacks an attribute its reader needs (see :mod:`lightning_nb.semconv`); the message names the key."""

@@ -38,11 +38,13 @@ import math
 import os
 import random
 import time
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "register_html_view",
+    "html_view",
     "RolloutStatus",
     "AttemptStatus",
     "RolloutMode",
@@ -135,10 +137,8 @@ class Rollout(_Model):
     end_time: Optional[float] = None
     num_attempts: int = 0
 
-    def _repr_html_(self) -> str:
-        from lightning_nb._repr import rollout_html
-
-        return rollout_html(self)
+    def _repr_html_(self) -> Optional[str]:
+        return html_view(self)
 
 
 class Attempt(_Model):
@@ -338,3 +338,29 @@ class Triplet(_Model):
         if not math.isfinite(v):
             raise ValueError(f"reward and step_reward must be finite numbers, got {v!r}")
         return v
+
+
+# ----- notebook display ------------------------------------------------------------------------
+# The HTML views live in lightning_nb.inspect; lightning_nb/__init__.py registers them for the classes of
+# every layer, and objects reach them through this registry, so no layer imports upward.
+_HTML_VIEWS: dict[type, Callable[[Any], str]] = {}
+
+
+def register_html_view(cls: type, view: Callable[[Any], str]) -> None:
+    """Show instances of ``cls`` (and its subclasses) in a notebook with ``view(obj) -> HTML text``.
+
+    Called by the package root (``lightning_nb/__init__.py``) with the views of :mod:`lightning_nb.inspect`
+    for the kit's own classes; a later registration for the
+    same class replaces the earlier one.
+    """
+    _HTML_VIEWS[cls] = view
+
+
+def html_view(obj: Any) -> Optional[str]:
+    """The HTML of ``obj`` from the view registered for its class (nearest in its MRO), or None
+    when there is none (Jupyter then shows ``repr(obj)``). This is what ``_repr_html_`` returns."""
+    for cls in type(obj).__mro__:
+        view = _HTML_VIEWS.get(cls)
+        if view is not None:
+            return view(obj)
+    return None

@@ -46,8 +46,8 @@ VAL_EVERY = 0 if SMOKE else 4       # evaluate on held-out tasks every N steps (
 The same set-up as `01_quickstart.ipynb`. Nothing trains yet."""),
     ("code", """from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy,
                           TransformersEngine, start_runners)
-from lightning_nb.calc import calc_agent, load_tasks
-from lightning_nb.calc.agent import SYSTEM_PROMPT
+from lightning_nb.tasks.calc import calc_agent, load_tasks
+from lightning_nb.tasks.calc.agent import SYSTEM_PROMPT
 
 engine = TransformersEngine.from_default(max_batch_size=8)
 store = InMemoryStore()

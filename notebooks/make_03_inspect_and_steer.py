@@ -50,11 +50,11 @@ N_RUNNERS = 4 if SMOKE else 8       # runner threads (on a GPU: bigger batch siz
 
 One function builds everything a kernel needs before training, so that section 7 can build it again as a new
 kernel would: the engine serving the model in this process, the store, the OpenAI-compatible LLM proxy, runner
-threads running the calculator agent (`lightning_nb.calc.calc_agent`, tasks from `datasets/calc`), the trainer and
+threads running the calculator agent (`lightning_nb.tasks.calc.calc_agent`, tasks from `datasets/calc`), the trainer and
 the algorithm. Nothing trains yet."""),
     ("code", """from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy,
                           TransformersEngine, start_runners)
-from lightning_nb.calc import calc_agent, load_tasks
+from lightning_nb.tasks.calc import calc_agent, load_tasks
 
 
 def set_up():
@@ -136,7 +136,7 @@ checks two things for each LLM call of the given rollouts (their latest attempts
   then trains as a separate sequence).
 
 One row per mismatch: an empty table means every checked call matched; `attrs` says how many were checked."""),
-    ("code", """from lightning_nb.audit import token_fidelity
+    ("code", """from lightning_nb.inspect.audit import token_fidelity
 
 fidelity = token_fidelity(store, batch["rollout_id"].unique().tolist(), engine.tokenizer)
 print(f"checked {fidelity.attrs['calls_checked']} LLM calls in {fidelity.attrs['rollouts_checked']} rollouts; "

@@ -57,15 +57,15 @@ LEARNING_RATE = 2e-5"""),
 
 One function builds everything a kernel needs before training, so that section 4 can build it again as a new
 kernel would: the engine serving the model (SmolLM2-135M-Instruct) in this process, the store, the
-OpenAI-compatible LLM proxy, runner threads running the calculator agent (`lightning_nb.calc.calc_agent`, tasks
+OpenAI-compatible LLM proxy, runner threads running the calculator agent (`lightning_nb.tasks.calc.calc_agent`, tasks
 from `datasets/calc`), the trainer and the algorithm. Only the trainer's line differs from notebook 03.
 
 `VerlConfig` takes `GRPOConfig`'s fields (`learning_rate`, `ppo_epochs`, `mini_batch_size`, `clip_ratio`,
 `kl_coef`, `lora_rank`, `device`, `dtype`, ...). `overrides` passes any other key of verl's `ppo_trainer.yaml` as a
 Hydra override; here verl's entropy bonus. A key that a field already sets is refused (set the field)."""),
     ("code", """from lightning_nb import AlgorithmConfig, InMemoryStore, LightningRL, LLMProxy, TransformersEngine, start_runners
-from lightning_nb.calc import calc_agent, load_tasks
-from lightning_nb.verl_trainer import VerlConfig, VerlTrainer
+from lightning_nb.tasks.calc import calc_agent, load_tasks
+from lightning_nb.trainers.verl.trainer import VerlConfig, VerlTrainer
 
 
 def set_up():
@@ -215,7 +215,7 @@ TASKS_PER_STEP, GROUP_SIZE, N_RUNNERS = 16, 8, 64                  # batch sizes
   `VerlConfig.one_gpu_lora(device="cpu", dtype="float32").hydra_overrides()` shows its verl keys anywhere.
   Keyword arguments replace fields, and `overrides` adds verl keys as above.
 * For faster rollouts, serve the policy with vLLM instead of transformers:
-  `lightning_nb.vllm_engine.VLLMEngine(model, tokenizer, python=...)` starts a vLLM server (from the interpreter
+  `lightning_nb.engines.vllm.VLLMEngine(model, tokenizer, python=...)` starts a vLLM server (from the interpreter
   that has vLLM installed) that the proxy forwards to, and keeps `model` in this process for verl to train; after
   each verl update the trainer hands the new weights to the server (`engine.load_weights`), so every rollout comes
   from the current policy. Its docstring lists the server's settings (it serves in float32).

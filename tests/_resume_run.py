@@ -81,7 +81,7 @@ def main() -> int:
 
     from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy,
                               TransformersEngine, VerlConfig, VerlTrainer, start_runners)
-    from lightning_nb.calc import calc_agent, load_tasks
+    from lightning_nb.tasks.calc import calc_agent, load_tasks
 
     t_start = time.perf_counter()
     torch.manual_seed(1234)

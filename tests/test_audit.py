@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy, start_runners
-from lightning_nb.audit import FIDELITY_COLUMNS, batch_df, batch_html, token_fidelity
-from lightning_nb.engine import DEFAULT_MODEL_NAME as M
-from lightning_nb.trainer import pack_episode
+from lightning_nb.inspect.audit import FIDELITY_COLUMNS, batch_df, batch_html, token_fidelity
+from lightning_nb.models import DEFAULT_MODEL_NAME as M
+from lightning_nb.trainers.packing import pack_episode
 from lightning_nb.types import Triplet
 
 pytestmark = pytest.mark.slow

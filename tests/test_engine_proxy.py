@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from lightning_nb import LLMProxy
-from lightning_nb.engine import DEFAULT_MODEL_NAME as M
+from lightning_nb.engines.transformers import DEFAULT_MODEL_NAME as M
 from lightning_nb.errors import ConfigError
 from lightning_nb.store import InMemoryStore
 
@@ -269,7 +269,7 @@ def test_n_choices_give_one_span_each(proxied):
 
 def test_tools_are_rendered_as_hermes_text_and_tool_calls_parsed(proxied):
     """SmolLM2 writes tool calls as text: the proxy shows it the tools and parses <tool_call> JSON back."""
-    from lightning_nb.chat_format import parse_tool_calls
+    from lightning_nb.engines.chat_format import parse_tool_calls
 
     store, proxy = proxied
     rid, aid = _attempt(store)
@@ -317,7 +317,7 @@ def test_tools_are_rendered_as_hermes_text_and_tool_calls_parsed(proxied):
 
 
 def test_parse_tool_calls_reads_hermes_blocks_and_keeps_other_text():
-    from lightning_nb.chat_format import parse_tool_calls
+    from lightning_nb.engines.chat_format import parse_tool_calls
 
     text = 'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
     content, calls = parse_tool_calls(text, ["calculator"])

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from lightning_nb.errors import ConfigError, NotFoundError
-from lightning_nb.export import SPAN_SCHEMA, TRIPLET_SCHEMA, spans_to_parquet, triplets_to_parquet
+from lightning_nb.tracing.export import SPAN_SCHEMA, TRIPLET_SCHEMA, spans_to_parquet, triplets_to_parquet
 from lightning_nb.types import Span, Triplet
 
 PROMPT_IDS = [1, 0, 2**40, 49151, 7]

@@ -12,7 +12,7 @@ import torch
 
 from lightning_nb import GRPOConfig, GRPOTrainer
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainer import group_advantages, response_logprobs
+from lightning_nb.trainers.grpo.trainer import group_advantages, response_logprobs
 from lightning_nb.types import Triplet
 
 pytestmark = pytest.mark.slow

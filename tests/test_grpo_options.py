@@ -15,7 +15,7 @@ import torch
 
 from lightning_nb import GRPOConfig, GRPOTrainer
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainer import group_advantages, lr_factor, overlong_penalty, pack_episode, response_logprobs
+from lightning_nb.trainers.grpo.trainer import group_advantages, lr_factor, overlong_penalty, pack_episode, response_logprobs
 from lightning_nb.types import Triplet
 
 pytestmark = pytest.mark.slow
@@ -373,7 +373,7 @@ def test_the_adapter_reads_the_finish_reason_of_each_llm_span():
     import time
 
     from lightning_nb.adapter import TripletAdapter
-    from lightning_nb.proxy import LLM_SPAN_NAME
+    from lightning_nb.semconv import LLM_SPAN as LLM_SPAN_NAME
     from lightning_nb.store import InMemoryStore
     from lightning_nb.types import Span
 
@@ -382,7 +382,8 @@ def test_the_adapter_reads_the_finish_reason_of_each_llm_span():
     rid, aid = run.rollout.rollout_id, run.attempt.attempt_id
     now = time.time()
     for k, reasons in enumerate((["length"], ["stop"], None)):
-        attributes = {"prompt_token_ids": [1, 2], "completion_token_ids": [3, 4], "logprobs": [-0.1, -0.2]}
+        attributes = {"prompt_token_ids": [1, 2], "completion_token_ids": [3, 4], "logprobs": [-0.1, -0.2],
+                      "temperature": 1.0, "top_p": 1.0}  # the applied sampling, which LLMProxy writes on every span
         if reasons is not None:
             attributes["gen_ai.response.finish_reasons"] = reasons
         store.add_span(Span(rollout_id=rid, attempt_id=aid, trace_id="t", span_id=f"s{k}", name=LLM_SPAN_NAME,

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from lightning_nb import GRPOConfig, GRPOTrainer
-from lightning_nb.engine import TransformersEngine, load_default_model
+from lightning_nb.engines.transformers import TransformersEngine, load_default_model
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainer import response_logprobs
+from lightning_nb.trainers.grpo.trainer import response_logprobs
 from lightning_nb.types import Triplet
-from lightning_nb.weights import adapter_state_dict, base_state_dict, merged_state_dict
+from lightning_nb.models.lora import adapter_state_dict, base_state_dict, merged_state_dict
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,9 @@ import logging
 import pytest
 import torch
 
-from lightning_nb import engine as engine_module
-from lightning_nb.engine import (IM_END, _load_cached_model, _write_cached_model, default_model_cache_dir,
-                                 load_default_model)
+from lightning_nb.models import default as default_module
+from lightning_nb.models.default import (IM_END, _load_cached_model, _write_cached_model, default_model_cache_dir,
+                                         load_default_model)
 from lightning_nb.errors import ConfigError
 
 TEXTS = ["What is 17 + 25? Answer with a number.", "  two  spaces , before punctuation ! \n\n<|im_end|>x",
@@ -31,7 +31,7 @@ def test_the_cached_model_is_the_gguf_model(tmp_path, monkeypatch):
         written.append((model, tokenizer))
         return _write_cached_model(model, tokenizer, folder)
 
-    monkeypatch.setattr(engine_module, "_write_cached_model", write)
+    monkeypatch.setattr(default_module, "_write_cached_model", write)
     first, tok_first = load_default_model(cache=tmp_path)  # reads the GGUF, writes the cache, reads it back
     (folder,) = [p for p in tmp_path.iterdir()]
     assert folder.name.startswith("SmolLM2-135M-Instruct-") and (folder / "model.safetensors").is_file()
@@ -65,14 +65,14 @@ def test_a_damaged_cache_is_dropped_and_an_unwritable_one_only_warns(engine, tmp
     _write_cached_model(engine.model, engine.tokenizer, folder)
     assert (folder / "model.safetensors").is_file()
     (folder / "model.safetensors").write_bytes(b"not safetensors")
-    with caplog.at_level(logging.WARNING, logger="lightning_nb.engine"):
+    with caplog.at_level(logging.WARNING, logger="lightning_nb.models.default"):
         assert _load_cached_model(folder) is None
     assert "reading the GGUF again" in caplog.text and not folder.exists()
 
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="lightning_nb.engine"):
+    with caplog.at_level(logging.WARNING, logger="lightning_nb.models.default"):
         _write_cached_model(engine.model, engine.tokenizer, blocker / "model")  # the parent is a file
     assert "could not cache the default model" in caplog.text and "cache=False" in caplog.text
 

@@ -10,8 +10,8 @@ import pytest
 
 from lightning_nb import InMemoryStore, emit_reward, start_runners, tool_span
 from lightning_nb.errors import ConfigError, MissingDependencyError, NotFoundError
-from lightning_nb.export import OTLPExportError, redact_attributes, spans_to_otlp
-from lightning_nb.tracer import Tracer
+from lightning_nb.tracing.export import OTLPExportError, redact_attributes, spans_to_otlp
+from lightning_nb.tracing.tracer import Tracer
 from lightning_nb.types import LLMResource, Span
 
 trace_service_pb2 = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")

@@ -32,6 +32,37 @@ def test_environment_yml_mirrors_pyproject():
     assert {r for r in pip if not r.startswith("-e")} == _pyproject_requirements()
 
 
+def _name(requirement: str) -> str:
+    """The distribution name of a requirement string: ``"verl[vllm]==0.9.1"`` -> ``"verl"``."""
+    return re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0].lower()
+
+
+def test_verl_is_an_extra_not_a_core_dependency():
+    """verl (and what it pins: transformers < 5.11, ray, hydra) stays out of `pip install lightning-nb`; the [verl]
+    and [gpu] extras bring it for VerlTrainer, and [dev] for CI (tests/test_advantages.py compares with it).
+    tests/test_install_core.py installs the core alone and trains one step."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert "verl" not in {_name(r) for r in project["dependencies"]}
+    for extra in ("verl", "gpu"):
+        assert "verl" in {_name(r) for r in extras[extra]}, extra
+    dev_includes = {e.strip() for r in extras["dev"] if r.startswith("lightning-nb[")
+                    for e in r.split("[", 1)[1].split("]")[0].split(",")}
+    assert "verl" in dev_includes
+    assert re.search(r"^verl==", (ROOT / "constraints.txt").read_text(), re.M), "constraints.txt pins verl's tested version"
+
+
+def test_grpo_trainer_never_imports_verl():
+    """GRPOTrainer's math is its own (lightning_nb/trainers/grpo/advantages.py, losses.py): no module of the GRPO
+    trainer imports verl, not even inside a function, so it trains where verl is not installed."""
+    for path in sorted((ROOT / "lightning_nb" / "trainers" / "grpo").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            bad = [n for n in names if n.split(".")[0] == "verl"]
+            assert not bad, f"{path.relative_to(ROOT)}:{node.lineno} imports {bad[0]}"
+
+
 def test_notebooks_are_committed_without_outputs():
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         nb = json.loads(path.read_text())

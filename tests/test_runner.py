@@ -10,7 +10,7 @@ import pytest
 
 from lightning_nb import emit_reward, start_runners, tool_span
 from lightning_nb.errors import InvalidRewardError, LightningNbError
-from lightning_nb.runner import attributed_llm
+from lightning_nb.runners.runner import attributed_llm
 from lightning_nb.types import LLMResource, RolloutConfig
 
 
@@ -130,7 +130,7 @@ def test_tracer_keeps_no_store_alive():
     import weakref
 
     from lightning_nb.store import InMemoryStore
-    from lightning_nb.tracer import Tracer
+    from lightning_nb.tracing.tracer import Tracer
 
     store = InMemoryStore()
     tracer = Tracer(store)

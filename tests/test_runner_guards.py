@@ -20,9 +20,10 @@ import openai
 import pytest
 
 from lightning_nb import emit_reward, start_runners
-from lightning_nb.runner import NO_REWARD_ERROR, _LIVE, live_runner_group, unreachable_endpoint_hint
+from lightning_nb.runners import NO_REWARD_ERROR, live_runner_group, unreachable_endpoint_hint
+from lightning_nb.runners.live import LIVE as _LIVE
 from lightning_nb.store import InMemoryStore, SqliteStore, StoreClient, StoreServer
-from lightning_nb.tracer import Tracer
+from lightning_nb.tracing.tracer import Tracer
 from lightning_nb.types import LLMResource, RolloutConfig
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from lightning_nb import InMemoryStore, emit_reward, start_runners, tool_span
 from lightning_nb.errors import ConfigError, MissingDependencyError
-from lightning_nb.runners_ray import init_local_ray
+from lightning_nb.runners.ray import init_local_ray
 from lightning_nb.store import StoreClient, StoreServer
 from lightning_nb.types import LLMResource
 

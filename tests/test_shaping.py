@@ -19,10 +19,10 @@ from openai import OpenAI
 
 from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL,
                           emit_intermediate_reward, start_runners)
-from lightning_nb.runner import Runner
-from lightning_nb.tracer import Tracer
-from lightning_nb.calc import calc_agent, calc_reward, load_tasks
-from lightning_nb.calc.agent import ALL_NUMBERS_COMPONENT, uses_all_numbers
+from lightning_nb.runners.runner import Runner
+from lightning_nb.tracing.tracer import Tracer
+from lightning_nb.tasks.calc import calc_agent, calc_reward, load_tasks
+from lightning_nb.tasks.calc.agent import ALL_NUMBERS_COMPONENT, uses_all_numbers
 from lightning_nb.errors import ConfigError
 from lightning_nb.types import LLMResource
 

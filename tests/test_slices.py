@@ -18,9 +18,10 @@ import pytest
 from openai import OpenAI
 
 from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, start_runners
-from lightning_nb.algorithm import SliceReport, slice_labels
-from lightning_nb.calc import load_tasks
-from lightning_nb.calc.dataset import count_ops
+from lightning_nb.algorithm.lightning_rl import SliceReport
+from lightning_nb.slices import slice_labels
+from lightning_nb.tasks.calc import load_tasks
+from lightning_nb.tasks.calc.dataset import count_ops
 from lightning_nb.errors import ConfigError
 from lightning_nb.types import LLMResource, Span
 

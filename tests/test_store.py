@@ -162,8 +162,8 @@ def test_started_rollout_is_never_dequeued_and_runs_to_success(store):
 
 
 def test_runner_step_records_spans_and_reward(store):
-    from lightning_nb.runner import Runner
-    from lightning_nb.tracer import Tracer, emit_reward
+    from lightning_nb.runners.runner import Runner
+    from lightning_nb.tracing.tracer import Tracer, emit_reward
 
     seen = []
 
@@ -210,7 +210,7 @@ def test_completed_since_returns_only_rollouts_finished_after(store):
 
 # ----- views: rollouts_df, episodes_df, workers; returned objects are copies --------------
 def _llm_span(rollout_id, attempt_id, text):
-    from lightning_nb.proxy import LLM_SPAN_NAME
+    from lightning_nb.semconv import LLM_SPAN as LLM_SPAN_NAME
 
     return Span(rollout_id=rollout_id, attempt_id=attempt_id, trace_id="t" * 32, span_id=uuid.uuid4().hex[:16],
                 name=LLM_SPAN_NAME, start_time=1.0, end_time=2.0,

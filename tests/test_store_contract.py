@@ -149,8 +149,8 @@ def test_resources_have_versions_and_rollouts_are_pinned_at_enqueue(store):
 
 
 def test_a_runner_uses_the_resources_pinned_at_enqueue_not_the_latest(store):
-    from lightning_nb.runner import Runner
-    from lightning_nb.tracer import Tracer, emit_reward
+    from lightning_nb.runners.runner import Runner
+    from lightning_nb.tracing.tracer import Tracer, emit_reward
 
     seen = []
 

@@ -81,6 +81,38 @@ def test_token_required_on_every_request_when_bound_to_all_interfaces():
         assert [r.rollout_id for r in store.query_rollouts()] == [rid]
 
 
+def test_a_client_tells_its_token_so_another_client_can_connect_with_it():
+    store = InMemoryStore()
+    with StoreServer(store, host="0.0.0.0", token=TOKEN) as server:
+        base = f"http://127.0.0.1:{server.port}"
+        with StoreClient(base, token=TOKEN) as client:
+            assert client.token == TOKEN
+            with pytest.raises(AttributeError):
+                client.token = "other"  # read-only
+            with StoreClient(client.url, token=client.token) as twin:  # e.g. a Ray actor's client
+                rid = twin.enqueue_rollout("x").rollout_id
+            assert [r.rollout_id for r in client.query_rollouts()] == [rid]
+        for no_token in (None, ""):
+            with StoreClient(base, token=no_token) as anonymous:
+                assert anonymous.token is None  # it sends no Authorization header...
+                with pytest.raises(ConfigError, match="bearer token"):  # ...so this server refuses it
+                    anonymous.query_rollouts()
+
+
+def test_a_stopped_server_does_not_keep_its_store_alive():
+    import gc
+    import weakref
+
+    store = InMemoryStore()
+    with StoreServer(store) as server, StoreClient(server.url) as client:
+        client.enqueue_rollout("x")  # every route has been resolved by FastAPI at least once (its caches)
+        client.query_rollouts()
+    gone = weakref.ref(store)
+    del store, server, client
+    gc.collect()
+    assert gone() is None
+
+
 def test_loopback_needs_no_token_and_health_reports_limits():
     with StoreServer(InMemoryStore()) as server:
         assert server.url.startswith("http://127.0.0.1:") and server.port > 0

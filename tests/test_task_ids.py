@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 
 from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL, start_runners
-from lightning_nb.algorithm import task_key
+from lightning_nb.algorithm.lightning_rl import task_key
 
 
 def test_equal_tasks_that_are_distinct_objects_share_a_key_whatever_their_field_order():

@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy, start_runners
-from lightning_nb.calc import calc_agent, load_tasks
-from lightning_nb.engine import TransformersEngine
+from lightning_nb.tasks.calc import calc_agent, load_tasks
+from lightning_nb.engines.transformers import TransformersEngine
 from lightning_nb.errors import LightningNbError
 
 # RSS growth allowed from the first teardown to the third, MB, measured as _rss_mb() does on this 2-core VM
@@ -178,7 +178,7 @@ def test_the_vllm_spawner_thread_ends_once_every_process_it_started_has_exited()
     import os
     import subprocess
 
-    from lightning_nb.vllm_engine import _spawn
+    from lightning_nb.engines.vllm import _spawn
 
     def spawner():
         return [t for t in threading.enumerate() if t.name == "lightning_nb-vllm-spawner"]

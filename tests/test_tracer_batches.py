@@ -8,7 +8,7 @@ import pytest
 
 from lightning_nb.errors import ConfigError
 from lightning_nb.store import InMemoryStore, SqliteStore
-from lightning_nb.tracer import StoreSpanProcessor, Tracer
+from lightning_nb.tracing.tracer import StoreSpanProcessor, Tracer
 
 
 def _counting(base):

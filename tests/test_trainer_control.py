@@ -9,8 +9,9 @@ import time
 import pytest
 
 from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy, start_runners
-from lightning_nb.calc import calc_agent, load_tasks
-from lightning_nb.control import LoopProgress
+from lightning_nb.tasks.calc import calc_agent, load_tasks
+from lightning_nb.algorithm.checkpoint import RunCheckpoint
+from lightning_nb.algorithm.control import BackgroundLoop, LoopProgress
 from lightning_nb.errors import ConfigError, LightningNbError
 
 pytestmark = pytest.mark.slow
@@ -58,8 +59,9 @@ def test_pause_returns_only_at_a_step_boundary_under_load(engine, pristine):
         proxy.stop()
 
 
-class _Sleeper:
-    """An algorithm whose steps only reach one boundary and sleep: the control surface alone.
+class _Sleeper(BackgroundLoop, RunCheckpoint):
+    """An algorithm whose steps only reach one boundary and sleep: the control surface alone (the loop
+    and the run's checkpoint belong to the algorithm, as in LightningRL; the trainer's verbs delegate here).
 
     With ``units``, a step reports its progress as ``LightningRL.step`` and the trainer's update do
     (0 to ``units`` rollouts, the boundary ``before update``, 0 to ``units`` micro-batches, ``sleep_s`` after each),
@@ -68,21 +70,22 @@ class _Sleeper:
 
     def __init__(self, trainer, boundary: str, sleep_s: float, units: int = 0):
         self.trainer, self.boundary, self.sleep_s, self.units = trainer, boundary, sleep_s, units
+        self._init_loop()
 
     def run(self, steps):
         for _ in range(steps):
-            self.trainer.at_boundary(self.boundary)
+            self.at_boundary(self.boundary)
             if not self.units:
                 time.sleep(self.sleep_s)
                 continue
             self._phase("rollouts", "rollouts")
-            self.trainer.at_boundary("before update")
+            self.at_boundary("before update")
             self._phase("update", "micro-batches")
             self.trainer.step += 1
 
     def _phase(self, phase, unit):
         for done in range(self.units + 1):
-            self.trainer.report_progress(phase, done, self.units, unit=unit, step=self.trainer.step + 1)
+            self.report_progress(phase, done, self.units, unit=unit, step=self.trainer.step + 1)
             time.sleep(self.sleep_s)
 
 
@@ -147,13 +150,16 @@ def test_save_refuses_while_paused_before_evaluate(engine, tmp_path):
 KERNEL_SETUP = """
 import time
 from lightning_nb import GRPOConfig, GRPOTrainer, TransformersEngine
+from lightning_nb.algorithm.control import BackgroundLoop
 engine = TransformersEngine.from_default()
 trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
-class Sleeper:
+class Sleeper(BackgroundLoop):
     trainer = trainer
+    def __init__(self):
+        self._init_loop()
     def run(self, steps):
         for _ in range(steps):
-            trainer.at_boundary("before collect")
+            self.at_boundary("before collect")
             time.sleep(0.1)
             trainer.step += 1
 """

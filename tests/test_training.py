@@ -8,9 +8,9 @@ import torch
 
 from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy,
                           TripletAdapter, start_runners)
-from lightning_nb.calc import calc_agent, load_tasks
+from lightning_nb.tasks.calc import calc_agent, load_tasks
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainer import pack_episode
+from lightning_nb.trainers.grpo.trainer import pack_episode
 
 pytestmark = pytest.mark.slow
 

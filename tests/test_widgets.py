@@ -15,9 +15,9 @@ import pytest
 
 from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy,
                           start_runners)
-from lightning_nb.calc import calc_agent
-from lightning_nb.runner import Runner, live_runner_group
-from lightning_nb.tracer import Tracer
+from lightning_nb.tasks.calc import calc_agent
+from lightning_nb.runners import Runner, live_runner_group
+from lightning_nb.tracing.tracer import Tracer
 from lightning_nb.types import Span
 from widgets import RewardCurve, RunnerPanel, SpanBrowser, TrainerPanel, close_all, dashboard
 

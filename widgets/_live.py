@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import ipywidgets as ipw
 
-from lightning_nb._repr import esc
+from lightning_nb.inspect import esc
 
 __all__ = ["LivePanel", "close_all", "live_panels"]
 

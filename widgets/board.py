@@ -6,9 +6,9 @@ from typing import Any, Optional
 
 import ipywidgets as ipw
 
-from lightning_nb.runner import RunnerGroup, live_runner_group
-from lightning_nb.store.base import LightningStore
-from lightning_nb.trainer import GRPOTrainer
+from lightning_nb.runners import RunnerGroup, live_runner_group
+from lightning_nb.store import LightningStore
+from lightning_nb.trainers.grpo import GRPOTrainer
 from widgets._live import LivePanel
 from widgets.reward import RewardCurve
 from widgets.runners import RunnerPanel
@@ -54,7 +54,7 @@ def dashboard(store: LightningStore, runners: Optional[RunnerGroup] = None, trai
     """Trainer and runner panels side by side (when given), the reward curve and the span browser.
 
     Without ``runners`` the runner panel shows the store's live runner group, if any
-    (:func:`~lightning_nb.runner.live_runner_group`); either way it follows a re-run of ``start_runners``.
+    (:func:`~lightning_nb.runners.live_runner_group`); either way it follows a re-run of ``start_runners``.
 
     Each panel is also usable alone: :class:`TrainerPanel`, :class:`RunnerPanel`,
     :class:`RewardCurve`, :class:`SpanBrowser`. Every panel polls on its own daemon

@@ -2,7 +2,7 @@
 
 Left panel, x = training step: mean final reward of the training rollouts of each
 step with min/max as error bars (the step is the prefix of the rollout's GRPO
-``group_id``, ``"<step>:<task id>"``, set by :class:`~lightning_nb.algorithm.LightningRL`),
+``group_id``, ``"<step>:<task id>"``, set by :class:`~lightning_nb.algorithm.lightning_rl.LightningRL`),
 and the mean reward of validation rollouts at the weights they ran with (x = the
 ``weight_version`` their LLM calls report, i.e. after that many updates).
 Right panel, x = batch: mean/min/max over each ``batch_size`` consecutive finished
@@ -27,8 +27,9 @@ from typing import Any, Callable, Optional, Union
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from lightning_nb.algorithm import slice_labels
 from lightning_nb.errors import ConfigError
+from lightning_nb.semconv import REWARD, REWARD_SPAN, WEIGHT_VERSION
+from lightning_nb.slices import slice_labels
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import component_sums, final_reward, reward_or_zero
 from widgets._live import LivePanel
@@ -53,15 +54,15 @@ def _point_and_spans(store: LightningStore, rollout: Any) -> tuple[Optional[tupl
     if rollout.status not in ("succeeded", "failed"):
         return None, []
     spans = store.query_spans(rollout.rollout_id, "latest")
-    reward = reward_or_zero(final_reward(rollout.status, [s.attributes.get("reward") for s in spans
-                                                          if s.name == "reward"]))
+    reward = reward_or_zero(final_reward(rollout.status, [s.attributes.get(REWARD) for s in spans
+                                                          if s.name == REWARD_SPAN]))
     x: Optional[int] = None
     if rollout.mode == "train":
         group = str(rollout.metadata.get("group_id", ""))
         head = group.split(":", 1)[0].split(".", 1)[0]  # "<step>:<task>" or "<step>.<round>:<task>"
         x = int(head) if ":" in group and head.isdigit() else None
     else:
-        versions = [s.attributes["weight_version"] for s in spans if "weight_version" in s.attributes]
+        versions = [s.attributes[WEIGHT_VERSION] for s in spans if WEIGHT_VERSION in s.attributes]
         x = int(max(versions)) if versions else None
     return (rollout.mode, x, reward), spans
 

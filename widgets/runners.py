@@ -8,8 +8,8 @@ from typing import Any, Optional
 
 import ipywidgets as ipw
 
-from lightning_nb._repr import runner_group_html
-from lightning_nb.runner import RunnerGroup, live_runner_group
+from lightning_nb.inspect import runner_group_html
+from lightning_nb.runners import RunnerGroup, live_runner_group
 from widgets._live import LivePanel
 
 __all__ = ["RunnerPanel", "restart_runners"]
@@ -18,7 +18,7 @@ __all__ = ["RunnerPanel", "restart_runners"]
 def restart_runners(group: RunnerGroup) -> Optional[RunnerGroup]:
     """Start ``group``'s agent and settings again as a new group; None when all its runners are running.
 
-    Goes through :meth:`~lightning_nb.runner.RunnerGroup.restart`, so the replace rule
+    Goes through :meth:`~lightning_nb.runners.RunnerGroup.restart`, so the replace rule
     of ``start_runners`` applies (running threads on the store are stopped first, with
     its ``UserWarning``) and the new group becomes the store's live runner group.
     """
@@ -31,14 +31,14 @@ class RunnerPanel(LivePanel):
     """Live table of the store's runner group with Start and Stop buttons.
 
     The panel follows the store's live runner group
-    (:func:`~lightning_nb.runner.live_runner_group`): after the ``start_runners`` cell is
+    (:func:`~lightning_nb.runners.live_runner_group`): after the ``start_runners`` cell is
     re-run, it shows the new group, not the stopped one it was given. Stop asks every
     runner to finish its current attempt (in a helper thread, so the kernel stays free);
     Start restarts the group through ``start_runners``' replace rule
-    (:meth:`~lightning_nb.runner.RunnerGroup.restart`) and shows its warning in the panel.
+    (:meth:`~lightning_nb.runners.RunnerGroup.restart`) and shows its warning in the panel.
 
     Args:
-        runners: the handle :func:`~lightning_nb.runner.start_runners` returned (a Ray
+        runners: the handle :func:`~lightning_nb.runners.start_runners` returned (a Ray
             group is shown as given; Start is for thread runners).
         interval_s: seconds between polls.
     """

@@ -15,7 +15,8 @@ import anywidget
 import ipywidgets as ipw
 import traitlets
 
-from lightning_nb._repr import span_tree_html
+from lightning_nb.inspect import span_tree_html
+from lightning_nb.semconv import REWARD, USAGE_INPUT_TOKENS, USAGE_OUTPUT_TOKENS
 from lightning_nb.store.base import LightningStore
 from lightning_nb.types import ROLLOUT_TERMINAL, Span
 from widgets._live import LivePanel
@@ -169,7 +170,7 @@ class SpanBrowser(LivePanel):
 
 def _row(s: Span) -> list[Any]:
     a = s.attributes
-    reward = a.get("reward")
+    reward = a.get(REWARD)
     return [time.strftime("%H:%M:%S", time.localtime(s.end_time)), s.rollout_id, s.attempt_id, s.sequence_id,
-            s.name, round((s.end_time - s.start_time) * 1000), a.get("gen_ai.usage.input_tokens"),
-            a.get("gen_ai.usage.output_tokens"), None if reward is None else round(float(reward), 3)]
+            s.name, round((s.end_time - s.start_time) * 1000), a.get(USAGE_INPUT_TOKENS),
+            a.get(USAGE_OUTPUT_TOKENS), None if reward is None else round(float(reward), 3)]

@@ -10,15 +10,15 @@ from typing import Callable, Optional
 
 import ipywidgets as ipw
 
-from lightning_nb._repr import esc, kv_table, trainer_summary
-from lightning_nb.trainer import GRPOTrainer
+from lightning_nb.inspect import esc, kv_table, trainer_summary
+from lightning_nb.trainers.grpo import GRPOTrainer
 from widgets._live import LivePanel
 
 __all__ = ["TrainerPanel"]
 
 
 class TrainerPanel(LivePanel):
-    """Live view of a :class:`~lightning_nb.trainer.GRPOTrainer` with control buttons.
+    """Live view of a :class:`~lightning_nb.trainers.grpo.trainer.GRPOTrainer` with control buttons.
 
     Pause calls ``trainer.pause(wait=False)`` (the state reads ``pausing`` until the loop
     parks at its next step boundary: the rollouts it already enqueued finish and no update
@@ -142,14 +142,19 @@ class TrainerPanel(LivePanel):
 
     # ----- polling --------------------------------------------------------------------------
     def _refresh(self) -> None:
-        now, tokens = time.monotonic(), self.trainer.engine.tokens_generated
-        self._gen_history.append((now, tokens))
-        while len(self._gen_history) > 2 and now - self._gen_history[0][0] > self.rate_window_s:
-            self._gen_history.popleft()
-        (t_old, n_old) = self._gen_history[0]
-        if now > t_old:
-            self.gen_tokens_per_s = (tokens - n_old) / (now - t_old)
-        items = trainer_summary(self.trainer) + [("generated tokens/s (last 10 s)", self.gen_tokens_per_s)]
+        # only an in-process engine counts the tokens it generates; a served one (VLLMEngine) does not
+        tokens = getattr(self.trainer.engine, "tokens_generated", None)
+        rate: object = f"not counted by {type(self.trainer.engine).__name__}"
+        if tokens is not None:
+            now = time.monotonic()
+            self._gen_history.append((now, tokens))
+            while len(self._gen_history) > 2 and now - self._gen_history[0][0] > self.rate_window_s:
+                self._gen_history.popleft()
+            (t_old, n_old) = self._gen_history[0]
+            if now > t_old:
+                self.gen_tokens_per_s = (tokens - n_old) / (now - t_old)
+            rate = self.gen_tokens_per_s
+        items = trainer_summary(self.trainer) + [("generated tokens/s (last 10 s)", rate)]
         if self.trainer.running:
             at = next((i + 1 for i, (label, _) in enumerate(items) if label == "step"), len(items))
             items.insert(at, ("now", str(self.trainer.progress)))

@@ -56,23 +56,22 @@ to the latest set's id, if any, so it runs with the resources current when it wa
 enqueued, not when a runner picks it up; one enqueued before any resources exist keeps
 ``resources_id=None`` and its runner uses the latest set at its start.
 
-The DataFrame views (``rollouts_df`` ...) are built here from the query methods,
-so every backend gets them.
+The DataFrame views (``rollouts_df`` ...) are built from the query methods by
+:class:`~lightning_nb.store.frames.FrameViews`, which this contract mixes in, so every
+backend gets them.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Iterable, Optional, Sequence, get_args
+from typing import Any, Iterable, Optional, Sequence
 
-import pandas as pd
-
-from lightning_nb.errors import ConfigError, NotFoundError
-from lightning_nb.store.rules import component_sums, final_reward, reward_component
-from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES, Flatten, check_flatten, frame_from_spans
+from lightning_nb.errors import NotFoundError
+from lightning_nb.semconv import REWARD, REWARD_SPAN
+from lightning_nb.store.frames import FrameViews
+from lightning_nb.store.rules import component_sums, final_reward
+from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES
 from lightning_nb.types import (
     ROLLOUT_TERMINAL,
     Attempt,
@@ -84,15 +83,18 @@ from lightning_nb.types import (
     RolloutMode,
     Span,
     Worker,
+    html_view,
 )
 
 __all__ = ["LightningStore", "span_summary"]
 
 
-class LightningStore(ABC):
+class LightningStore(FrameViews, ABC):
     """Contract for rollout queue + attempt, span and resources storage.
 
-    Status machines are documented in :mod:`lightning_nb.types`.
+    Status machines are documented in :mod:`lightning_nb.types`. The DataFrame views
+    (``rollouts_df``, ``attempts_df``, ``resources_df``, ``workers_df``, ``episodes_df``,
+    ``spans_df``, ``rewards_df``) come from :class:`~lightning_nb.store.frames.FrameViews`.
     """
 
     # ----- rollouts -------------------------------------------------------------------
@@ -282,7 +284,7 @@ class LightningStore(ABC):
         All or nothing: every span is checked (its attempt exists; a repeated ``span_id``,
         also within ``spans``, is the same span again) before any is stored, so on an error
         the store is unchanged. One lock, transaction or request for the batch instead of
-        one per span: :class:`~lightning_nb.tracer.Tracer` writes an attempt's spans this way.
+        one per span: :class:`~lightning_nb.tracing.tracer.Tracer` writes an attempt's spans this way.
 
         Returns:
             The stored spans, ``len(spans)`` of them, each with its ``sequence_id``.
@@ -325,235 +327,7 @@ class LightningStore(ABC):
     def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate:
         """Raise NotFoundError if unknown."""
 
-    # ----- DataFrame views (shared by all backends) -------------------------------------
-    def rollouts_df(self) -> pd.DataFrame:
-        """One row per rollout, in enqueue order.
-
-        Columns, most useful first: rollout_id, input (short text), status, reward (its
-        final reward, :meth:`final_rewards`; NaN when None, so always for a rollout not
-        yet finished), mode, num_attempts, duration_s (float seconds from start to end;
-        NaN until it ended), resources_id (the set it is pinned to), enqueue_time,
-        start_time, end_time (pandas datetimes in UTC, timezone-naive like
-        :meth:`spans_df`; NaT when not reached yet).
-        """
-        rollouts = self.query_rollouts()
-        rewards = self.final_rewards()  # after the rollouts: every finished one above has its reward
-        rows = []
-        for r in rollouts:
-            row = r.model_dump(exclude={"config", "metadata", "input"})
-            row["input"] = _short(r.input)
-            reward = rewards.get(r.rollout_id) if r.status in ROLLOUT_TERMINAL else None
-            row["reward"] = math.nan if reward is None else reward
-            row["duration_s"] = _duration(r)
-            rows.append(row)
-        df = pd.DataFrame(rows, columns=_ROLLOUT_COLUMNS)
-        for col in ("enqueue_time", "start_time", "end_time"):
-            df[col] = _epoch_to_datetime(df[col])
-        df["num_attempts"] = df["num_attempts"].astype("int64")
-        for col in ("reward", "duration_s"):
-            df[col] = df[col].astype("float64")
-        return df
-
-    def attempts_df(self) -> pd.DataFrame:
-        """One row per attempt, oldest rollout first, then by attempt.
-
-        Columns: rollout_id, attempt_id, sequence_id (1 for the first attempt), status,
-        worker_id, start_time, end_time, last_heartbeat_time (datetimes in UTC,
-        timezone-naive; NaT when not reached), duration_s (float seconds from start to
-        end; NaN while it runs) and error. Missing values are NaN (NaT for times), as in
-        :meth:`spans_df`.
-        """
-        rows = []
-        for a in self.query_attempts():
-            row = a.model_dump()
-            row["duration_s"] = math.nan if a.end_time is None else a.end_time - a.start_time
-            rows.append(row)
-        df = pd.DataFrame(rows, columns=_ATTEMPT_COLUMNS)
-        for col in ("start_time", "end_time", "last_heartbeat_time"):
-            df[col] = _epoch_to_datetime(df[col])
-        df["sequence_id"] = df["sequence_id"].astype("int64")
-        df["duration_s"] = df["duration_s"].astype("float64")
-        for col in ("worker_id", "error"):
-            df[col] = df[col].astype(object).where(df[col].notna(), math.nan)
-        return df
-
-    def resources_df(self) -> pd.DataFrame:
-        """One row per resources set, least recently written first (the last row is the latest).
-
-        Columns: resources_id, version, names (the resource names, comma-separated),
-        llm (``model @ endpoint`` of each LLMResource, comma-separated), create_time and
-        update_time (datetimes in UTC, timezone-naive), latest (bool) and rollouts (how many
-        rollouts are pinned to the set).
-        """
-        updates = self.query_resources()
-        pinned: dict[Optional[str], int] = {}
-        for r in self.query_rollouts():
-            pinned[r.resources_id] = pinned.get(r.resources_id, 0) + 1
-        rows = [{
-            "resources_id": u.resources_id, "version": u.version, "names": ", ".join(u.resources),
-            "llm": ", ".join(f"{v.model} @ {v.endpoint}" for v in u.resources.values() if v.kind == "llm"),
-            "create_time": u.create_time, "update_time": u.update_time, "latest": i == len(updates) - 1,
-            "rollouts": pinned.get(u.resources_id, 0),
-        } for i, u in enumerate(updates)]
-        df = pd.DataFrame(rows, columns=["resources_id", "version", "names", "llm", "create_time", "update_time",
-                                         "latest", "rollouts"])
-        for col in ("create_time", "update_time"):
-            df[col] = _epoch_to_datetime(df[col])
-        for col, dtype in (("version", "int64"), ("latest", "bool"), ("rollouts", "int64")):
-            df[col] = df[col].astype(dtype)
-        return df
-
-    def workers_df(self) -> pd.DataFrame:
-        """One row per worker (:class:`~lightning_nb.types.Worker` fields), first seen first, plus ``heartbeat_age_s``.
-
-        The ``*_time`` columns are datetimes in UTC, timezone-naive (NaT when missing).
-
-        ``heartbeat_age_s`` is float seconds since the worker's last heartbeat (NaN if it
-        never sent one). Only the worker itself stamps its heartbeat: the watchdog ending
-        its attempt (status ``unresponsive``) or a ``SqliteStore`` reopened after its
-        process died (status ``stopped``) leave it alone, so the age of a dead worker
-        keeps growing.
-        """
-        now = time.time()
-        rows = [{**w.model_dump(), "heartbeat_age_s": (now - w.last_heartbeat_time)
-                 if w.last_heartbeat_time is not None else math.nan} for w in self.query_workers()]
-        df = pd.DataFrame(rows, columns=[*Worker.model_fields, "heartbeat_age_s"])
-        for col in ("first_seen_time", "last_heartbeat_time", "last_dequeue_time"):
-            df[col] = _epoch_to_datetime(df[col])
-        df["heartbeat_age_s"] = df["heartbeat_age_s"].astype("float64")
-        return df
-
-    def episodes_df(self, mode: Optional[str] = None, by: Any = None) -> pd.DataFrame:
-        """One row per finished rollout (succeeded or failed): its input, completions and reward side by side.
-
-        Args:
-            mode: only rollouts of this mode (``'train'``, ``'val'`` or ``'test'``); None: every mode.
-            by: a task field name (``"ops"``) or a function ``task -> label``: adds a ``slice``
-                column after ``input``, the label of each rollout's input as
-                :meth:`LightningRL.evaluate(by=...) <lightning_nb.algorithm.LightningRL.evaluate>`
-                names it (``"ops=2"``; ``str(label)`` for a function), e.g.
-                ``df[(df["slice"] == "ops=2") & (df["reward"] < 1)]``.
-
-        Returns:
-            A DataFrame in enqueue order with columns rollout_id, mode, status, group_id
-            (the rollout's ``metadata['group_id']``, missing if absent), input (short text),
-            completions (the ``gen_ai.completion`` text of each LLM call of the latest
-            attempt, in turn order, joined with ``"\n---\n"``; ``""`` without calls),
-            llm_calls (how many LLM calls the latest attempt made), reward (the final
-            reward, :meth:`final_rewards`: 0.0 for failed, NaN when None), attempts
-            (``num_attempts``), duration_s (float seconds from start to end) and error
-            (the latest attempt's error if the rollout failed, else missing). Cancelled and
-            unfinished rollouts are left out. Spans no longer in the store (evicted by an
-            ``InMemoryStore`` with ``max_spans``) count as no calls.
-
-        Reads every span once (:meth:`query_spans`), not one query per rollout.
-
-        Raises:
-            ConfigError: ``mode`` is not a rollout mode; ``by`` names a field that a rollout's
-                input lacks, raised on one, or is neither a str nor callable (naming the
-                rollout's position in the table, its id, and the input's keys or the exception).
-        """
-        if mode is not None and mode not in _MODES:
-            raise ConfigError(f"mode={mode!r} is not a rollout mode; use one of {list(_MODES)} or None (all)")
-        from lightning_nb.proxy import LLM_SPAN_NAME  # here: the proxy module imports this one
-
-        rollouts = [r for r in self.query_rollouts(status=["succeeded", "failed"]) if mode is None or r.mode == mode]
-        rewards = self.final_rewards()  # after the rollouts, which are finished: each has its final reward
-        latest: dict[str, Attempt] = {}
-        for a in self.query_attempts():
-            latest[a.rollout_id] = a  # oldest first: the last one seen is the latest
-        wanted = {r.rollout_id for r in rollouts}
-        completions: dict[str, list[str]] = {rid: [] for rid in wanted}
-        for s in self.query_spans():  # in (rollout, attempt, sequence) order: turn order within an attempt
-            if s.name == LLM_SPAN_NAME and s.rollout_id in wanted and s.attempt_id == getattr(
-                    latest.get(s.rollout_id), "attempt_id", None):
-                completions[s.rollout_id].append(str(s.attributes.get("gen_ai.completion", "")))
-        rows = []
-        for r in rollouts:
-            reward = rewards.get(r.rollout_id)
-            attempt = latest.get(r.rollout_id)
-            rows.append({
-                "rollout_id": r.rollout_id, "mode": r.mode, "status": r.status,
-                "group_id": r.metadata.get("group_id"), "input": _short(r.input),
-                "completions": "\n---\n".join(completions[r.rollout_id]),
-                "llm_calls": len(completions[r.rollout_id]),
-                "reward": math.nan if reward is None else reward, "attempts": r.num_attempts,
-                "duration_s": _duration(r),
-                "error": attempt.error if r.status == "failed" and attempt is not None else None,
-            })
-        df = pd.DataFrame(rows, columns=_EPISODE_COLUMNS)
-        for col, dtype in (("llm_calls", "int64"), ("attempts", "int64"), ("reward", "float64"),
-                           ("duration_s", "float64")):
-            df[col] = df[col].astype(dtype)
-        if by is not None:
-            from lightning_nb.algorithm import slice_labels  # here: the algorithm module imports this one
-
-            labels = slice_labels([r.input for r in rollouts], by, what="rollout",
-                                  names=[r.rollout_id for r in rollouts])
-            df.insert(df.columns.get_loc("input") + 1, "slice", pd.Series(labels, index=df.index, dtype="object"))
-        return df
-
-    def spans_df(self, rollout_id: Optional[str] = None, *, flatten: Flatten = None) -> pd.DataFrame:
-        """One row per span (of every rollout, or of ``rollout_id``), in rollout enqueue order, attempt, sequence_id.
-
-        The columns are fixed, whatever the attributes (:data:`~lightning_nb.store.spanframe.SPAN_COLUMNS`):
-        rollout_id, attempt_id, sequence_id, name; prompt (``gen_ai.prompt``, the messages as
-        JSON text), completion (``gen_ai.completion``), reward (``reward``), prompt_tokens and
-        completion_tokens (``gen_ai.usage.input_tokens``/``output_tokens``), finish_reason
-        (``gen_ai.response.finish_reasons``, joined by commas), model
-        (``gen_ai.request.model``), agent_name (``gen_ai.agent.name``); status, start_time and
-        end_time (datetimes, UTC, timezone-naive), duration_s (float seconds), span_id,
-        trace_id, parent_id; and ``attributes``: each span's full attribute dict, a copy
-        (changing it never changes the store). Missing values are NaN in every column.
-        Dtypes are the same on every backend, also when there are no spans (see
-        :mod:`lightning_nb.store.spanframe`). Memory grows with the spans' data, not with
-        spans × distinct attribute keys.
-
-        Args:
-            rollout_id: only this rollout's spans; None: all.
-            flatten: None (default): no attribute columns beyond the fixed ones. A list of
-                attribute keys: those keys as columns too (named by the key; NaN where a
-                span lacks it), placed before ``attributes``. True: every attribute key
-                as a column, first seen first, except keys named like a fixed column;
-                refused above :data:`~lightning_nb.store.spanframe.FLATTEN_MAX_KEYS`
-                (1,000) distinct keys.
-
-        Raises:
-            ConfigError: a bad ``flatten`` (not None/bool/list of keys, or a key named like a
-                fixed column), or ``flatten=True`` over more than 1,000 distinct keys.
-            NotFoundError: ``rollout_id`` is not in the store.
-
-        Implementations may build it faster; they must return the same frame. This one
-        reads :meth:`query_spans`, whose spans the caller owns, so they are not copied again.
-        """
-        check_flatten(flatten)
-        return frame_from_spans(self.query_spans(rollout_id), flatten=flatten, copy=False)
-
-    def rewards_df(self) -> pd.DataFrame:
-        """One row per reward span, the final reward and every named reward component.
-
-        Columns: rollout_id, attempt_id, mode, ``component`` (``"final"`` for the episode's
-        reward span, the one that counts: :func:`~lightning_nb.store.rules.final_reward`; for an
-        intermediate reward (:func:`lightning_nb.emit_intermediate_reward`, a shaping term) its
-        ``reward.name``, e.g. ``"calc_uses_all_numbers"``), reward (float), time (datetime).
-        ``df[df.component == "final"]`` gives the final rewards alone;
-        ``df.pivot_table("reward", "rollout_id", "component", aggfunc="sum")`` one column per component.
-        """
-        modes = {r.rollout_id: r.mode for r in self.query_rollouts()}
-        rows = [
-            {
-                "rollout_id": s.rollout_id,
-                "attempt_id": s.attempt_id,
-                "mode": modes.get(s.rollout_id),
-                "component": component,
-                "reward": s.attributes.get("reward"),
-                "time": pd.to_datetime(s.end_time, unit="s"),
-            }
-            for s in self.query_spans()
-            if (component := reward_component(s)) is not None
-        ]
-        return pd.DataFrame(rows, columns=["rollout_id", "attempt_id", "mode", "component", "reward", "time"])
-
+    # ----- rewards and helpers (shared by all backends, built on the methods above) -----
     def reward_components(self, rollout_ids: Sequence[str]) -> dict[str, dict[str, float]]:
         """rollout_id -> {component name: sum} of the intermediate rewards (shaping terms) of its latest attempt.
 
@@ -582,7 +356,7 @@ class LightningStore(ABC):
         """
         out: dict[str, list[Any]] = {}
         for rid in rollout_ids:
-            out[rid] = [s.attributes.get("reward") for s in self.query_spans(rid, "latest") if s.name == "reward"]
+            out[rid] = [s.attributes.get(REWARD) for s in self.query_spans(rid, "latest") if s.name == REWARD_SPAN]
         return out
 
     def final_reward(self, rollout_id: str) -> Optional[float]:
@@ -619,10 +393,8 @@ class LightningStore(ABC):
         """Enqueue many tasks with the same options; see :meth:`enqueue_rollout`."""
         return [self.enqueue_rollout(x, **kwargs) for x in inputs]
 
-    def _repr_html_(self) -> str:
-        from lightning_nb._repr import store_html
-
-        return store_html(self)
+    def _repr_html_(self) -> Optional[str]:
+        return html_view(self)
 
 
 def span_summary(span: Span) -> dict[str, Any]:
@@ -635,35 +407,3 @@ def span_summary(span: Span) -> dict[str, Any]:
         "duration_s": span.end_time - span.start_time,
         **{col: span.attributes.get(KNOWN_ATTRIBUTES[col]) for col in ("prompt_tokens", "completion_tokens", "reward")},
     }
-
-
-def _duration(rollout: Rollout) -> float:
-    """Float seconds from the rollout's start to its end; NaN until both are known."""
-    if rollout.end_time is None or rollout.start_time is None:
-        return math.nan
-    return rollout.end_time - rollout.start_time
-
-
-def _epoch_to_datetime(values: pd.Series) -> pd.Series:
-    """Epoch seconds (None/NaN allowed) as datetime64 in UTC, timezone-naive (NaT where missing)."""
-    return pd.to_datetime(values.astype("float64"), unit="s")
-
-
-def _short(value: Any, limit: int = 120) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-_ROLLOUT_COLUMNS = [  # what a reader looks for first: the task, how it ended, its reward
-    "rollout_id", "input", "status", "reward", "mode", "num_attempts", "duration_s", "resources_id",
-    "enqueue_time", "start_time", "end_time",
-]
-_ATTEMPT_COLUMNS = [
-    "rollout_id", "attempt_id", "sequence_id", "status", "worker_id", "start_time", "end_time",
-    "last_heartbeat_time", "duration_s", "error",
-]
-_EPISODE_COLUMNS = [
-    "rollout_id", "mode", "status", "group_id", "input", "completions", "llm_calls", "reward", "attempts",
-    "duration_s", "error",
-]
-_MODES = get_args(RolloutMode)

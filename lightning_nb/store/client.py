@@ -71,9 +71,10 @@ class StoreClient(LightningStore):
         if timeout <= 0:
             raise ConfigError(f"timeout must be positive seconds, got {timeout!r}")
         self.url, self.timeout = url.rstrip("/"), float(timeout)
+        self._token = token or None
         headers = {"Accept": "application/json"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
         self._http = httpx.Client(
             base_url=self.url,
             headers=headers,
@@ -81,6 +82,14 @@ class StoreClient(LightningStore):
             transport=httpx.HTTPTransport(retries=2),  # connect failures only: nothing was sent yet
             limits=httpx.Limits(max_connections=128, max_keepalive_connections=32, keepalive_expiry=30.0),
         )
+
+    @property
+    def token(self) -> Optional[str]:
+        """The bearer token this client sends (``Authorization: Bearer <token>``), or None when it sends none.
+
+        Read-only: e.g. to connect another client (a Ray actor's) to the same server.
+        """
+        return self._token
 
     # ----- plumbing -------------------------------------------------------------------
     def close(self) -> None:

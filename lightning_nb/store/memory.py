@@ -1,4 +1,9 @@
-"""Thread-safe in-memory store (the default), with an optional bound on the spans it keeps in memory."""
+"""Thread-safe in-memory store (the default), with an optional bound on the spans it keeps in memory.
+
+This module holds the rollouts, attempts, workers and resources; the spans (how a batch is
+stored, the memory policy that spills or evicts them, the fast span views) are in
+:mod:`lightning_nb.store.memory_spans`.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +14,17 @@ from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import pandas as pd
 from pydantic import BaseModel
 
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundError
 from lightning_nb.store.base import LightningStore
-from lightning_nb.store.spanframe import Flatten, check_flatten, frame_from_spans, spans_frame
-from lightning_nb.store.spantable import SpanSpill, SpanTable, span_from_raw
+from lightning_nb.store.memory_spans import InMemorySpans
 from lightning_nb.store.rules import (
-    ACTIVE, DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, check_manual_attempt, check_span_types,
-    coerce_resources, follow_attempt, new_rollout, next_resources, overdue, resources_not_found, same_span, span_beats,
-    span_sequence_id, start_attempt, updated_rollout, worker_on_attempt, worker_on_dequeue, worker_update,
+    ACTIVE, DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, check_manual_attempt, coerce_resources,
+    follow_attempt, new_rollout, next_resources, overdue, resources_not_found, start_attempt, updated_rollout,
+    worker_on_attempt, worker_on_dequeue, worker_update,
 )
+from lightning_nb.store.spantable import SpanSpill, SpanTable
 from lightning_nb.types import (
     ROLLOUT_TERMINAL,
     Attempt,
@@ -30,15 +34,14 @@ from lightning_nb.types import (
     Rollout,
     RolloutConfig,
     RolloutMode,
-    Span,
     Worker,
     new_id,
-    span_with_sequence_id,
 )
 
 __all__ = ["InMemoryStore"]
 
-class InMemoryStore(LightningStore):
+
+class InMemoryStore(InMemorySpans, LightningStore):
     """All tables in process memory behind one lock (a ``threading.Condition``).
 
     Calls never block on I/O while holding the lock; ``dequeue_rollout`` and
@@ -353,199 +356,6 @@ class InMemoryStore(LightningStore):
                 self._rollout(rollout_id)
                 return [_deep_copy(a) for a in self._attempts[rollout_id]]
             return [_deep_copy(a) for rid in self._rollouts for a in self._attempts[rid]]
-
-    # ----- spans ----------------------------------------------------------------------
-    def add_span(self, span: Span) -> Span:
-        return self._add_spans(check_span_types([span], batch=False), one=True)[0]
-
-    def add_spans(self, spans: Sequence[Span]) -> list[Span]:
-        return self._add_spans(check_span_types(spans), one=False)
-
-    def _add_spans(self, spans: list[Span], one: bool) -> list[Span]:
-        """``add_spans``; ``one``: for ``add_span`` (its errors name no index)."""
-        prepared = [SpanTable.prepare(s) for s in spans]  # attribute copies and their cells: no lock needed
-        with self._lock:
-            if self._spill is not None:
-                self._spill.check_open()  # it may have to spill: refuse before storing anything
-            plan = self._plan_spans(spans, one)  # raises before anything is stored
-            table, now = self._table, time.time()
-            for span, prep, (attempt, seq, repeat) in zip(spans, prepared, plan):
-                if repeat is not None:
-                    continue
-                aid, rid = attempt.attempt_id, attempt.rollout_id
-                table.append(span, rid, aid, self._rank[rid], attempt.sequence_id, seq, prep)
-                self._span_counts[aid] = max(self._span_counts[aid], seq)
-                self._span_ids[aid][span.span_id] = seq
-                self._span_rollouts[rid] = None
-                if span_beats(attempt.status, attempt.last_heartbeat_time, now):  # a sign of life: -> running, beat
-                    self._update(self._rollouts[rid], attempt, status="running", worker_id=None,
-                                 error=None, heartbeat=True, now=now)
-            if self.max_spans is not None and len(table) > self.max_spans:
-                self._shed()
-            # no notify: nobody waits for spans (a status change above notified already)
-        # each new span as the caller gave it, with its sequence id (its attributes are the caller's own;
-        # the table holds a copy), made after releasing the lock
-        return [span_with_sequence_id(span, seq) if repeat is None else repeat
-                for span, (_, seq, repeat) in zip(spans, plan)]
-
-    def _plan_spans(self, spans: list[Span], one: bool) -> list[tuple[Attempt, int, Optional[Span]]]:
-        """Check a batch of spans without storing any (lock held): per span ``(attempt, sequence id,
-        the stored span when it repeats one)``. Raises as ``add_span``, naming the index for a batch."""
-        plan: list[tuple[Attempt, int, Optional[Span]]] = []
-        batch: dict[tuple[str, str], tuple[int, Span]] = {}  # (attempt, span_id) -> planned (seq, span)
-        last_of: dict[str, int] = {}  # attempt -> highest sequence id, this batch's included
-        seqs_of: dict[str, set[int]] = {}  # attempt -> this batch's sequence ids
-        for i, span in enumerate(spans):
-            try:
-                attempt = self._attempt(span.rollout_id, span.attempt_id)
-                aid = attempt.attempt_id
-                ids = self._span_ids[aid]
-                planned = batch.get((aid, span.span_id))
-                if planned is not None:  # repeated within the batch
-                    seq = planned[0]
-                    same_span(span, span_with_sequence_id(planned[1], seq))
-                    plan.append((attempt, seq, span_with_sequence_id(span, seq)))
-                    continue
-                if span.span_id in ids:
-                    plan.append((attempt, ids[span.span_id], self._repeated_span(span, attempt, ids[span.span_id])))
-                    continue
-                last = last_of.get(aid, self._span_counts[aid])
-                want = span.sequence_id
-                taken = 0 < want and (want in seqs_of.get(aid, ()) or (want <= self._span_counts[aid]
-                                                                      and want in ids.values()))
-                seq = span_sequence_id(span, last, taken)
-                last_of[aid] = max(last, seq)
-                seqs_of.setdefault(aid, set()).add(seq)
-                batch[(aid, span.span_id)] = (seq, span)
-                plan.append((attempt, seq, None))
-            except (NotFoundError, ConfigError) as exc:
-                if one:
-                    raise
-                raise type(exc)(f"spans[{i}]: {exc}") from None
-        return plan
-
-    def _repeated_span(self, span: Span, attempt: Attempt, seq: int) -> Span:
-        """``add_span`` of a span id the attempt already has (lock held): the stored span, or ConfigError."""
-        table = self._table
-        found = [table.span(r) for r in table.by_attempt.get(attempt.attempt_id, ()) if table.seq[r] == seq]
-        if not found and attempt.rollout_id in self._spilled_rollouts:
-            found = [s for _, _, s in self._spill.read(attempt.rollout_id)  # type: ignore[union-attr]
-                     if s.attempt_id == attempt.attempt_id and s.sequence_id == seq]
-        if not found:  # evicted (no spill_path): nothing left to compare with
-            return span_with_sequence_id(span, seq)
-        return same_span(span, found[0])
-
-    def _shed(self) -> None:
-        """Spill or evict spans of rollouts that may leave memory, oldest first, down to 80 % of max_spans (lock held).
-
-        The reward values of each shed rollout's latest attempt are kept (``_shed_rewards``).
-        """
-        target = len(self._table) - int(self.max_spans * 0.8)  # type: ignore[operator]
-        now = time.time()
-        by_attempt = self._table.by_attempt
-        chosen: set[str] = set()
-        freed = 0
-        for rid in self._span_rollouts:
-            if freed >= target:
-                break
-            if self._may_leave(self._rollouts[rid], now):
-                chosen.add(rid)
-                freed += sum(len(by_attempt.get(a.attempt_id, ())) for a in self._attempts[rid])
-        if not chosen:
-            return
-        dropped = self._table.drop(chosen)
-        for rid in chosen:
-            del self._span_rollouts[rid]
-        latest = {rid: self._attempts[rid][-1].attempt_id for rid in chosen}
-        for _, _, span in sorted(dropped, key=lambda item: (item[0], item[1], item[2].sequence_id)):
-            if span.name == "reward" and latest[span.rollout_id] == span.attempt_id:
-                self._shed_rewards.setdefault(span.rollout_id, []).append(span.attributes.get("reward"))
-        if self._spill is not None:
-            self._spill.write(dropped)
-            self._spilled_rollouts |= chosen
-        else:
-            self.evicted_spans += len(dropped)
-
-    def _may_leave(self, rollout: Rollout, now: float) -> bool:
-        """Whether a rollout's spans may leave memory (see the class docstring; lock held)."""
-        if rollout.status not in ROLLOUT_TERMINAL:
-            return False
-        if rollout.rollout_id in self._read_finished or rollout.end_time is None:
-            return True
-        return now - rollout.end_time >= self.min_span_age_s
-
-    def query_spans(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> list[Span]:
-        with self._lock:
-            if rollout_id is None:
-                if attempt_id is not None:
-                    raise ConfigError("query_spans: attempt_id needs rollout_id; pass both or neither")
-                attempts = [a for rid in self._rollouts for a in self._attempts[rid]]
-            else:
-                rollout = self._rollout(rollout_id)
-                attempts = self._attempts[rollout_id]
-                if attempt_id == "latest":
-                    attempts = attempts[-1:]
-                elif attempt_id is not None:
-                    attempts = [self._attempt(rollout_id, attempt_id)]
-                if rollout.status in ROLLOUT_TERMINAL:
-                    self._read_finished.add(rollout_id)  # read after it finished: may leave memory now
-            table = self._table
-            raws = [(table.keys(r), table.raw(r)) for r in table.rows(a.attempt_id for a in attempts)]
-            if self._spilled_rollouts and (rollout_id is None or rollout_id in self._spilled_rollouts):
-                wanted = {a.attempt_id for a in attempts}
-                spilled = [((rank, aseq, s.sequence_id), s) for rank, aseq, s in self._spill.read(rollout_id)
-                           if s.attempt_id in wanted]  # type: ignore[union-attr]
-            else:
-                spilled = []
-        # the copies are made after releasing the lock (the table never changes a stored attribute dict)
-        spans = [(k, span_from_raw(raw)) for k, raw in raws] + spilled
-        spans.sort(key=lambda item: item[0])
-        return [s for _, s in spans]
-
-    # ----- fast views -----------------------------------------------------------------
-    def spans_df(self, rollout_id: Optional[str] = None, *, flatten: Flatten = None) -> pd.DataFrame:
-        """One row per span, as :meth:`LightningStore.spans_df`, built from the span columns.
-
-        The frame is built after the lock is released, so runners are not held up.
-        Spilled spans are read back from the spill file and included (slower).
-        """
-        check_flatten(flatten)  # before any work
-        with self._lock:
-            if rollout_id is None:
-                rows = None
-                spilled = self._spill.read() if self._spilled_rollouts else []  # type: ignore[union-attr]
-            else:
-                rows = self._table.rows(a.attempt_id for a in self._attempts[self._rollout(rollout_id).rollout_id])
-                spilled = self._spill.read(rollout_id) if rollout_id in self._spilled_rollouts else []  # type: ignore[union-attr]
-            if not spilled:
-                columns = self._table.columns(rows)
-            else:  # rare and slow anyway: spans as objects, in order
-                table = self._table
-                items = [(table.keys(r), table.span(r)) for r in (range(len(table)) if rows is None else rows)]
-                items += [((rank, aseq, s.sequence_id), s) for rank, aseq, s in spilled]
-        if not spilled:
-            return spans_frame(**columns, flatten=flatten, copy=True)
-        items.sort(key=lambda item: item[0])
-        return frame_from_spans([s for _, s in items], flatten=flatten, copy=False)  # spans are copies already
-
-    def _latest_attempt_rewards(self, rollout_ids: Sequence[str]) -> dict[str, list[Any]]:
-        """Columnar fast path of :meth:`LightningStore._latest_attempt_rewards`.
-
-        Spilled and evicted rollouts included: their rewards were kept when their spans left memory.
-        """
-        wanted = set(rollout_ids)
-        with self._lock:
-            latest = {rid: self._attempts[rid][-1].attempt_id for rid in wanted if self._attempts.get(rid)}
-            table = self._table
-            rows = table.rows_named("reward")
-            found = [(table.keys(r), table.value("rollout_id", r), table.value("attempt_id", r),
-                      table.attrs[r].get("reward")) for r in rows]
-            out: dict[str, list[Any]] = {rid: list(self._shed_rewards.get(rid, ())) for rid in wanted}
-        found.sort(key=lambda item: item[0])
-        for _, rid, aid, value in found:
-            if rid in wanted and latest.get(rid) == aid:
-                out[rid].append(value)  # after the shed ones: a span added later has a higher sequence id
-        return out
 
     # ----- resources ------------------------------------------------------------------
     def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:

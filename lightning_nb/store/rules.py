@@ -11,19 +11,19 @@ import time
 from typing import Any, Optional, Sequence
 
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundError
+from lightning_nb.semconv import INTERMEDIATE_REWARD_SPAN, REWARD, REWARD_NAME, REWARD_SPAN
 from lightning_nb.types import (
     ATTEMPT_TERMINAL, ROLLOUT_TERMINAL, Attempt, LLMResource, PromptTemplate, ResourcesUpdate, Rollout, RolloutConfig,
     RolloutMode, Span, Worker, new_id,
 )
 
-INTERMEDIATE_REWARD_SPAN_NAME = "intermediate_reward"  # never "reward": that name is the final reward's
 
 __all__ = ["ATTEMPT_NEXT", "ACTIVE", "new_rollout", "start_attempt", "apply_attempt_update", "follow_attempt",
            "coerce_resources", "overdue", "SweepClock", "worker_update", "worker_on_dequeue",
            "worker_on_attempt", "DEFAULT_WATCHDOG_INTERVAL_S", "final_reward", "reward_or_zero",
            "updated_rollout", "check_manual_attempt", "span_beats", "span_sequence_id", "same_span",
            "resources_not_found",
-           "next_resources", "SPAN_BEAT_MIN_S", "INTERMEDIATE_REWARD_SPAN_NAME", "reward_component",
+           "next_resources", "SPAN_BEAT_MIN_S", "reward_component",
            "component_sums"]
 
 ACTIVE = ("preparing", "running")  # attempt statuses the watchdog looks at
@@ -396,12 +396,13 @@ def worker_on_attempt(worker: Optional[Worker], attempt: Attempt, now: float, *,
 
 
 def reward_component(span: Span) -> Optional[str]:
-    """The reward component a span records: ``"final"`` for a ``"reward"`` span, the ``reward.name`` of an
-    intermediate reward (``"intermediate"`` when unnamed), None for any other span."""
-    if span.name == "reward":
+    """The reward component a span records: ``"final"`` for a final reward span
+    (:data:`~lightning_nb.semconv.REWARD_SPAN`), the :data:`~lightning_nb.semconv.REWARD_NAME` of an intermediate
+    reward (``"intermediate"`` when unnamed), None for any other span."""
+    if span.name == REWARD_SPAN:
         return "final"
-    if span.name == INTERMEDIATE_REWARD_SPAN_NAME:
-        return str(span.attributes.get("reward.name", "intermediate"))
+    if span.name == INTERMEDIATE_REWARD_SPAN:
+        return str(span.attributes.get(REWARD_NAME, "intermediate"))
     return None
 
 
@@ -409,9 +410,9 @@ def component_sums(spans: Sequence[Span]) -> dict[str, float]:
     """``{component: sum of its rewards}`` over the intermediate rewards among ``spans`` (the final reward left out)."""
     out: dict[str, float] = {}
     for s in spans:
-        if s.name == INTERMEDIATE_REWARD_SPAN_NAME:
+        if s.name == INTERMEDIATE_REWARD_SPAN:
             name = reward_component(s)
-            out[name] = out.get(name, 0.0) + float(s.attributes.get("reward", 0.0))
+            out[name] = out.get(name, 0.0) + float(s.attributes.get(REWARD, 0.0))
     return out
 
 

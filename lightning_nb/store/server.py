@@ -293,14 +293,6 @@ class StoreServer:
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     # ----- calling the store ----------------------------------------------------------
-    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> _JSON:
-        """Run a store call in a worker thread and turn its result or error into JSON."""
-        try:
-            result = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
-        except Exception as exc:
-            return _exception_response(exc)
-        return _JSON(_plain(result))
-
     async def _wait(self, request: Request, budget: float, attempt: Callable[[float], Any],
                     done: Callable[[Any], bool], abandon: Optional[Callable[[Any], Any]] = None) -> _JSON:
         """Call ``attempt(slice_s)`` until ``done(result)``, ``budget`` seconds pass, the client leaves or we stop.
@@ -327,134 +319,194 @@ class StoreServer:
 
     # ----- HTTP app -------------------------------------------------------------------
     def app(self) -> Any:
-        """The ASGI application (token and body-size guard included)."""
-        api = FastAPI(title="lightning-nb store", redirect_slashes=False, openapi_url=None, docs_url=None,
-                      redoc_url=None)
-        store = self.store
+        """The ASGI application (token and body-size guard included); see :func:`_store_app`."""
+        return _store_app(self)
 
-        @api.exception_handler(RequestValidationError)
-        async def invalid(request: Request, exc: RequestValidationError) -> _JSON:
-            return _validation_error(list(exc.errors()), strip_source=True)
 
-        @api.exception_handler(StarletteHTTPException)
-        async def http_error(request: Request, exc: StarletteHTTPException) -> _JSON:
-            if exc.status_code == 404:
-                return _error(404, "NotFoundError", f"{request.method} {request.url.path}: no such object or "
-                                                    f"endpoint; check the ids in the path", "path")
-            return _error(exc.status_code, "ConfigError", f"{request.method} {request.url.path}: {exc.detail}")
+# ----- the HTTP app: module-level routes that find the server in request.app.state ------------
+def _store_app(server: StoreServer) -> Any:
+    """The server's ASGI app. Its routes are module-level functions that find the server (and its store)
+    in ``request.app.state.server``: FastAPI keeps every route function it has seen in process-wide caches
+    (``fastapi.dependencies.models``, up to 4096 each), so a route closing over the server would keep it,
+    and through it the store, alive after :meth:`StoreServer.stop`. Only the app (dropped at stop) holds
+    the server."""
+    api = FastAPI(title="lightning-nb store", redirect_slashes=False, openapi_url=None, docs_url=None,
+                  redoc_url=None)
+    api.state.server = server
+    api.exception_handler(RequestValidationError)(_invalid)
+    api.exception_handler(StarletteHTTPException)(_http_error)
+    api.get("/health")(_health)
+    # rollouts
+    api.post("/rollouts")(_enqueue)
+    api.post("/rollouts/start")(_start)
+    api.post("/rollouts/dequeue")(_dequeue)
+    api.post("/rollouts/query")(_query_rollouts_post)
+    api.get("/rollouts")(_query_rollouts)
+    api.post("/rollouts/wait")(_wait_for_rollouts)
+    api.get("/rollouts/{rollout_id}")(_get_rollout)
+    api.post("/rollouts/{rollout_id}/cancel")(_cancel)
+    api.patch("/rollouts/{rollout_id}")(_update_rollout)
+    api.post("/rollouts/{rollout_id}/attempts")(_start_attempt)
+    # attempts
+    api.patch("/rollouts/{rollout_id}/attempts/{attempt_id}")(_update_attempt)
+    api.get("/attempts")(_query_attempts)
+    api.post("/attempts/sweep")(_sweep_attempts)
+    # workers
+    api.post("/workers/{worker_id}")(_update_worker)
+    api.get("/workers")(_query_workers)
+    # spans
+    api.post("/spans")(_add_span)
+    api.post("/spans/batch")(_add_spans)
+    api.get("/spans")(_query_spans)
+    # resources
+    api.post("/resources")(_add_resources)
+    api.get("/resources/latest")(_latest_resources)
+    api.get("/resources")(_resources_by_query)
+    api.get("/resources/{resources_id:path}")(_resources_by_id)
+    return _Guard(api, server.token, server.max_body_bytes)
 
-        @api.get("/health")
-        async def health() -> _JSON:
-            return _JSON({"status": "ok", "store": type(store).__name__, "max_wait_s": self.max_wait_s,
-                          "max_body_bytes": self.max_body_bytes})
 
-        # rollouts
-        @api.post("/rollouts")
-        async def enqueue(req: EnqueueRequest) -> _JSON:
-            return await self._call(store.enqueue_rollout, req.input, mode=req.mode, resources_id=req.resources_id,
-                                    config=req.config, metadata=req.metadata)
+async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> _JSON:
+    """Run a store call in a worker thread and turn its result or error into JSON."""
+    try:
+        result = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+    except Exception as exc:
+        return _exception_response(exc)
+    return _JSON(_plain(result))
 
-        @api.post("/rollouts/start")
-        async def start(req: StartRequest) -> _JSON:
-            return await self._call(store.start_rollout, req.input, mode=req.mode, resources_id=req.resources_id,
-                                    config=req.config, metadata=req.metadata, worker_id=req.worker_id)
 
-        @api.post("/rollouts/dequeue")
-        async def dequeue(req: DequeueRequest, request: Request) -> _JSON:
-            def abandon(item: AttemptedRollout) -> None:  # nobody will run it: fail the attempt so it requeues
-                store.update_attempt(item.rollout.rollout_id, item.attempt.attempt_id, status="failed",
-                                     error="the store client disconnected before receiving this attempt")
+def _server(request: Request) -> StoreServer:
+    return request.app.state.server
 
-            return await self._wait(request, req.timeout, lambda s: store.dequeue_rollout(req.worker_id, timeout=s),
-                                    lambda item: item is not None, abandon)
 
-        @api.post("/rollouts/query")
-        async def query_rollouts_post(req: QueryRolloutsRequest) -> _JSON:
-            return await self._call(store.query_rollouts, status=req.status, rollout_ids=req.rollout_ids)
+def _store(request: Request) -> LightningStore:
+    return request.app.state.server.store
 
-        @api.get("/rollouts")
-        async def query_rollouts(status: Optional[list[str]] = Query(None),
-                                 ids: Optional[list[str]] = Query(None)) -> _JSON:
-            return await self._call(store.query_rollouts, status=status, rollout_ids=ids)
 
-        @api.post("/rollouts/wait")
-        async def wait(req: WaitRequest, request: Request) -> _JSON:
-            budget = self.max_wait_s if req.timeout is None else req.timeout
-            return await self._wait(request, budget, lambda s: store.wait_for_rollouts(req.rollout_ids, timeout=s),
-                                    lambda done: len(done) == len(req.rollout_ids))
+async def _invalid(request: Request, exc: RequestValidationError) -> _JSON:
+    return _validation_error(list(exc.errors()), strip_source=True)
 
-        @api.get("/rollouts/{rollout_id}")
-        async def get_rollout(rollout_id: str) -> _JSON:
-            return await self._call(store.get_rollout_by_id, rollout_id)
 
-        @api.post("/rollouts/{rollout_id}/cancel")
-        async def cancel(rollout_id: str) -> _JSON:
-            return await self._call(store.cancel_rollout, rollout_id)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> _JSON:
+    if exc.status_code == 404:
+        return _error(404, "NotFoundError", f"{request.method} {request.url.path}: no such object or "
+                                            f"endpoint; check the ids in the path", "path")
+    return _error(exc.status_code, "ConfigError", f"{request.method} {request.url.path}: {exc.detail}")
 
-        @api.patch("/rollouts/{rollout_id}")
-        async def update_rollout(rollout_id: str, req: UpdateRolloutRequest) -> _JSON:
-            return await self._call(store.update_rollout, rollout_id, input=req.input, mode=req.mode,
-                                    resources_id=req.resources_id, config=req.config, metadata=req.metadata,
-                                    status=req.status)
 
-        @api.post("/rollouts/{rollout_id}/attempts")
-        async def start_attempt(rollout_id: str, req: StartAttemptRequest) -> _JSON:
-            return await self._call(store.start_attempt, rollout_id, req.worker_id)
+async def _health(request: Request) -> _JSON:
+    server = _server(request)
+    return _JSON({"status": "ok", "store": type(server.store).__name__, "max_wait_s": server.max_wait_s,
+                  "max_body_bytes": server.max_body_bytes})
 
-        # attempts
-        @api.patch("/rollouts/{rollout_id}/attempts/{attempt_id}")
-        async def update_attempt(rollout_id: str, attempt_id: str, req: UpdateAttemptRequest) -> _JSON:
-            return await self._call(store.update_attempt, rollout_id, attempt_id, status=req.status,
-                                    worker_id=req.worker_id, error=req.error, heartbeat=req.heartbeat)
 
-        @api.get("/attempts")
-        async def query_attempts(rollout_id: Optional[str] = None) -> _JSON:
-            return await self._call(store.query_attempts, rollout_id)
+# rollouts
+async def _enqueue(req: EnqueueRequest, request: Request) -> _JSON:
+    return await _call(_store(request).enqueue_rollout, req.input, mode=req.mode, resources_id=req.resources_id,
+                       config=req.config, metadata=req.metadata)
 
-        @api.post("/attempts/sweep")
-        async def sweep_attempts() -> _JSON:
-            return await self._call(store.sweep_attempts)
 
-        # workers
-        @api.post("/workers/{worker_id}")
-        async def update_worker(worker_id: str, req: UpdateWorkerRequest) -> _JSON:
-            return await self._call(store.update_worker, worker_id, status=req.status,
-                                    heartbeat_stats=req.heartbeat_stats)
+async def _start(req: StartRequest, request: Request) -> _JSON:
+    return await _call(_store(request).start_rollout, req.input, mode=req.mode, resources_id=req.resources_id,
+                       config=req.config, metadata=req.metadata, worker_id=req.worker_id)
 
-        @api.get("/workers")
-        async def query_workers() -> _JSON:
-            return await self._call(store.query_workers)
 
-        # spans
-        @api.post("/spans")
-        async def add_span(span: Span) -> _JSON:
-            return await self._call(store.add_span, span)
+async def _dequeue(req: DequeueRequest, request: Request) -> _JSON:
+    store = _store(request)
 
-        @api.post("/spans/batch")
-        async def add_spans(spans: list[Span]) -> _JSON:
-            return await self._call(store.add_spans, spans)
+    def abandon(item: AttemptedRollout) -> None:  # nobody will run it: fail the attempt so it requeues
+        store.update_attempt(item.rollout.rollout_id, item.attempt.attempt_id, status="failed",
+                             error="the store client disconnected before receiving this attempt")
 
-        @api.get("/spans")
-        async def query_spans(rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> _JSON:
-            return await self._call(store.query_spans, rollout_id, attempt_id)
+    return await _server(request)._wait(request, req.timeout,
+                                        lambda s: store.dequeue_rollout(req.worker_id, timeout=s),
+                                        lambda item: item is not None, abandon)
 
-        # resources
-        @api.post("/resources")
-        async def add_resources(req: AddResourcesRequest) -> _JSON:
-            return await self._call(store.add_resources, req.resources, req.resources_id)
 
-        @api.get("/resources/latest")
-        async def latest_resources() -> _JSON:
-            return await self._call(store.get_latest_resources)
+async def _query_rollouts_post(req: QueryRolloutsRequest, request: Request) -> _JSON:
+    return await _call(_store(request).query_rollouts, status=req.status, rollout_ids=req.rollout_ids)
 
-        @api.get("/resources")
-        async def resources_by_query(resources_id: Optional[str] = None) -> _JSON:
-            if resources_id is None:
-                return await self._call(store.query_resources)
-            return await self._call(store.get_resources_by_id, resources_id)
 
-        @api.get("/resources/{resources_id:path}")
-        async def resources_by_id(resources_id: str) -> _JSON:
-            return await self._call(store.get_resources_by_id, resources_id)
+async def _query_rollouts(request: Request, status: Optional[list[str]] = Query(None),
+                          ids: Optional[list[str]] = Query(None)) -> _JSON:
+    return await _call(_store(request).query_rollouts, status=status, rollout_ids=ids)
 
-        return _Guard(api, self.token, self.max_body_bytes)
+
+async def _wait_for_rollouts(req: WaitRequest, request: Request) -> _JSON:
+    server, store = _server(request), _store(request)
+    budget = server.max_wait_s if req.timeout is None else req.timeout
+    return await server._wait(request, budget, lambda s: store.wait_for_rollouts(req.rollout_ids, timeout=s),
+                              lambda done: len(done) == len(req.rollout_ids))
+
+
+async def _get_rollout(rollout_id: str, request: Request) -> _JSON:
+    return await _call(_store(request).get_rollout_by_id, rollout_id)
+
+
+async def _cancel(rollout_id: str, request: Request) -> _JSON:
+    return await _call(_store(request).cancel_rollout, rollout_id)
+
+
+async def _update_rollout(rollout_id: str, req: UpdateRolloutRequest, request: Request) -> _JSON:
+    return await _call(_store(request).update_rollout, rollout_id, input=req.input, mode=req.mode,
+                       resources_id=req.resources_id, config=req.config, metadata=req.metadata, status=req.status)
+
+
+async def _start_attempt(rollout_id: str, req: StartAttemptRequest, request: Request) -> _JSON:
+    return await _call(_store(request).start_attempt, rollout_id, req.worker_id)
+
+
+# attempts
+async def _update_attempt(rollout_id: str, attempt_id: str, req: UpdateAttemptRequest, request: Request) -> _JSON:
+    return await _call(_store(request).update_attempt, rollout_id, attempt_id, status=req.status,
+                       worker_id=req.worker_id, error=req.error, heartbeat=req.heartbeat)
+
+
+async def _query_attempts(request: Request, rollout_id: Optional[str] = None) -> _JSON:
+    return await _call(_store(request).query_attempts, rollout_id)
+
+
+async def _sweep_attempts(request: Request) -> _JSON:
+    return await _call(_store(request).sweep_attempts)
+
+
+# workers
+async def _update_worker(worker_id: str, req: UpdateWorkerRequest, request: Request) -> _JSON:
+    return await _call(_store(request).update_worker, worker_id, status=req.status,
+                       heartbeat_stats=req.heartbeat_stats)
+
+
+async def _query_workers(request: Request) -> _JSON:
+    return await _call(_store(request).query_workers)
+
+
+# spans
+async def _add_span(span: Span, request: Request) -> _JSON:
+    return await _call(_store(request).add_span, span)
+
+
+async def _add_spans(spans: list[Span], request: Request) -> _JSON:
+    return await _call(_store(request).add_spans, spans)
+
+
+async def _query_spans(request: Request, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> _JSON:
+    return await _call(_store(request).query_spans, rollout_id, attempt_id)
+
+
+# resources
+async def _add_resources(req: AddResourcesRequest, request: Request) -> _JSON:
+    return await _call(_store(request).add_resources, req.resources, req.resources_id)
+
+
+async def _latest_resources(request: Request) -> _JSON:
+    return await _call(_store(request).get_latest_resources)
+
+
+async def _resources_by_query(request: Request, resources_id: Optional[str] = None) -> _JSON:
+    if resources_id is None:
+        return await _call(_store(request).query_resources)
+    return await _call(_store(request).get_resources_by_id, resources_id)
+
+
+async def _resources_by_id(resources_id: str, request: Request) -> _JSON:
+    return await _call(_store(request).get_resources_by_id, resources_id)

@@ -26,22 +26,26 @@ import numpy as np
 import pandas as pd
 
 from lightning_nb.errors import ConfigError
+from lightning_nb.semconv import (
+    AGENT_NAME, COMPLETION, PROMPT, REQUEST_MODEL, RESPONSE_FINISH_REASONS, RESPONSE_ID, REWARD, USAGE_INPUT_TOKENS,
+    USAGE_OUTPUT_TOKENS,
+)
 from lightning_nb.types import Span
 
 __all__ = ["SPAN_COLUMNS", "KNOWN_ATTRIBUTES", "NUMBER_COLUMNS", "CATEGORY_COLUMNS", "FLATTEN_MAX_KEYS", "Flatten",
            "check_flatten", "copy_attributes", "copy_lists", "holds_list", "known_cells", "known_columns", "spans_frame",
            "frame_from_spans"]
 
-#: column -> the attribute it shows (OpenTelemetry GenAI conventions, as the LLM proxy writes them).
+#: column -> the attribute it shows (:mod:`lightning_nb.semconv`, as the LLM proxy and the tracer write them).
 KNOWN_ATTRIBUTES: dict[str, str] = {
-    "prompt": "gen_ai.prompt",  # the request's messages, JSON text
-    "completion": "gen_ai.completion",
-    "reward": "reward",
-    "prompt_tokens": "gen_ai.usage.input_tokens",
-    "completion_tokens": "gen_ai.usage.output_tokens",
-    "finish_reason": "gen_ai.response.finish_reasons",  # a list of one reason per span: shown as text
-    "model": "gen_ai.request.model",
-    "agent_name": "gen_ai.agent.name",
+    "prompt": PROMPT,  # the request's messages, JSON text
+    "completion": COMPLETION,
+    "reward": REWARD,
+    "prompt_tokens": USAGE_INPUT_TOKENS,
+    "completion_tokens": USAGE_OUTPUT_TOKENS,
+    "finish_reason": RESPONSE_FINISH_REASONS,  # a list of one reason per span: shown as text
+    "model": REQUEST_MODEL,
+    "agent_name": AGENT_NAME,
 }
 #: the :data:`KNOWN_ATTRIBUTES` columns that are float64 (the others are object).
 NUMBER_COLUMNS = ("reward", "prompt_tokens", "completion_tokens")
@@ -79,7 +83,7 @@ def check_flatten(flatten: Flatten) -> Union[None, bool, list[str]]:
     if isinstance(flatten, (str, bytes)) or not isinstance(flatten, (list, tuple)):
         raise ConfigError(f"spans_df(flatten={flatten!r}): flatten must be None (the fixed columns and "
                           f"`attributes`), True (every attribute key as a column) or a list of attribute keys, "
-                          f"e.g. flatten=['gen_ai.response.id']")
+                          f"e.g. flatten=[{RESPONSE_ID!r}]")
     keys = list(dict.fromkeys(flatten))
     for key in keys:
         if not isinstance(key, str) or not key:

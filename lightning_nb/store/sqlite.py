@@ -1,9 +1,13 @@
-"""Durable store in one SQLite file: what a call acknowledged survives a crash."""
+"""Durable store in one SQLite file: what a call acknowledged survives a crash.
+
+This module holds the store's rollouts, attempts, workers and resources, and how a write
+becomes durable (one transaction per call, the WAL fsync shared by concurrent commits).
+Its spans are in :mod:`lightning_nb.store.sqlite_spans`; the file's schema
+(:data:`MIGRATIONS`) and its one-writer lock in :mod:`lightning_nb.store.sqlite_file`.
+"""
 
 from __future__ import annotations
 
-import errno
-import json
 import os
 import sqlite3
 import threading
@@ -13,80 +17,24 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-import numpy as np
-import pandas as pd
-from pydantic_core import PydanticSerializationError, from_json
-
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None  # type: ignore[assignment]
-
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
-from lightning_nb.store.spanframe import CATEGORY_COLUMNS, Flatten, check_flatten, spans_frame
 from lightning_nb.store.rules import (
-    DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, check_manual_attempt, check_span_types,
-    coerce_resources, follow_attempt, new_rollout, next_resources, overdue, resources_not_found, same_span, span_beats,
-    span_sequence_id, start_attempt, updated_rollout, worker_on_attempt, worker_on_dequeue, worker_update,
+    DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, check_manual_attempt, coerce_resources,
+    follow_attempt, new_rollout, next_resources, overdue, resources_not_found, start_attempt, updated_rollout,
+    worker_on_attempt, worker_on_dequeue, worker_update,
 )
+from lightning_nb.store.sqlite_file import MIGRATIONS, lock_file, statements, to_json
+from lightning_nb.store.sqlite_spans import SqliteSpans
 from lightning_nb.types import (
-    ROLLOUT_TERMINAL, Attempt, AttemptedRollout, AttemptStatus, ResourcesUpdate, Rollout,
-    RolloutConfig, RolloutMode, Span, Worker, new_id, span_with_sequence_id,
+    ROLLOUT_TERMINAL, Attempt, AttemptedRollout, AttemptStatus, ResourcesUpdate, Rollout, RolloutConfig, RolloutMode,
+    Worker, new_id,
 )
 
 __all__ = ["SqliteStore", "MIGRATIONS"]
 
-# Applied in order, each once and in its own transaction, recorded by name in ``_migrations``; never edit
-# an applied one, append a new one. ``data`` holds ``model_dump_json()``; other columns index and order.
-MIGRATIONS: list[tuple[str, str]] = [
-    ("001_initial", """
-        CREATE TABLE rollouts (
-            seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- enqueue order
-            rollout_id TEXT NOT NULL UNIQUE, status TEXT NOT NULL,
-            queue_pos INTEGER,                      -- NULL unless waiting in the queue
-            data TEXT NOT NULL);
-        CREATE INDEX rollouts_queue ON rollouts(queue_pos) WHERE queue_pos IS NOT NULL;
-        CREATE TABLE attempts (
-            attempt_id TEXT PRIMARY KEY, rollout_id TEXT NOT NULL REFERENCES rollouts(rollout_id),
-            sequence_id INTEGER NOT NULL, status TEXT NOT NULL, data TEXT NOT NULL,
-            UNIQUE (rollout_id, sequence_id));
-        CREATE INDEX attempts_status ON attempts(status);
-        CREATE TABLE spans (
-            attempt_id TEXT NOT NULL REFERENCES attempts(attempt_id), sequence_id INTEGER NOT NULL,
-            rollout_id TEXT NOT NULL, name TEXT NOT NULL, data TEXT NOT NULL,
-            PRIMARY KEY (attempt_id, sequence_id)) WITHOUT ROWID;
-        CREATE TABLE resources (
-            seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- the highest is the latest
-            resources_id TEXT NOT NULL UNIQUE, data TEXT NOT NULL);
-    """),
-    ("002_workers", """
-        CREATE TABLE workers (
-            seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- first seen order
-            worker_id TEXT NOT NULL UNIQUE, data TEXT NOT NULL);
-    """),
-    ("003_span_ids", """
-        ALTER TABLE spans ADD COLUMN span_id TEXT;
-        UPDATE spans SET span_id = json_extract(data, '$.span_id');
-        CREATE INDEX spans_span_id ON spans(attempt_id, span_id);
-    """),
-    # spans of a few kB (LLM prompts, completions, token IDs) are stored faster in a rowid table: SQLite
-    # keeps WITHOUT ROWID tables for small rows (inserts of 3 kB spans took ~1.7x as long)
-    ("004_spans_rowid", """
-        CREATE TABLE spans_rowid (
-            attempt_id TEXT NOT NULL REFERENCES attempts(attempt_id), sequence_id INTEGER NOT NULL,
-            rollout_id TEXT NOT NULL, name TEXT NOT NULL, data TEXT NOT NULL, span_id TEXT,
-            UNIQUE (attempt_id, sequence_id));
-        INSERT INTO spans_rowid (attempt_id, sequence_id, rollout_id, name, data, span_id)
-            SELECT attempt_id, sequence_id, rollout_id, name, data, span_id FROM spans ORDER BY attempt_id, sequence_id;
-        DROP TABLE spans;
-        ALTER TABLE spans_rowid RENAME TO spans;
-        CREATE INDEX spans_span_id ON spans(attempt_id, span_id);
-    """),
-]
 
-
-class SqliteStore(LightningStore):
+class SqliteStore(SqliteSpans, LightningStore):
     """All tables in one SQLite file; same behaviour as :class:`InMemoryStore`.
 
     Durability: the file is in WAL mode and every public write is one transaction,
@@ -163,7 +111,7 @@ class SqliteStore(LightningStore):
         self._db: Optional[sqlite3.Connection] = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # one writer per file, before anything reads or writes it (a refused open changes nothing)
-        self._unlock = weakref.finalize(self, os.close, _lock_file(self.path))
+        self._unlock = weakref.finalize(self, os.close, lock_file(self.path))
         # isolation_level=None: no implicit transactions; _tx() issues BEGIN IMMEDIATE / COMMIT itself
         try:
             self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30.0)
@@ -210,7 +158,7 @@ class SqliteStore(LightningStore):
                         config: Optional[RolloutConfig] = None,
                         metadata: Optional[dict[str, Any]] = None) -> Rollout:
         rollout = new_rollout(input, mode=mode, resources_id=resources_id, config=config, metadata=metadata)
-        data = _json(rollout, "the rollout input and metadata")
+        data = to_json(rollout, "the rollout input and metadata")
         with self._locked(), self._tx():
             self._insert_rollout(rollout, data, queued=True)
             self._queued.notify()
@@ -220,7 +168,7 @@ class SqliteStore(LightningStore):
                       config: Optional[RolloutConfig] = None, metadata: Optional[dict[str, Any]] = None,
                       worker_id: Optional[str] = None) -> AttemptedRollout:
         rollout = new_rollout(input, mode=mode, resources_id=resources_id, config=config, metadata=metadata)
-        data = _json(rollout, "the rollout input and metadata")
+        data = to_json(rollout, "the rollout input and metadata")
         with self._locked(), self._tx():  # one transaction: nobody ever sees it queued
             self._insert_rollout(rollout, data, queued=False)
             return self._start_attempt(rollout.rollout_id, worker_id)
@@ -333,7 +281,7 @@ class SqliteStore(LightningStore):
                 self._check_resources(resources_id)
             new, requeue = updated_rollout(rollout, input=input, mode=mode, resources_id=resources_id, config=config,
                                            metadata=metadata, status=status, now=time.time())
-            data = _json(new, "the rollout input and metadata")
+            data = to_json(new, "the rollout input and metadata")
             if not requeue and new.status in ("queuing", "requeuing"):  # still waiting: keep its place in the queue
                 self._rows("UPDATE rollouts SET status = ?, data = ? WHERE rollout_id = ?", new.status, data,
                            rollout_id)
@@ -426,7 +374,7 @@ class SqliteStore(LightningStore):
         with self._locked():
             worker = worker_update(self._worker(worker_id) if isinstance(worker_id, str) else None, worker_id,
                                    time.time(), status=status, heartbeat_stats=heartbeat_stats)
-            data = _json(worker, "heartbeat_stats")
+            data = to_json(worker, "heartbeat_stats")
             with self._tx():
                 self._save_worker(worker, data)
             return worker
@@ -454,128 +402,6 @@ class SqliteStore(LightningStore):
                 rows = self._rows("SELECT a.data FROM attempts a JOIN rollouts r ON r.rollout_id = a.rollout_id "
                                   "ORDER BY r.seq, a.sequence_id")
             return [Attempt.model_validate_json(data) for (data,) in rows]
-
-    # ----- spans ----------------------------------------------------------------------
-    def add_span(self, span: Span) -> Span:
-        check_span_types([span], batch=False)
-        with self._locked(), self._tx():
-            return self._add_span(span, [span], {})  # a status change it makes notifies waiters (_update)
-
-    def add_spans(self, spans: Sequence[Span]) -> list[Span]:
-        """As :meth:`LightningStore.add_spans`: one transaction (and one commit) for the batch."""
-        spans = check_span_types(spans)
-        if not spans:
-            return []
-        with self._locked(), self._tx():  # an error rolls the whole batch back
-            attempts: dict[tuple[str, str], list[Any]] = {}
-            out = []
-            for i, span in enumerate(spans):
-                try:
-                    out.append(self._add_span(span, spans, attempts))
-                except (NotFoundError, ConfigError) as exc:
-                    raise type(exc)(f"spans[{i}]: {exc}") from None
-            return out
-
-    def _add_span(self, span: Span, batch: list[Span], attempts: dict[tuple[str, str], list[Any]]) -> Span:
-        """Store one span of ``batch`` inside the caller's transaction (lock held).
-
-        ``attempts`` caches, per (rollout, attempt) of the batch, what the rules need: the attempt's status and
-        last heartbeat, its highest sequence id, and its stored spans with the batch's span ids (read once).
-        """
-        key = (span.rollout_id, span.attempt_id)
-        state = attempts.get(key)
-        if state is None:
-            rows = self._rows("SELECT a.status, json_extract(a.data, '$.last_heartbeat_time'), "
-                              "(SELECT COALESCE(MAX(sequence_id), 0) FROM spans WHERE attempt_id = ?1) "
-                              "FROM attempts a WHERE a.attempt_id = ?1 AND a.rollout_id = ?2", *reversed(key))
-            if not rows:
-                self._attempt(*key)  # raises NotFoundError naming the missing id
-            ids = list({s.span_id for s in batch if (s.rollout_id, s.attempt_id) == key})
-            stored: dict[str, Any] = {}  # span_id -> stored JSON (or this batch's Span)
-            for start in range(0, len(ids), 500):  # below SQLite's bound-parameter limit
-                chunk = ids[start:start + 500]
-                stored.update(self._rows(f"SELECT span_id, data FROM spans WHERE attempt_id = ? AND span_id IN "
-                                         f"({', '.join('?' * len(chunk))})", key[1], *chunk))
-            state = attempts[key] = [*rows[0], stored]
-        status, beat, last, stored = state
-        same = stored.get(span.span_id)
-        if same is not None:
-            return same_span(span, Span.model_validate_json(same) if isinstance(same, str) else same)
-        taken = span.sequence_id > 0 and bool(self._rows(
-            "SELECT 1 FROM spans WHERE attempt_id = ? AND sequence_id = ?", span.attempt_id, span.sequence_id))
-        new = span_with_sequence_id(span, span_sequence_id(span, last, taken))
-        self._rows("INSERT INTO spans (attempt_id, sequence_id, rollout_id, name, span_id, data) "
-                   "VALUES (?, ?, ?, ?, ?, ?)", new.attempt_id, new.sequence_id, new.rollout_id,
-                   new.name, new.span_id, _json(new, "span attributes"))
-        state[2], stored[span.span_id] = max(last, new.sequence_id), new
-        now = time.time()
-        if span_beats(status, beat, now):  # a span is a sign of life: preparing -> running, heartbeat stamped
-            attempt = self._attempt(*key)
-            self._update(attempt, status="running", worker_id=None, error=None, heartbeat=True, now=now)
-            state[0], state[1] = attempt.status, attempt.last_heartbeat_time
-        return new
-
-    def query_spans(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> list[Span]:
-        with self._locked():
-            return [Span.model_validate_json(data) for (data,) in self._span_rows(rollout_id, attempt_id)]
-
-    def spans_df(self, rollout_id: Optional[str] = None, *, flatten: Flatten = None) -> pd.DataFrame:
-        """As :meth:`LightningStore.spans_df`, parsing the stored JSON row by row straight into columns.
-
-        No :class:`Span` objects and no list of every row's JSON text, so memory stays near the frame's own.
-        """
-        check_flatten(flatten)
-        cols: dict[str, list[Any]] = {c: [] for c in _SPAN_FIELDS}
-        appends = [(c, cols[c].append) for c in _SPAN_FIELDS]
-        loads = from_json  # pydantic's JSON parser: faster than json.loads on span-sized documents
-        with self._locked():
-            for (data,) in self._span_rows(rollout_id, None):
-                span = loads(data)
-                for c, append in appends:
-                    append(span[c])
-        ids = {c: cols[c] for c in CATEGORY_COLUMNS}
-        return spans_frame(ids, cols["span_id"], np.array(cols["sequence_id"], dtype=np.int64),
-                           np.array(cols["start_time"], dtype=np.float64), np.array(cols["end_time"], dtype=np.float64),
-                           cols["attributes"], flatten=flatten, copy=False)  # freshly parsed: the caller's own
-
-    def _span_rows(self, rollout_id: Optional[str], attempt_id: Optional[str]) -> Iterator[tuple[str]]:
-        """A cursor over the JSON of the spans :meth:`query_spans` selects, in its order (lock held)."""
-        order = " ORDER BY r.seq, a.sequence_id, s.sequence_id"
-        # CROSS JOIN fixes the join order (rollouts by seq, their attempts, their spans): rows come out
-        # in order from the indexes, instead of SQLite sorting every span's JSON in a temporary b-tree
-        sql = ("SELECT s.data FROM rollouts r CROSS JOIN attempts a ON a.rollout_id = r.rollout_id "
-               "CROSS JOIN spans s ON s.attempt_id = a.attempt_id")
-        if rollout_id is None:
-            if attempt_id is not None:
-                raise ConfigError("query_spans: attempt_id needs rollout_id; pass both or neither")
-            return self._conn().execute(sql + order)
-        if attempt_id is None:
-            self._rollout(rollout_id)
-            return self._conn().execute(sql + " WHERE r.rollout_id = ?" + order, (rollout_id,))
-        if attempt_id == "latest":
-            attempt_id = self._latest_attempt_id(self._rollout(rollout_id).rollout_id)
-        else:
-            self._attempt(rollout_id, attempt_id)
-        if not attempt_id:
-            return iter(())
-        return self._conn().execute("SELECT s.data FROM spans s WHERE s.attempt_id = ? ORDER BY s.sequence_id",
-                                    (attempt_id,))
-
-    def _latest_attempt_rewards(self, rollout_ids: Sequence[str]) -> dict[str, list[Any]]:
-        """One query instead of one per rollout (:meth:`LightningStore._latest_attempt_rewards`, same result)."""
-        out: dict[str, list[Any]] = {rid: [] for rid in rollout_ids}
-        if not out:
-            return out
-        with self._locked():
-            rows = self._rows(
-                "SELECT s.rollout_id, s.data FROM spans s JOIN attempts a ON a.attempt_id = s.attempt_id "
-                "WHERE s.name = 'reward' AND a.sequence_id = "
-                "(SELECT MAX(sequence_id) FROM attempts WHERE rollout_id = a.rollout_id) "
-                "ORDER BY s.rollout_id, s.sequence_id")
-        for rid, data in rows:
-            if rid in out:
-                out[rid].append(json.loads(data)["attributes"].get("reward"))
-        return out
 
     # ----- resources ------------------------------------------------------------------
     def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
@@ -619,7 +445,7 @@ class SqliteStore(LightningStore):
         for name, sql in MIGRATIONS:
             with self._tx():
                 if not self._rows("SELECT 1 FROM _migrations WHERE name = ?", name):
-                    for statement in _statements(sql):
+                    for statement in statements(sql):
                         self._rows(statement)
                     self._rows("INSERT INTO _migrations (name, applied_at) VALUES (?, ?)", name, time.time())
 
@@ -742,89 +568,4 @@ _BACK = "(SELECT COALESCE(MAX(queue_pos), 0) + 1 FROM rollouts WHERE queue_pos I
 _HEAD_SQL = ("SELECT rollout_id FROM rollouts WHERE queue_pos IS NOT NULL "
              "AND status IN ('queuing', 'requeuing') ORDER BY queue_pos LIMIT 1")
 
-
-def _statements(script: str) -> Iterator[str]:
-    """Complete SQL statements of a migration script (``executescript`` would commit mid-migration)."""
-    current = ""
-    for line in script.splitlines(keepends=True):
-        current += line
-        if sqlite3.complete_statement(current):
-            yield current
-            current = ""
-    if current.strip():
-        yield current
-
-
 _fdatasync = getattr(os, "fdatasync", os.fsync)  # data (and size) only, as SQLite does on Linux
-
-
-def _lock_file(path: Path) -> int:
-    """Take the exclusive writer lock of the database ``path`` (on ``<path>.lock``); the open lock fd.
-
-    Closing the fd (or the death of the process) releases it. The lock file sits next to the
-    real file (symlinks resolved), so two names of one database share one lock.
-
-    Raises:
-        ConfigError: another store holds the lock (its process id is named when known).
-    """
-    real = Path(os.path.realpath(path))
-    lock_path = real.with_name(real.name + ".lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by exec'd children (PEP 446)
-    try:
-        _try_lock(fd)
-    except OSError as exc:
-        holder = _lock_holder(fd)
-        os.close(fd)
-        if not isinstance(exc, BlockingIOError) and exc.errno not in _LOCK_HELD_ERRNOS:
-            raise
-        if holder == str(os.getpid()):
-            who = "by another SqliteStore object in this process"
-        elif holder.isdigit():
-            who = f"by process {holder}"
-        else:
-            who = "by another SqliteStore"
-        raise ConfigError(
-            f"{str(path)!r} is already open {who}; SqliteStore allows one writer per file (the lock is "
-            f"{str(lock_path)!r}). Close the other store first (store.close(), or a `with SqliteStore(...)` "
-            f"block), or use one store object per file and share it, or serve it with "
-            f"StoreServer(store).start() and connect other processes with StoreClient(url)") from None
-    try:  # who holds it, for the message above; best effort
-        os.ftruncate(fd, 0)
-        os.lseek(fd, 0, os.SEEK_SET)
-        os.write(fd, str(os.getpid()).encode())
-    except OSError:
-        pass
-    return fd
-
-
-def _lock_holder(fd: int) -> str:
-    """The process id written in a lock file by its holder ('' if unreadable)."""
-    try:
-        os.lseek(fd, 0, os.SEEK_SET)
-        return os.read(fd, 32).decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-_LOCK_HELD_ERRNOS = {errno.EACCES, errno.EAGAIN, getattr(errno, "EDEADLOCK", errno.EDEADLK)}
-
-
-def _try_lock(fd: int) -> None:
-    """Lock ``fd`` exclusively without waiting; OSError (BlockingIOError on POSIX) if it is held elsewhere."""
-    if fcntl is not None:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    else:  # Windows: a byte-range lock on the first byte, released when the fd closes
-        import msvcrt
-
-        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-
-
-def _json(model: Any, what: str) -> str:
-    try:
-        return model.model_dump_json()
-    except PydanticSerializationError as exc:
-        raise ConfigError(f"SqliteStore stores JSON: {what} must be JSON-serializable ({exc})") from None
-
-
-_SPAN_FIELDS = ("rollout_id", "attempt_id", "sequence_id", "name", "status", "trace_id", "span_id", "parent_id",
-                "start_time", "end_time", "attributes")

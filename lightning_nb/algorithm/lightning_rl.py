@@ -1,0 +1,537 @@
+"""The algorithm: enqueue rollouts, wait, adapt spans to triplets, ask the trainer to update.
+
+:class:`LightningRL` is the synchronous on-policy loop of the Agent Lightning
+paper with GRPO groups: each step samples ``tasks_per_step`` training tasks,
+enqueues each ``group_size`` times (same ``group_id``), waits for the runners,
+adapts the spans with :class:`~lightning_nb.adapter.TripletAdapter` and calls the
+trainer's ``update`` (:class:`~lightning_nb.trainers.base.Trainer`). It owns the loop: the
+background thread and its step boundaries (:class:`~lightning_nb.algorithm.control.BackgroundLoop`)
+and the run's checkpoint (:class:`~lightning_nb.algorithm.checkpoint.RunCheckpoint`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import Any, Callable, Optional, Sequence, Union, overload
+
+from lightning_nb.adapter import TripletAdapter
+from lightning_nb.algorithm.checkpoint import RunCheckpoint
+from lightning_nb.algorithm.control import BackgroundLoop, TrainerStopped, config_edits
+from lightning_nb.algorithm.slice_report import SliceReport
+from lightning_nb.errors import ConfigError, LightningNbError
+from lightning_nb.loggers import MetricLogger, make_loggers
+from lightning_nb.slices import Slicer, ordered_labels, slice_keys, slice_labels, slicer_name
+from lightning_nb.store.base import LightningStore
+from lightning_nb.store.rules import reward_or_zero
+from lightning_nb.trainers.base import Trainer
+from lightning_nb.trainers.checkpoint import rng_state
+from lightning_nb.types import RolloutConfig
+
+__all__ = ["AlgorithmConfig", "LightningRL", "SliceReport", "task_key"]
+
+
+def task_key(task: Any, id_key: str = "id") -> str:
+    """The key that names ``task``'s GRPO group: ``str(task[id_key])`` when the task is a mapping with that
+    field, else a hash of its content.
+
+    The hash is the first 12 hex digits of the SHA-1 of ``json.dumps(task, sort_keys=True, default=repr)``:
+    equal tasks get the same key in every process and run (two dicts with the same fields, whatever their
+    key order), different ones different keys. Values JSON cannot encode are hashed by their ``repr()``,
+    so a task object whose ``repr`` shows its memory address (no ``__repr__`` of its own) gets a key
+    that changes between runs: give such tasks an ``id`` field.
+    """
+    if isinstance(task, Mapping) and id_key in task:
+        return str(task[id_key])
+    body = dict(task) if isinstance(task, Mapping) else task
+    return hashlib.sha1(json.dumps(body, sort_keys=True, default=repr).encode()).hexdigest()[:12]
+
+
+@dataclass
+class AlgorithmConfig:
+    """Sampling and scheduling of the RL loop. Validated on construction."""
+
+    steps: int = field(default=10, metadata={"help": "Training steps run() performs by default."})
+    tasks_per_step: int = field(default=4, metadata={"help": "Distinct training tasks per step."})
+    group_size: int = field(default=4, metadata={"help": "Rollouts per task (the GRPO group)."})
+    temperature: float = field(default=0.7, metadata={
+        "help": "Sampling temperature of training rollouts (SmolLM2-135M at 1.0 solves ~6% of train tasks, "
+                "at 0.7 ~20%, greedy ~40%: 0.7 keeps both signal and exploration)."})
+    max_tokens: int = field(default=48, metadata={"help": "Completion token limit per LLM call."})
+    val_every: int = field(default=0, metadata={"help": "Evaluate on val every N steps (0: only when asked)."})
+    rollout_timeout_s: float = field(default=300.0, metadata={"help": "Per-attempt timeout in seconds."})
+    max_attempts: int = field(default=1, metadata={"help": "Attempts per rollout before it is marked failed."})
+    seed: int = field(default=0, metadata={"help": "Seed of the task sampler."})
+    dynamic_sampling: bool = field(default=True, metadata={
+        "help": "DAPO dynamic sampling: when a group's rewards are all equal (no GRPO signal), sample more "
+                "tasks until tasks_per_step groups carry signal or max_sample_rounds is reached."})
+    max_sample_rounds: int = field(default=3, metadata={
+        "help": "Upper bound on collection rounds per step with dynamic_sampling (DAPO's max_num_gen_batches)."})
+    slice_weights: Optional[dict[str, float]] = field(default=None, metadata={
+        "help": "Sampling weight of training tasks per slice, {label: weight} with the labels of LightningRL's "
+                "slice_by (e.g. {'ops=2': 3.0}: a two-operation task is drawn 3x as often as another); slices not "
+                "listed weigh 1. None: every task equally likely. Needs slice_by; a label no training task has "
+                "is refused."})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first field out of range (also run by ``trainer.resume()``)."""
+        for name in ("steps", "tasks_per_step", "group_size", "max_tokens", "max_attempts", "max_sample_rounds"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"AlgorithmConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ConfigError("AlgorithmConfig.group_size must be >= 2: GRPO compares rollouts within a group")
+        if not 0 < self.temperature <= 5:
+            raise ConfigError(f"AlgorithmConfig.temperature must be in (0, 5], got {self.temperature}")
+        if self.val_every < 0 or self.rollout_timeout_s <= 0:
+            raise ConfigError("AlgorithmConfig.val_every must be >= 0 and rollout_timeout_s > 0")
+        if self.slice_weights is not None:
+            if not isinstance(self.slice_weights, dict):
+                raise ConfigError("AlgorithmConfig.slice_weights must be a dict {slice label: weight} such as "
+                                  f"{{'ops=2': 3.0}}, or None; got {type(self.slice_weights).__name__}")
+            for label, w in self.slice_weights.items():
+                if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+                    raise ConfigError(f"AlgorithmConfig.slice_weights[{label!r}] must be a finite number >= 0, "
+                                      f"got {w!r}")
+
+
+class LightningRL(BackgroundLoop, RunCheckpoint):
+    """Drive GRPO training of ``trainer`` on ``train_tasks`` through ``store``; own the loop and its checkpoints.
+
+    ``start(steps)`` runs :meth:`run` in a background thread that ``pause()`` parks at a step
+    boundary, ``resume()`` continues (checking config edits first) and ``stop()`` ends
+    (:class:`~lightning_nb.algorithm.control.BackgroundLoop`; the trainer's verbs of the same names
+    delegate here). :meth:`save` / :meth:`load` checkpoint the run: this algorithm's state, the task
+    sampler's, the RNG states and the trainer's ``state_dict()``.
+
+    Runners must be consuming ``store`` (see :func:`~lightning_nb.runners.start_runners`).
+    Tasks are usually dicts. A step's rollouts of one task form a GRPO group, whose ``group_id`` is
+    ``"<step>.<round>:<task key>"``; the task key is ``task[id_key]`` (the ``"id"`` field by default),
+    or for a task without that field (or one that is not a dict) a hash of its content
+    (:func:`task_key`: equal tasks share a key, so give tasks an ``id`` when two equal ones must stay
+    apart, or when a task's ``repr`` is not its content).
+
+    Args:
+        store: the store the runners read.
+        trainer: updates weights.
+        train_tasks / val_tasks: task inputs handed to the agent.
+        config: :class:`AlgorithmConfig`.
+        id_key: the task field whose value names the task's GRPO group (see above and :func:`task_key`).
+        on_step: optional callback ``on_step(metrics_row)`` after every step (e.g. a progress bar).
+        loggers: experiment loggers that get every step's row (:mod:`lightning_nb.loggers`):
+            :class:`~lightning_nb.loggers.MetricLogger` objects, or the shorthands
+            ``"tensorboard"``, ``"wandb"`` (offline), ``"mlflow"`` with default settings.
+            Flushed when :meth:`run` ends, closed by :meth:`close_loggers` (and by :meth:`run`
+            when the trainer is stopped or the loop fails). Raises MissingDependencyError
+            (an ImportError naming the extra) when a logger's package is missing.
+        slice_by: a task field name (``"ops"``) or a function ``task -> label``: the periodic
+            evaluation of :meth:`step` (``config.val_every``) also records the held-out reward
+            per slice, as ``val_reward/<slice>`` columns (``val_reward/ops=1``) beside
+            ``val_reward``. Checked against ``val_tasks`` here: raises ConfigError as
+            :meth:`evaluate` does for a bad ``by``. Not used by ``evaluate()`` without ``by``.
+            ``config.slice_weights`` weighs the training tasks by these labels.
+
+    Raises:
+        ConfigError: ``train_tasks`` is empty, ``slice_by`` fails on a val task, or
+            ``config.slice_weights`` is set without ``slice_by``, names a label no training task
+            has, or weighs every training task 0 (checked again whenever the config was edited).
+    """
+
+    def __init__(self, store: LightningStore, trainer: Trainer, train_tasks: Sequence[Any],
+                 val_tasks: Sequence[Any] = (), config: Optional[AlgorithmConfig] = None, *,
+                 adapter: Optional[TripletAdapter] = None, id_key: str = "id",
+                 on_step: Optional[Callable[[dict], None]] = None,
+                 loggers: Sequence[Union[MetricLogger, str]] = (), slice_by: Optional[Slicer] = None) -> None:
+        if not train_tasks:
+            raise ConfigError("train_tasks is empty; load some with lightning_nb.tasks.calc.load_tasks('train')")
+        if slice_by is not None:
+            slice_keys(list(val_tasks), slice_by)  # a bad field or function fails here, not after a step
+        self.slice_by = slice_by
+        self.last_report: Optional[SliceReport] = None  # the latest evaluate(by=...) result
+        self.store, self.trainer = store, trainer
+        self.train_tasks, self.val_tasks = list(train_tasks), list(val_tasks)
+        self.config = config or AlgorithmConfig()
+        self.adapter = adapter or TripletAdapter()
+        self.id_key = id_key
+        self.on_step = on_step
+        self._rng = random.Random(self.config.seed)
+        # (state_dict(), global RNG states) at the start of the step in progress, kept until its update
+        # begins: what a checkpoint saved inside the step holds (checkpoint_state)
+        self._step_start: Optional[tuple[dict[str, Any], dict[str, Any]]] = None
+        self.val_history: list[tuple[int, float]] = []
+        self.last_sample_rounds = 0
+        self.last_groups_with_signal = 0
+        self.last_skipped: dict[str, int] = {}
+        self._applied_config = asdict(self.config)
+        self._train_labels: Optional[list[str]] = None
+        self._weights: tuple[Any, Optional[list[float]]] = (None, None)
+        self._task_weights()  # a bad slice_weights fails here
+        self.loggers = make_loggers(loggers, config=self._logged_config()) if loggers else []
+        self._init_loop()
+        trainer.attach(self)
+
+    def _check_before_resume(self) -> None:
+        """``resume()`` first checks the edits of both configs made while paused (ConfigError if invalid)."""
+        self.trainer.check_config()
+        self.config.validate()
+
+    def _rollout_config(self) -> RolloutConfig:
+        return RolloutConfig(max_attempts=self.config.max_attempts, timeout_seconds=self.config.rollout_timeout_s)
+
+    def wait_for(self, rollout_ids: list[str], desc: Optional[str] = None,
+                 start_timeout_s: Optional[float] = None,
+                 on_progress: Optional[Callable[[int, int], None]] = None) -> bool:
+        """Wait until every rollout is terminal; a tqdm.auto bar named ``desc`` if given.
+
+        Returns True when all are terminal. With ``start_timeout_s``, returns False (having
+        cancelled them) when none has left the queue after that many seconds: no runner is
+        consuming the store. ``on_progress(finished, total)`` is called at each poll (about
+        once a second) with the count of terminal rollouts of ``rollout_ids`` and ``len(rollout_ids)``.
+
+        Raises:
+            TrainerStopped: the trainer was stopped while waiting (the rollouts are cancelled).
+        """
+        bar = None
+        if desc:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(rollout_ids), desc=desc, unit="rollout")
+        try:
+            return self._wait_loop(rollout_ids, bar, start_timeout_s, on_progress)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _wait_loop(self, rollout_ids: list[str], bar: Any, start_timeout_s: Optional[float],
+                   on_progress: Optional[Callable[[int, int], None]]) -> bool:
+        t0 = time.monotonic()
+        while True:
+            done = self.store.wait_for_rollouts(rollout_ids, timeout=1.0)
+            if bar is not None:
+                bar.update(len(done) - bar.n)
+            if on_progress is not None:
+                on_progress(len(done), len(rollout_ids))
+            if len(done) == len(rollout_ids):
+                return True
+            stopped = self.stop_requested
+            idle = start_timeout_s is not None and time.monotonic() - t0 > start_timeout_s and all(
+                r.status == "queuing" for r in self.store.query_rollouts(rollout_ids=rollout_ids))
+            if stopped or idle:
+                for rid in rollout_ids:
+                    try:
+                        self.store.cancel_rollout(rid)
+                    except LightningNbError:
+                        pass  # already terminal
+                if stopped:
+                    raise TrainerStopped("stopped while waiting for rollouts")
+                return False
+
+    def _task_weights(self) -> Optional[list[float]]:
+        """Each training task's sampling weight under ``config.slice_weights`` (None: uniform)."""
+        sw = self.config.slice_weights
+        if sw is None:
+            return None
+        key = tuple(sorted(sw.items()))
+        if self._weights[0] == key:
+            return self._weights[1]
+        if self.slice_by is None:
+            raise ConfigError("AlgorithmConfig.slice_weights weighs tasks by slice label, so it needs "
+                              "LightningRL(..., slice_by='ops') (a task field or a function task -> label); "
+                              "or set slice_weights=None")
+        if self._train_labels is None:
+            self._train_labels = slice_labels(self.train_tasks, self.slice_by, what="train task")
+        present = sorted(set(self._train_labels))
+        unknown = [label for label in sw if label not in present]
+        if unknown:
+            raise ConfigError(f"AlgorithmConfig.slice_weights: {unknown[0]!r} is not a slice of the training tasks "
+                              f"(by={slicer_name(self.slice_by)}); their slices are {present}")
+        weights = [float(sw.get(label, 1.0)) for label in self._train_labels]
+        if not any(weights):
+            raise ConfigError("AlgorithmConfig.slice_weights weighs every training task 0; give some slice a weight > 0")
+        self._weights = (key, weights)
+        return weights
+
+    def _enqueue_groups(self, n_tasks: int, round_: int) -> list[str]:
+        cfg = self.config
+        sampling = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
+        weights = self._task_weights()
+        ids = []
+        for _ in range(n_tasks):
+            if weights is None:  # the draw of runs before slice_weights existed, kept identical
+                task = self.train_tasks[self._rng.randrange(len(self.train_tasks))]
+            else:
+                task = self._rng.choices(self.train_tasks, weights)[0]
+            group = f"{self.trainer.step + 1}.{round_}:{task_key(task, self.id_key)}"
+            for _ in range(cfg.group_size):
+                ids.append(self.store.enqueue_rollout(
+                    task, mode="train", config=self._rollout_config(),
+                    metadata={"group_id": group, "sampling_parameters": sampling}).rollout_id)
+        return ids
+
+    def collect(self) -> tuple[list, list[str]]:
+        """Enqueue one step's groups, wait, and return (triplets, rollout_ids).
+
+        With ``dynamic_sampling`` (DAPO, Yu et al. 2025, section 3.2), groups the trainer
+        cannot learn from (the trainer's ``signal_groups``: all rewards equal, or fewer
+        than ``min_group_size`` episodes left) add nothing, so more tasks are sampled, up to
+        ``max_sample_rounds`` rounds, until ``tasks_per_step`` groups carry signal. Unlike
+        DAPO the groups without signal are still returned: the trainer skips them, but they
+        count in the step's mean train reward. Between rounds the loop passes a step
+        boundary (:meth:`BackgroundLoop.at_boundary`), where a pause parks it. Adapter skips of
+        every round are summed in :attr:`last_skipped`.
+        """
+        cfg = self.config
+        triplets: list = []
+        ids: list[str] = []
+        with_signal = 0
+        skipped: dict[str, int] = {}
+        self.last_sample_rounds = 0
+        for round_ in range(cfg.max_sample_rounds if cfg.dynamic_sampling else 1):
+            if round_ > 0:
+                self.at_boundary("between sample rounds")
+            new_ids = self._enqueue_groups(cfg.tasks_per_step - with_signal, round_)
+            self.wait_for(new_ids, on_progress=self._reporter("rollouts", self.trainer.step + 1, len(new_ids),
+                                                              before=len(ids)))
+            new = self.adapter.adapt(self.store, new_ids)
+            for k, v in self.adapter.last_skipped.items():
+                skipped[k] = skipped.get(k, 0) + v
+            triplets += new
+            ids += new_ids
+            self.last_sample_rounds = round_ + 1
+            with_signal += len(self.trainer.signal_groups(new)) if new else 0
+            if with_signal >= cfg.tasks_per_step:
+                break
+        self.last_groups_with_signal = with_signal
+        self.last_skipped = skipped
+        return triplets, ids
+
+    def _reporter(self, phase: str, step: int, n: int, before: int = 0) -> Callable[[int, int], None]:
+        """The ``on_progress`` of :meth:`wait_for` that reports ``phase`` of ``step`` to the loop
+        (:meth:`BackgroundLoop.report_progress`), ``before`` finished rollouts counted ahead of the ``n`` waited
+        for (earlier sample rounds of the step); reports 0 of ``n`` at once."""
+        def report(finished: int, total: int) -> None:
+            self.report_progress(phase, before + finished, before + total, unit="rollouts", step=step)
+
+        report(0, n)
+        return report
+
+    def rollout_rewards(self, rollout_ids: Sequence[str]) -> list[float]:
+        """Final rewards of the finished, not cancelled ``rollout_ids``, a failed one (or one without reward) as 0.
+
+        The rule is :func:`lightning_nb.store.rules.final_reward`; ``evaluate()`` and the
+        step's ``reward_mean`` both use this.
+        """
+        return list(self._finished_rewards(rollout_ids).values())
+
+    def _finished_rewards(self, rollout_ids: Sequence[str]) -> dict[str, float]:
+        """:meth:`rollout_rewards` keyed by rollout id (in ``rollout_ids`` order)."""
+        rewards = self.store.final_rewards(list(rollout_ids))
+        status = {r.rollout_id: r.status for r in self.store.query_rollouts(rollout_ids=list(rollout_ids))}
+        return {rid: reward_or_zero(rewards[rid]) for rid in rollout_ids if status[rid] in ("succeeded", "failed")}
+
+    @overload
+    def evaluate(self, tasks: Optional[Sequence[Any]] = ..., progress: bool = ..., *, by: None = ...) -> float: ...
+
+    @overload
+    def evaluate(self, tasks: Optional[Sequence[Any]] = ..., progress: bool = ..., *, by: Slicer) -> SliceReport: ...
+
+    def evaluate(self, tasks: Optional[Sequence[Any]] = None, progress: bool = True, *,
+                 by: Optional[Slicer] = None) -> Union[float, SliceReport]:
+        """Mean final reward over ``tasks`` (default: val_tasks) with greedy decoding, overall or per slice.
+
+        Every task is enqueued once (mode ``"val"``, temperature 0); rollouts that fail
+        (including timeouts) count as reward 0 (:meth:`rollout_rewards`), cancelled ones are
+        left out. ``progress`` shows a tqdm.auto bar of finished rollouts (a widget in a notebook).
+
+        Args:
+            tasks: the tasks to evaluate; None: ``val_tasks``.
+            progress: show the bar.
+            by: None (the default): return the mean reward, a float in [0, 1] for 0/1
+                rewards (NaN when no rollout finished). A task field name (``"ops"``) or a
+                function ``task -> label``: return a :class:`SliceReport` with the same mean
+                and, per slice (``"ops=1"``, ``"ops=2"``; for a function, ``str(label)``),
+                the mean, the count of finished rollouts and the count with reward 1.0. The
+                labels are computed before anything is enqueued, and the rollouts are the
+                same as without ``by``: slicing happens afterwards. The report is also kept
+                as ``last_report``.
+
+        Raises:
+            ConfigError: no tasks; ``by`` names a field a task lacks (the error names the
+                field, the first such task's index and its keys); ``by`` raised on a task (the
+                error names the task's index and the exception); ``by`` is neither a str nor
+                callable. Nothing is enqueued then.
+            TrainerStopped: the trainer was stopped while waiting (the rollouts are cancelled).
+        """
+        tasks = list(self.val_tasks if tasks is None else tasks)
+        if not tasks:
+            raise ConfigError("no val tasks to evaluate; pass val_tasks to LightningRL or tasks to evaluate()")
+        keys = slice_keys(tasks, by) if by is not None else None
+        sampling = {"temperature": 0.0, "max_tokens": self.config.max_tokens}
+        ids = [self.store.enqueue_rollout(t, mode="val", config=self._rollout_config(),
+                                          metadata={"sampling_parameters": sampling}).rollout_id for t in tasks]
+        self.wait_for(ids, desc="evaluating" if progress else None,
+                      on_progress=self._reporter("evaluate", self.trainer.step, len(ids)))
+        finished = self._finished_rewards(ids)
+        rewards = list(finished.values())
+        mean = sum(rewards) / len(rewards) if rewards else math.nan
+        if keys is None:
+            return mean
+        per: dict[str, list[float]] = {label: [] for label in ordered_labels(keys)}
+        for rid, (_, label) in zip(ids, keys):
+            if rid in finished:
+                per[label].append(finished[rid])
+        slices = {label: (sum(r) / len(r) if r else math.nan, len(r), sum(1 for x in r if x == 1.0))
+                  for label, r in per.items()}
+        self.last_report = SliceReport(by=slicer_name(by), mean=mean, n=len(rewards),
+                                       solved=sum(1 for x in rewards if x == 1.0), slices=slices)
+        return self.last_report
+
+    def _config_edits(self) -> list[str]:
+        """Edits of :attr:`config` since the last step, as text (validated first)."""
+        self.config.validate()
+        self._task_weights()
+        now = asdict(self.config)
+        edits = config_edits(self._applied_config, now)
+        self._applied_config = now
+        return [text for *_, text in edits]
+
+    def step(self) -> dict[str, Any]:
+        """One full step: collect → update (→ evaluate when due). Returns the metrics row.
+
+        Step boundaries (where ``trainer.pause()`` parks the loop and ``trainer.stop()``
+        ends it): before the step collects, between sample rounds, before the update and
+        before an evaluation. Columns added to the trainer's row: ``reward_mean`` (mean
+        final reward of every rollout of the step, failed ones as 0: the train reward),
+        ``rollouts``, ``rollouts_failed``, ``sample_rounds``, ``skipped_<reason>`` (rollouts
+        the adapter could not use, see :class:`TripletAdapter`), ``rollout_seconds``,
+        ``step_seconds`` (paused time excluded), ``reward/<component>`` per named intermediate reward (a
+        shaping term such as ``reward/calc_uses_all_numbers``: its mean sum per finished rollout of the step,
+        0 for a rollout without it; the final reward is not in it), ``val_reward`` when evaluated (with
+        ``slice_by``, also ``val_reward/<slice>`` per slice, :meth:`SliceReport.metrics`), and
+        ``config_changes`` (edits of either config applied at this step).
+
+        While it runs, ``trainer.progress`` (:class:`~lightning_nb.algorithm.control.LoopProgress`) says where it is:
+        phase ``"rollouts"`` (the step's rollouts finished of those enqueued, every sample round), then
+        ``"update"`` (micro-batches done, reported by the trainer), then ``"evaluate"`` when due.
+
+        Raises:
+            LightningNbError: no rollout of the step gave a triplet.
+        """
+        self.report_progress("rollouts", 0, 0, unit="rollouts", step=self.trainer.step + 1)
+        self.at_boundary("before collect")
+        self._step_start = (self.state_dict(), rng_state())  # what a checkpoint saved inside this step holds
+        edits = self._config_edits()
+        t0, paused0 = time.perf_counter(), self.paused_seconds
+        triplets, ids = self.collect()
+        rollout_seconds = time.perf_counter() - t0 - (self.paused_seconds - paused0)
+        if not triplets:
+            raise LightningNbError(
+                f"no triplets from {len(ids)} rollouts (skipped: {self.last_skipped}); "
+                "inspect store.attempts_df() for agent errors")
+        self.at_boundary("before update")
+        self._step_start = None  # from here on the weights change: a checkpoint is of this step
+        metrics = self.trainer.update(triplets, on_progress=self._update_reporter())
+        step = metrics["step"]
+        rollouts = self.store.query_rollouts(rollout_ids=ids)
+        finished = self._finished_rewards(ids)
+        rewards = list(finished.values())
+        extra: dict[str, Any] = {
+            "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
+            "batch_reward_mean": metrics["reward_mean"], "rollout_seconds": rollout_seconds,
+            "rollouts_failed": sum(1 for r in rollouts if r.status != "succeeded"), "rollouts": len(ids),
+            "sample_rounds": self.last_sample_rounds,
+            **{f"skipped_{k}": v for k, v in self.last_skipped.items()},
+            **self._component_means(list(finished)),
+        }
+        if edits:
+            extra["config_changes"] = "; ".join(filter(None, [metrics.get("config_changes", ""), *edits]))
+        if self.config.val_every and step % self.config.val_every == 0 and self.val_tasks:
+            self.at_boundary("before evaluate")
+            if self.slice_by is None:
+                extra["val_reward"] = self.evaluate(progress=False)  # runs on the trainer's thread
+            else:
+                report = self.evaluate(progress=False, by=self.slice_by)
+                extra["val_reward"] = report.mean
+                extra.update(report.metrics())
+            self.val_history.append((step, extra["val_reward"]))
+        extra["step_seconds"] = time.perf_counter() - t0 - (self.paused_seconds - paused0)
+        self.trainer.add_metrics(step, **extra)
+        row = self.trainer.metrics[-1]
+        for logger in self.loggers:
+            logger.log_row(row)
+        if self.on_step:
+            self.on_step(row)
+        return row
+
+    def _update_reporter(self) -> Callable[[int, int, str], None]:
+        """The trainer update's ``on_progress``: reports phase ``"update"`` of the step being updated."""
+        step = self.trainer.step + 1
+
+        def report(done: int, total: int, unit: str) -> None:
+            self.report_progress("update", done, total, unit=unit, step=step)
+
+        return report
+
+    def _component_means(self, rollout_ids: Sequence[str]) -> dict[str, float]:
+        """``{"reward/<component>": mean}`` of the intermediate rewards of ``rollout_ids`` (see :meth:`step`)."""
+        if not rollout_ids:
+            return {}
+        comps = self.store.reward_components(rollout_ids)
+        names = sorted({name for c in comps.values() for name in c})
+        return {f"reward/{name}": sum(comps.get(r, {}).get(name, 0.0) for r in rollout_ids) / len(rollout_ids)
+                for name in names}
+
+    # ----- experiment loggers ------------------------------------------------------------
+    def _logged_config(self) -> dict[str, Any]:
+        """Both configs, flat (``algorithm.<field>``, ``trainer.<field>``): the loggers' run config."""
+        trainer_config = getattr(self.trainer, "config", None)
+        trainer_fields = asdict(trainer_config) if is_dataclass(trainer_config) else {}
+        return {**{f"algorithm.{k}": v for k, v in asdict(self.config).items()},
+                **{f"trainer.{k}": v for k, v in trainer_fields.items()}}
+
+    def metrics_added(self, step: int, values: dict[str, Any]) -> None:
+        """Log ``values`` added to the row of an already logged ``step`` (``trainer.add_metrics`` calls this)."""
+        for logger in self.loggers:
+            logger.log_added(step, values)
+
+    def close_loggers(self, status: str = "finished") -> None:
+        """Close every logger (``status``: finished, stopped or failed); a later row opens them again."""
+        for logger in self.loggers:
+            logger.close(status)
+
+    def run(self, steps: Optional[int] = None) -> None:
+        """Run ``steps`` steps (default ``config.steps``); stops early if the trainer is stopped.
+
+        When it ends the loggers are flushed; when the trainer was stopped or a step failed
+        they are closed with that status (:meth:`close_loggers`).
+        """
+        n = self.config.steps if steps is None else steps
+        try:
+            for _ in range(n):
+                if self.stop_requested:
+                    raise TrainerStopped(f"stopped at step {self.trainer.step}")
+                self.step()
+        except BaseException as exc:
+            self.close_loggers("stopped" if isinstance(exc, TrainerStopped) else "failed")
+            raise
+        for logger in self.loggers:
+            logger.flush()
+
+    def preflight(self, n_tasks: Optional[int] = None, **options: Any) -> Any:
+        """One collection round without an update: what would make training useless, each with its fix.
+
+        Returns a :class:`lightning_nb.algorithm.preflight.PreflightReport` (``.ok``, ``.blockers``,
+        ``.warnings``, ``.to_frame()``; it renders in a notebook). Leaves the weights, the
+        trainer's step and optimizer, and this algorithm's task sampler as they were; see
+        :func:`lightning_nb.algorithm.preflight.preflight` for the checks and ``options``.
+        """
+        from lightning_nb.algorithm.preflight import preflight  # on use: it imports the runner modules
+
+        return preflight(self, n_tasks, **options)

@@ -1,6 +1,0 @@
-"""The default task: arithmetic word problems with a text-protocol calculator tool."""
-
-from lightning_nb.calc.agent import calc_agent, calc_reward, calculator
-from lightning_nb.calc.dataset import load_tasks
-
-__all__ = ["calc_agent", "calc_reward", "calculator", "load_tasks"]

@@ -1,0 +1,346 @@
+"""LLM proxy: an OpenAI-compatible Chat Completions API on 127.0.0.1, routed by LiteLLM to the engines.
+
+Agents call ``{proxy}/rollout/{rollout_id}/attempt/{attempt_id}/v1`` (the runner
+hands them that base URL as their :class:`~lightning_nb.types.LLMResource`), so
+every call is attributed to its attempt. The proxy routes each request by its
+``model`` to an :class:`~lightning_nb.engines.Engine` (round-robin among engines serving
+one name)
+(every engine serves an OpenAI-compatible endpoint and returns token IDs the way
+vLLM's ``return_token_ids`` does) with LiteLLM's ``hosted_vllm`` provider (or the
+engine's own provider), and records one span per choice with the
+request, the reply, the prompt and completion token IDs, the log-probs and the
+weight version they were sampled from (:mod:`lightning_nb.proxy.spans`; the keys are
+:mod:`lightning_nb.semconv`'s). Token IDs also travel back to the client in
+fields OpenAI clients ignore: ``prompt_token_ids`` and ``choices[i].token_ids``.
+
+What the proxy adds to the engines: tool calls for models that write them as text
+(:mod:`lightning_nb.engines.chat_format`), streaming (``stream=true`` is answered as
+server-sent events from the finished completion, recorded as one span like any
+other call), a 400 naming any parameter that is unknown or that the serving engine
+does not honour, a 404 naming the served models (:mod:`lightning_nb.proxy.request`), and,
+on a rollout's URL, the rollout's sampling parameters
+(:func:`~lightning_nb.proxy.request.applied_sampling`).
+
+This module holds :class:`LLMProxy`: its lifecycle, routing and one completion. The request
+model and checks are in :mod:`lightning_nb.proxy.request`, the reply in
+:mod:`lightning_nb.proxy.response`, the spans in :mod:`lightning_nb.proxy.spans`, and the HTTP
+app in :mod:`lightning_nb.proxy.app`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import weakref
+from typing import Any, Optional, Sequence, Union
+
+from lightning_nb._net import ThreadedServer, is_loopback
+from lightning_nb.engines import Engine
+from lightning_nb.engines.chat_format import render_tools
+from lightning_nb.errors import ConfigError, LightningNbError, NotFoundError
+from lightning_nb.proxy.app import proxy_app
+from lightning_nb.proxy.request import (ChatCompletionRequest, ProxyHTTPError, applied_sampling, check_supported,
+                                        validate_request)
+from lightning_nb.proxy.response import openai_response, parse_choices
+from lightning_nb.proxy.spans import choice_attributes, record_call, record_error, requested_attributes
+from lightning_nb.store.base import LightningStore
+from lightning_nb.tracing.tracer import Tracer
+from lightning_nb.types import LLMResource
+
+__all__ = ["LLMProxy", "ChatCompletionRequest"]
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the cost map at import
+
+
+def _register_free_model(engine: Engine) -> None:
+    """Tell LiteLLM that a self-hosted model costs nothing, unless it already knows its price.
+
+    Without an entry, LiteLLM searches its cost map by name variants on every call to price
+    the reply (about 1 ms per call on a 2-core VM, measured with a canned upstream).
+    """
+    import litellm
+
+    if engine.litellm_provider != "hosted_vllm":
+        return
+    key = engine.deployment()["litellm_params"]["model"]
+    if key in litellm.model_cost:
+        return
+    litellm.register_model({key: {"input_cost_per_token": 0.0, "output_cost_per_token": 0.0,
+                                  "cache_creation_input_token_cost": 0.0, "cache_read_input_token_cost": 0.0,
+                                  "litellm_provider": "hosted_vllm", "mode": "chat"}})
+
+
+class LLMProxy:
+    """Serve ``engines`` behind one OpenAI-compatible endpoint and trace every call into ``store``.
+
+    Args:
+        engines: an :class:`~lightning_nb.engines.Engine` or several; requests are routed by
+            ``model`` (several engines with one name take turns).
+        store: where LLM-call spans go.
+        host: bind address; 127.0.0.1 by default.
+        port: 0 picks a free port.
+        api_key: bearer token required on every request. Required (ConfigError
+            otherwise) when ``host`` is not a loopback address.
+
+    Use as a context manager or call :meth:`start` / :meth:`stop`. The proxy holds its
+    engines from construction until :meth:`stop`; a stopped proxy only remembers them
+    weakly, so it never keeps a closed engine's model (about 540 MB for the default one)
+    in memory. See :meth:`start` for starting it again.
+
+    Raises:
+        ConfigError: ``engines`` is empty, or ``host`` is not loopback and ``api_key`` is missing.
+    """
+
+    def __init__(self, engines: Union[Engine, Sequence[Engine]], store: LightningStore, *, host: str = "127.0.0.1",
+                 port: int = 0, api_key: Optional[str] = None, tracer: Optional[Tracer] = None) -> None:
+        if not is_loopback(host) and not api_key:
+            raise ConfigError(
+                f"host={host!r} is reachable from other machines, so api_key is required; "
+                f"pass api_key=secrets.token_urlsafe() (or bind to 127.0.0.1)"
+            )
+        held: list[Engine] = [engines] if isinstance(engines, Engine) else list(engines)
+        if not held:
+            raise ConfigError("engines is empty; pass at least one Engine (e.g. TransformersEngine.from_default())")
+        self._engines: Optional[list[Engine]] = held  # None once stopped: then only the weak references below
+        self._engine_refs = [weakref.ref(e) for e in held]
+        self._model_names = [e.model_name for e in held]
+        self.store = store
+        self.host, self.port = host, port
+        self.api_key = api_key
+        self.tracer = tracer or Tracer(store)
+        self._server: Any = None
+        self._turn: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # ----- lifecycle ------------------------------------------------------------------
+    def start(self) -> "LLMProxy":
+        """Start serving in a background thread; returns once the port is bound (a no-op while serving).
+
+        A stopped proxy can be started again: it serves the same engines if they still exist
+        (the caller kept a reference to them) and are not closed.
+
+        Raises:
+            LightningNbError: an engine is closed, or (after :meth:`stop`) was freed; the
+                message names it and the fix (a new engine and a new ``LLMProxy(engine, store)``).
+        """
+        with self._lock:
+            if self._server is not None:
+                return self
+            import litellm
+
+            engines = self._engines if self._engines is not None else self._reclaim_engines()
+            closed = [f"{type(e).__name__} {e.model_name!r}" for e in engines if e.closed]
+            if closed:
+                raise LightningNbError(f"cannot start the LLM proxy: {', '.join(closed)} is closed; build a new "
+                                       "engine and serve it with a new LLMProxy(engine, store)")
+            litellm.telemetry = False
+            for engine in engines:
+                _register_free_model(engine)
+            server = ThreadedServer(proxy_app(self), self.host, self.port, "LLM proxy")
+            self.port = server.start()
+            self._server, self._engines = server, engines
+            return self
+
+    def _reclaim_engines(self) -> list[Engine]:
+        """The engines a stopped proxy served, while they still exist; raises LightningNbError once one was freed."""
+        engines = [ref() for ref in self._engine_refs]
+        freed = [name for name, e in zip(self._model_names, engines) if e is None]
+        if freed:
+            raise LightningNbError(
+                f"cannot start the LLM proxy again: the engine(s) serving {freed} were freed after LLMProxy.stop() "
+                "(a stopped proxy does not keep its engines alive); build a new LLMProxy(engine, store) with a "
+                "live engine")
+        return [e for e in engines if e is not None]
+
+    def stop(self) -> None:
+        """Stop serving and let go of the engines. Idempotent.
+
+        Released: the HTTP server's thread and port (in-flight requests get up to 10 s to finish),
+        and the proxy's references to its engines, so an engine nobody else holds is freed with
+        its model and tokenizer. The engines keep running: close them yourself
+        (``engine.close()``). :attr:`engines` lists those still alive elsewhere; :meth:`start`
+        serves them again.
+        """
+        with self._lock:
+            if self._server is not None:
+                self._server.stop()
+                self._server = None
+            self._engines = None
+
+    def __enter__(self) -> "LLMProxy":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def engines(self) -> list[Engine]:
+        """The engines served, in the order given; after :meth:`stop`, only those still alive elsewhere."""
+        held = self._engines
+        if held is not None:
+            return held
+        return [e for e in (ref() for ref in self._engine_refs) if e is not None]
+
+    @property
+    def engine(self) -> Engine:
+        """The first engine (whose model :meth:`as_resource` names).
+
+        Raises:
+            LightningNbError: the proxy was stopped and that engine freed since.
+        """
+        held = self._engines
+        engine = held[0] if held is not None else self._engine_refs[0]()
+        if engine is None:
+            raise LightningNbError(f"the engine serving {self._model_names[0]!r} was freed after LLMProxy.stop(); "
+                                   "build a new LLMProxy(engine, store)")
+        return engine
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def served_models(self) -> list[str]:
+        return sorted(set(self._model_names))
+
+    def endpoint(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> str:
+        """Base URL (ending in /v1) for the OpenAI SDK; attributed when ids are given."""
+        if rollout_id and attempt_id:
+            return f"{self.url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
+        return f"{self.url}/v1"
+
+    def as_resource(self, **sampling_parameters: Any) -> LLMResource:
+        """This proxy as the ``main_llm`` resource agents receive (its model: the first engine's)."""
+        return LLMResource(endpoint=self.endpoint(), model=self._model_names[0],
+                           sampling_parameters=sampling_parameters, api_key=self.api_key or "not-needed")
+
+    # ----- one request ------------------------------------------------------------------
+    async def serve_chat(self, body: Any, rollout_id: Optional[str], attempt_id: Optional[str], *,
+                         agent_name: Optional[str] = None) -> tuple[ChatCompletionRequest, dict[str, Any]]:
+        """Serve one chat completion request body as the HTTP route does: validated, routed, completed and,
+        with ``rollout_id`` and ``attempt_id``, recorded.
+
+        Returns:
+            The validated request and the completion
+            (:func:`~lightning_nb.proxy.response.openai_response`'s dict, ``_pieces`` included).
+
+        Raises:
+            ProxyHTTPError: what the route answers instead: 400 (invalid or unsupported request), 404 (unknown
+                model, rollout or attempt), 502 (the engine failed).
+        """
+        req = validate_request(body)
+        engine = self._engine_for(req)
+        enforced = await self._rollout_sampling(rollout_id, attempt_id)
+        completion = await self._complete(req, engine, rollout_id, attempt_id, enforced, agent_name=agent_name)
+        return req, completion
+
+    def _engine_for(self, req: ChatCompletionRequest) -> Engine:
+        """The engine serving ``req.model`` (taking turns), after checking it honours every parameter set."""
+        serving = [e for e in self.engines if e.model_name == req.model]
+        engine = None
+        if serving:
+            turn = self._turn.get(req.model, 0)
+            self._turn[req.model] = turn + 1
+            engine = serving[turn % len(serving)]
+        if engine is None:
+            raise ProxyHTTPError(404, f"model {req.model!r} is not served by this proxy; served models: "
+                                      f"{self.served_models}", "model")
+        check_supported(req, engine)
+        return engine
+
+    async def _rollout_sampling(self, rollout_id: Optional[str], attempt_id: Optional[str]) -> dict[str, Any]:
+        """The rollout's ``sampling_parameters`` (empty off a rollout URL); 404 for unknown ids."""
+        if rollout_id is None:
+            return {}
+        def lookup() -> tuple[Any, set[str]]:
+            return (self.store.get_rollout_by_id(rollout_id),
+                    {a.attempt_id for a in self.store.query_attempts(rollout_id)})
+
+        try:  # store calls may block (SQLite fsync, HTTP): off the event loop, in one hop
+            rollout, attempts = await asyncio.to_thread(lookup)
+        except NotFoundError as exc:
+            raise ProxyHTTPError(404, str(exc), "rollout_id") from None
+        if attempt_id not in attempts:
+            raise ProxyHTTPError(404, f"attempt_id {attempt_id!r} is not an attempt of rollout {rollout_id!r}",
+                                 "attempt_id")
+        return dict(rollout.metadata.get("sampling_parameters") or {})
+
+    # ----- completion -----------------------------------------------------------------
+    async def _complete(self, req: ChatCompletionRequest, engine: Engine, rollout_id: Optional[str],
+                        attempt_id: Optional[str], enforced: dict[str, Any], *,
+                        agent_name: Optional[str] = None) -> dict[str, Any]:
+        """Complete ``req`` on ``engine`` and record one span per choice; returns the OpenAI response dict.
+
+        ``agent_name``: the request's ``X-Agent-Name`` header, recorded as ``gen_ai.agent.name``.
+        """
+        import litellm
+
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        applied, not_applied = applied_sampling(req, enforced)
+        hermes = engine.tool_format == "hermes"
+        parse_tools = hermes and bool(req.tools) and req.tool_choice != "none"
+        kwargs = _litellm_kwargs(req, engine, messages, applied, hermes)
+        version_before = engine.weight_version
+        t0 = time.time_ns()
+        try:
+            response = await litellm.acompletion(**kwargs)
+        except Exception as exc:  # LiteLLM maps the engine's HTTP errors to exceptions with status_code
+            raise await self._engine_error(exc, req, engine, rollout_id, attempt_id, agent_name) from None
+        raw = response.model_dump()
+        prompt_ids = raw.get("prompt_token_ids")
+        version = raw.get("weight_version", version_before)
+        tool_names = [t.get("function", {}).get("name") for t in req.tools or []]
+        choices = parse_choices(raw["choices"], tool_names if parse_tools else None, req.parallel_tool_calls)
+        if rollout_id and attempt_id:
+            requested = requested_attributes(req, messages, applied, not_applied, engine, version,
+                                             engine.weight_version, agent_name)
+            per_choice = [choice_attributes(ch, len(choices), raw.get("id"), prompt_ids, version, engine)
+                          for ch in choices]
+            await record_call(self.tracer, rollout_id, attempt_id, t0, requested, per_choice)
+        return openai_response(req, raw, choices, prompt_ids, version)
+
+    async def _engine_error(self, exc: Exception, req: ChatCompletionRequest, engine: Engine,
+                            rollout_id: Optional[str], attempt_id: Optional[str],
+                            agent_name: Optional[str]) -> ProxyHTTPError:
+        """The error to answer for a failed engine call (recorded as a span on a rollout's URL): a 400 when the
+        engine refused the request (400, 404, 422), else a 502 naming the engine."""
+        status = int(getattr(exc, "status_code", 502) or 502)
+        message = str(getattr(exc, "message", exc))
+        if rollout_id and attempt_id:
+            await record_error(self.tracer, rollout_id, attempt_id, req.model, message, agent_name)
+        if status in (400, 404, 422):
+            return ProxyHTTPError(400, f"the engine refused the request: {message}")
+        return ProxyHTTPError(502, f"engine error ({type(engine).__name__} at {engine.base_url}): {message}")
+
+
+def _litellm_kwargs(req: ChatCompletionRequest, engine: Engine, messages: list[dict[str, Any]],
+                    applied: dict[str, Any], hermes: bool) -> dict[str, Any]:
+    """The ``litellm.acompletion`` arguments for ``req`` on ``engine`` with the ``applied`` sampling.
+
+    With a Hermes-format engine, the tools are rendered into the messages instead of passed on.
+
+    Raises:
+        ProxyHTTPError: 400 on ``tools`` the chat format cannot render.
+    """
+    try:
+        sent = render_tools(messages, req.tools, req.tool_choice or "auto") if hermes else messages
+    except ConfigError as exc:
+        raise ProxyHTTPError(400, str(exc), "tools") from None
+    kwargs: dict[str, Any] = {**engine.deployment()["litellm_params"], "messages": sent, **applied}
+    if (req.n or 1) > 1:
+        kwargs["n"] = req.n
+    for key in ("response_format", "frequency_penalty", "presence_penalty", "top_logprobs"):
+        if getattr(req, key):
+            kwargs[key] = getattr(req, key)
+    if not hermes:
+        for key in ("tools", "tool_choice", "parallel_tool_calls"):
+            if getattr(req, key) is not None:
+                kwargs[key] = getattr(req, key)
+    if engine.returns_token_ids:
+        kwargs["logprobs"] = True
+        kwargs["extra_body"] = {"return_token_ids": True}
+    elif req.logprobs:
+        kwargs["logprobs"] = True
+    return kwargs

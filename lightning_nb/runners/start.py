@@ -1,0 +1,76 @@
+"""``start_runners``: the one entry point that starts runners, as threads or as Ray actors.
+
+It dispatches on ``backend``: ``"threads"`` (:mod:`lightning_nb.runners.group`) or ``"ray"``
+(:mod:`lightning_nb.runners.ray`, imported only then; it imports the thread runners, never this module).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning_nb.errors import ConfigError
+from lightning_nb.runners.gate import warn_if_llm_endpoint_dead
+from lightning_nb.runners.group import RunnerGroup, start_thread_runners
+from lightning_nb.runners.runner import Agent
+from lightning_nb.store.base import LightningStore
+from lightning_nb.tracing.tracer import Tracer
+
+__all__ = ["start_runners"]
+
+
+def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Optional[Tracer] = None,
+                  default_timeout_s: Optional[float] = 300.0, llm_resource: str = "main_llm",
+                  backend: str = "threads", heartbeat_interval_s: float = 5.0, replace: bool = True,
+                  **backend_options: Any) -> RunnerGroup:
+    """Start ``n`` runner threads and return at once. Stop them with ``group.stop()``.
+
+    Use it as ``with start_runners(...) as group:`` around the algorithm side to get the
+    abort semantics of :mod:`lightning_nb.runners.group`; ``heartbeat_interval_s`` (seconds) is the
+    threads' heartbeat period.
+
+    ``replace=True`` (the default): runner threads still running on this same ``store``
+    object (typically the group of an earlier run of the same notebook cell, whose handle
+    was overwritten) are stopped first, so no rollout is run by an outdated agent or
+    reward function: they finish their current attempt (up to ``REPLACE_STOP_TIMEOUT_S``
+    seconds, then they are aborted as by ``group.stop``) and a ``UserWarning`` names
+    them. ``replace=False`` keeps them running beside the new group, both pulling from the
+    same queue. Re-run the ``start_runners`` cell after redefining the agent or its reward
+    function: running runners keep the function they were given. With ``backend="ray"``
+    ``replace`` does not apply; stop the previous group yourself (``group.stop()``).
+
+    ``backend="ray"`` starts ``n`` Ray actors instead (see :mod:`lightning_nb.runners.ray`:
+    the store is served over HTTP; ``backend_options`` such as ``num_cpus``, ``address``,
+    ``actor_options`` go to :func:`~lightning_nb.runners.ray.start_ray_runners`) and returns
+    a ``RayRunnerGroup`` with the same ``stop()`` / ``status()``.
+
+    Before any runner starts, the endpoint of ``llm_resource`` in the store's latest
+    resources is probed once (``GET {endpoint}/models``, at most 3 s); if it does not
+    answer, a ``RuntimeWarning`` names it and says to ``store.add_resources`` the running
+    proxy (a reopened ``SqliteStore`` after a kernel restart still names the dead one).
+    It only warns: agents that never call the LLM keep working. Once an attempt fails
+    because that endpoint refused the connection, the group's runners hold off the queue
+    until the latest resources name an endpoint that answers, then requeue the rollouts
+    that failed only for that reason (:mod:`lightning_nb.runners.gate`).
+
+    Raises:
+        ConfigError: ``n`` < 1, ``agent`` not callable, unknown ``backend``, or options the backend lacks.
+        MissingDependencyError: ``backend="ray"`` without Ray installed.
+    """
+    if backend == "ray":
+        if tracer is not None:
+            raise ConfigError("tracer cannot be passed with backend='ray': each Ray actor makes its own Tracer")
+        from lightning_nb.runners.ray import start_ray_runners
+
+        warn_if_llm_endpoint_dead(store, llm_resource)
+        return start_ray_runners(agent, store, n, default_timeout_s=default_timeout_s,  # type: ignore[return-value]
+                                 llm_resource=llm_resource, heartbeat_interval_s=heartbeat_interval_s,
+                                 **backend_options)
+    if backend != "threads":
+        raise ConfigError(f"backend must be 'threads' (default) or 'ray', got {backend!r}")
+    if backend_options:
+        raise ConfigError(f"unknown option(s) for backend='threads': {sorted(backend_options)}; "
+                          f"they apply to backend='ray' only")
+    if n < 1:
+        raise ConfigError(f"n must be >= 1 runner, got {n}")
+    return start_thread_runners(agent, store, n, tracer=tracer, default_timeout_s=default_timeout_s,
+                                llm_resource=llm_resource, heartbeat_interval_s=heartbeat_interval_s, replace=replace)

@@ -1,0 +1,163 @@
+"""The span schema: every span name and attribute key lightning-nb writes or reads, in one place.
+
+The proxy, the tracer, the adapter, the store, the inspection views and the widgets all use these
+constants; none writes such a key as a string literal (``tests/test_architecture.py`` checks it).
+Keys follow the OpenTelemetry GenAI semantic conventions (``gen_ai.*``,
+https://opentelemetry.io/docs/specs/semconv/gen-ai/) where one exists; the token-level keys RL
+needs (token IDs, log-probs, the weight version) have no convention and keep short names, as
+Agent Lightning's do. Values are plain span attributes: str, bool, int, float or lists of them;
+structured values (messages, tools) are JSON text.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "LLM_SPAN", "REWARD_SPAN", "INTERMEDIATE_REWARD_SPAN", "AGENT_SPAN", "TOOL_SPAN_PREFIX",
+    "ROLLOUT_ID", "ATTEMPT_ID",
+    "SYSTEM", "AGENT_NAME", "AGENT_NAME_HEADER", "REQUEST_MODEL", "REQUEST_PREFIX", "REQUEST_TEMPERATURE",
+    "REQUEST_TOP_P", "REQUEST_MAX_TOKENS", "REQUEST_SEED", "REQUEST_STOP_SEQUENCES", "REQUEST_TOOLS",
+    "REQUEST_TOOL_CHOICE", "REQUEST_USER", "REQUEST_METADATA", "PROMPT", "COMPLETION", "RESPONSE_ID",
+    "RESPONSE_FINISH_REASONS", "RESPONSE_TOOL_CALLS", "USAGE_INPUT_TOKENS", "USAGE_OUTPUT_TOKENS",
+    "ENGINE", "CHOICE_INDEX", "CHOICES", "PROMPT_TOKEN_IDS", "COMPLETION_TOKEN_IDS", "LOGPROBS", "WEIGHT_VERSION",
+    "TOKEN_IDS_MISSING", "SAMPLING_NOT_APPLIED", "WEIGHTS_CHANGED_DURING_CALL", "APPLIED_TEMPERATURE",
+    "APPLIED_TOP_P", "APPLIED_MAX_TOKENS", "APPLIED_STOP", "APPLIED_SEED", "APPLIED_SAMPLING",
+    "REWARD", "REWARD_NAME", "TOOL_NAME", "TOOL_INPUT", "TOOL_OUTPUT", "ERROR",
+    "SEQUENCE_ID", "SPAN_KIND", "SERVICE_NAME",
+]
+
+# ----- span names ----------------------------------------------------------------------------
+#: One LLM call, written by the proxy: one span per returned choice, or one span with :data:`ERROR`
+#: when the engine failed the call.
+LLM_SPAN = "llm.chat.completions"
+#: The final reward of an attempt (:func:`~lightning_nb.tracing.emit_reward`); the last one counts.
+REWARD_SPAN = "reward"
+#: An intermediate (per-step) reward (:func:`~lightning_nb.tracing.emit_intermediate_reward`); never
+#: named ``"reward"``, which is the final reward's name.
+INTERMEDIATE_REWARD_SPAN = "intermediate_reward"
+#: The root span a runner opens around one attempt of the agent.
+AGENT_SPAN = "agent"
+#: A tool call (:func:`~lightning_nb.tracing.tool_span`) is named ``TOOL_SPAN_PREFIX + tool name``.
+TOOL_SPAN_PREFIX = "tool:"
+
+# ----- ids every span carries (set by the tracer from the active rollout) ---------------------
+#: The rollout id (text); set on every span of an attempt, and taken off again when the span is stored
+#: (the store keeps it as the span's ``rollout_id`` field).
+ROLLOUT_ID = "lightning_nb.rollout_id"
+#: The attempt id (text); set and taken off like :data:`ROLLOUT_ID`.
+ATTEMPT_ID = "lightning_nb.attempt_id"
+
+# ----- LLM call: the request (OpenTelemetry GenAI conventions) --------------------------------
+#: Who served the call; the proxy writes ``"lightning_nb"``.
+SYSTEM = "gen_ai.system"
+#: The agent that made the call, from the request header :data:`AGENT_NAME_HEADER`;
+#: ``TripletAdapter(agent_match=...)`` selects on it.
+AGENT_NAME = "gen_ai.agent.name"
+#: HTTP request header (case-insensitive) the proxy records as :data:`AGENT_NAME`.
+AGENT_NAME_HEADER = "X-Agent-Name"
+#: The model name the client asked for.
+REQUEST_MODEL = "gen_ai.request.model"
+#: Prefix of the requested sampling parameters below (``REQUEST_PREFIX + "temperature"``...).
+REQUEST_PREFIX = "gen_ai.request."
+#: Sampling temperature the client asked for (float; absent when the request left it out).
+REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+#: ``top_p`` the client asked for (float; absent when the request left it out).
+REQUEST_TOP_P = "gen_ai.request.top_p"
+#: ``max_completion_tokens`` or ``max_tokens`` of the request (tokens).
+REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+#: ``seed`` the client asked for (int; absent when the request left it out).
+REQUEST_SEED = "gen_ai.request.seed"
+#: Stop strings, always a list.
+REQUEST_STOP_SEQUENCES = "gen_ai.request.stop_sequences"
+#: The request's ``tools`` (JSON text).
+REQUEST_TOOLS = "gen_ai.request.tools"
+#: The request's ``tool_choice`` (JSON text).
+REQUEST_TOOL_CHOICE = "gen_ai.request.tool_choice"
+#: The request's ``user`` (text; absent when empty).
+REQUEST_USER = "gen_ai.request.user"
+#: The request's ``metadata`` (JSON text).
+REQUEST_METADATA = "gen_ai.request.metadata"
+#: The request's messages as the client sent them, before the proxy renders tools into the prompt
+#: (JSON text of a list of OpenAI chat messages, null fields left out).
+PROMPT = "gen_ai.prompt"
+
+# ----- LLM call: the response -----------------------------------------------------------------
+#: The sampled text of this choice as the engine returned it (tool-call markup included, before the
+#: proxy parses tool calls out of it).
+COMPLETION = "gen_ai.completion"
+#: The engine's response id (``""`` when it returned none).
+RESPONSE_ID = "gen_ai.response.id"
+#: A list with this choice's finish reason (``"stop"``, ``"length"``, ``"tool_calls"``).
+RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+#: Tool calls parsed from the completion (JSON text of OpenAI ``tool_calls``).
+RESPONSE_TOOL_CALLS = "gen_ai.response.tool_calls"
+#: Prompt length (tokens); written with :data:`PROMPT_TOKEN_IDS` only.
+USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+#: Completion length (tokens); written with :data:`COMPLETION_TOKEN_IDS` only.
+USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+#: Why the LLM call failed (text, at most 2000 characters: the engine's error as LiteLLM reports it). A
+#: span with it carries only the request model and the agent name: no completion, no token IDs.
+ERROR = "error"
+
+# ----- LLM call: what RL needs (no OpenTelemetry convention) ----------------------------------
+#: The engine class that served the call (``"TransformersEngine"``, ``"VLLMEngine"``...).
+ENGINE = "engine"
+#: Index of this choice among the request's ``n`` choices.
+CHOICE_INDEX = "choice_index"
+#: How many choices the call returned (the request's ``n``; one span each).
+CHOICES = "n"
+#: The prompt exactly as the engine tokenized it (list of int token IDs); absent, with
+#: :data:`TOKEN_IDS_MISSING` set, when the engine returned none.
+PROMPT_TOKEN_IDS = "prompt_token_ids"
+#: The sampled tokens (list of int token IDs), the text of :data:`COMPLETION` before detokenization.
+COMPLETION_TOKEN_IDS = "completion_token_ids"
+#: Log-probability (nats) of each completion token under the distribution it was sampled from
+#: (logits / :data:`APPLIED_TEMPERATURE`, before any ``top_p`` cut; raw logits at temperature 0);
+#: list of float, written only when the engine returned one per token of :data:`COMPLETION_TOKEN_IDS`.
+LOGPROBS = "logprobs"
+#: The weight version the completion was sampled with (int, the engine reports it; the version when the
+#: call started if it does not). The trainer bumps it on each weight load.
+WEIGHT_VERSION = "weight_version"
+#: The sampling temperature the engine applied (float; the rollout's, else the request's, else 1.0).
+#: The adapter refuses an LLM span with token IDs but without it: the trainer scores tokens at the
+#: temperature they were sampled at.
+APPLIED_TEMPERATURE = "temperature"
+#: The nucleus-sampling ``top_p`` the engine applied (float; the rollout's, else the request's, else
+#: 1.0). Always written, like :data:`APPLIED_TEMPERATURE`, and refused when missing the same way.
+APPLIED_TOP_P = "top_p"
+#: The completion-token limit the engine applied (int, tokens; the request's capped by the rollout's,
+#: 256 when neither sets one).
+APPLIED_MAX_TOKENS = "max_tokens"
+#: The stop strings the engine applied (list of str; absent when none).
+APPLIED_STOP = "stop"
+#: The sampling seed the engine applied (int; absent when none).
+APPLIED_SEED = "seed"
+#: Every sampling parameter an engine can apply, as the proxy records them.
+APPLIED_SAMPLING = (APPLIED_TEMPERATURE, APPLIED_TOP_P, APPLIED_MAX_TOKENS, APPLIED_STOP, APPLIED_SEED)
+#: Why a call has no token IDs (text); such a call gives no triplet.
+TOKEN_IDS_MISSING = "lightning_nb.token_ids_missing"
+#: Keys of the rollout's ``sampling_parameters`` the proxy does not apply (sorted list of names; any key
+#: other than those of :data:`APPLIED_SAMPLING`); absent when it applies them all.
+SAMPLING_NOT_APPLIED = "lightning_nb.sampling_not_applied"
+#: ``[WEIGHT_VERSION, version at the end of the call]`` (two ints) when new weights were loaded during
+#: the call; absent otherwise.
+WEIGHTS_CHANGED_DURING_CALL = "lightning_nb.weights_changed_during_call"
+
+# ----- rewards and tools ----------------------------------------------------------------------
+#: The reward value (float) of a :data:`REWARD_SPAN` or :data:`INTERMEDIATE_REWARD_SPAN`.
+REWARD = "reward"
+#: The component name of an intermediate reward (e.g. ``"tool_error"``).
+REWARD_NAME = "reward.name"
+#: The tool's name (text), the part of the span name after :data:`TOOL_SPAN_PREFIX`.
+TOOL_NAME = "tool.name"
+#: The tool's input (text; JSON text for structured input).
+TOOL_INPUT = "tool.input"
+#: The tool's output, set by the agent: ``span.set_attribute(TOOL_OUTPUT, result)``.
+TOOL_OUTPUT = "tool.output"
+
+# ----- OTLP export (lightning_nb.tracing.export; never stored) --------------------------------
+#: The stored span's ``sequence_id`` (int), added to each span sent to a collector.
+SEQUENCE_ID = "lightning_nb.sequence_id"
+#: The OpenInference span kind Phoenix groups by (``"LLM"``, ``"TOOL"``, ``"EVALUATOR"``, ``"CHAIN"``).
+SPAN_KIND = "openinference.span.kind"
+#: The OpenTelemetry resource attribute naming the service (the tracer's and exporter's ``service_name``).
+SERVICE_NAME = "service.name"

@@ -1,0 +1,1 @@
+"""Task sets with their agents and rewards; calc is the default."""

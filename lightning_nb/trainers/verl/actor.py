@@ -1,0 +1,293 @@
+"""verl's actor (old log-probs and the PPO update) on a model already in memory, in this process, without Ray.
+
+:class:`VerlActor` is verl's FSDP training engine (``FSDPEngineWithLMHead``) and PPO loss
+(``verl.workers.utils.losses.ppo_loss``) around a plain Hugging Face model that is already in
+memory (e.g. ``TransformersEngine.model``, updated in place), with verl's configuration composed
+from its own Hydra defaults (:func:`ppo_config`). No Ray cluster, no FSDP wrapping, no model loaded
+from disk; CPU or one CUDA device. :mod:`lightning_nb.trainers.verl.patches` lists what is patched.
+verl is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from lightning_nb.trainers.verl.patches import (ensure_process_group, require_verl, save_model_config,
+                                                use_cpu_platform_without_gpu, use_torch_padding_without_flash_attn)
+
+__all__ = ["IN_PROCESS_OVERRIDES", "ppo_config", "VerlActor"]
+
+# Hydra overrides of verl's ppo_trainer.yaml that the in-process actor needs (the caller's come after them).
+IN_PROCESS_OVERRIDES: tuple[str, ...] = (
+    # verl's packed ("remove padding") forward needs flash-attn varlen kernels; the padded path works everywhere
+    "actor_rollout_ref.model.use_remove_padding=false",
+    # micro-batches by a token budget, so any batch size works (verl's fixed micro-batch must divide the mini-batch)
+    "actor_rollout_ref.actor.use_dynamic_bsz=true",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096",
+    "algorithm.adv_estimator=grpo",
+)
+
+
+
+# ----- verl's configuration -------------------------------------------------------------
+def ppo_config(overrides: Sequence[str] = ()) -> Any:
+    """verl's own ``ppo_trainer.yaml``, composed by Hydra, with :data:`IN_PROCESS_OVERRIDES` then ``overrides``.
+
+    ``overrides`` are Hydra override strings, e.g.
+    ``["actor_rollout_ref.actor.optim.lr=1e-5", "actor_rollout_ref.actor.ppo_epochs=2"]``.
+    Returns the ``omegaconf.DictConfig`` (printable with ``OmegaConf.to_yaml``); verl's dataclasses
+    validate their sections when :class:`VerlActor` converts them.
+    """
+    require_verl()
+    import verl
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    if GlobalHydra.instance().is_initialized():  # a notebook may have composed another config before
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose("ppo_trainer", overrides=[*IN_PROCESS_OVERRIDES, *overrides])
+
+
+# ----- verl's actor, in this process ----------------------------------------------------
+class VerlActor:
+    """verl's actor (old log-probs and the PPO update) on a model already in memory, without Ray.
+
+    Mirrors ``ActorRolloutRefWorker.init_model`` / ``TrainingWorker`` / ``RayPPOTrainer``: the
+    actor section of ``config`` becomes verl's ``FSDPActorConfig``, the loss is
+    ``functools.partial(verl.workers.utils.losses.ppo_loss, config=actor_config)``, and the engine is
+    verl's ``FSDPEngineWithLMHead`` with the build hooks patched to adopt ``model`` (see the module
+    docstring of :mod:`lightning_nb.trainers.verl.patches`). ``model`` is updated in place; ``optimizer``
+    defaults to verl's ``build_optimizer``
+    (AdamW from ``actor_rollout_ref.actor.optim``).
+
+    Args:
+        model: a ``transformers`` causal LM (``model(input_ids=..., attention_mask=...,
+            position_ids=...).logits``), on the device it will train on.
+        config: :func:`ppo_config`'s result; None: ``ppo_config()``.
+        optimizer: a torch optimizer over ``model``'s trainable parameters, or None.
+        lr_scheduler: the scheduler :meth:`update_policy` steps once per call, or None for verl's own
+            (built from ``actor_rollout_ref.actor.optim``).
+        forward_only: score only (e.g. the reference policy): no optimizer, no scheduler
+            (verl's ``engine_config.forward_only``).
+    """
+
+    def __init__(self, model: Any, config: Any = None, *, optimizer: Any = None, lr_scheduler: Any = None,
+                 forward_only: bool = False) -> None:
+        import functools
+
+        import torch
+
+        require_verl()
+        use_cpu_platform_without_gpu()
+        use_torch_padding_without_flash_attn()
+        ensure_process_group()
+        from omegaconf import OmegaConf, open_dict
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.utils.losses import ppo_loss
+
+        self.config = config if config is not None else ppo_config()
+        cfg = self.config.actor_rollout_ref
+        self._config_dir = tempfile.TemporaryDirectory(prefix="lightning-nb-verl-")
+        save_model_config(model, self._config_dir.name)
+        model_section = OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True))
+        with open_dict(model_section):
+            model_section.path = self._config_dir.name
+            model_section.load_tokenizer = False
+        self.model_config = omega_conf_to_dataclass(model_section)
+        self.actor_config = omega_conf_to_dataclass(cfg.actor)
+        self.actor_config.model_config = self.model_config
+        engine_config = self.actor_config.engine
+        # as ActorRolloutRefWorker.init_model and TrainingWorker.__init__ assign them
+        engine_config.use_dynamic_bsz = cfg.actor.use_dynamic_bsz
+        engine_config.infer_max_token_len_per_gpu = cfg.rollout.log_prob_max_token_len_per_gpu
+        engine_config.infer_micro_batch_size_per_gpu = cfg.rollout.log_prob_micro_batch_size_per_gpu
+        engine_config.max_token_len_per_gpu = cfg.actor.ppo_max_token_len_per_gpu
+        engine_config.micro_batch_size_per_gpu = cfg.actor.ppo_micro_batch_size_per_gpu
+        engine_config.use_remove_padding = self.model_config.get("use_remove_padding", False)
+        engine_config.use_fused_kernels = self.model_config.get("use_fused_kernels", False)
+        engine_config.forward_only = forward_only
+        if self.model_config.lora_rank:
+            raise ValueError("VerlActor adopts the model as it is: give it a peft model instead of "
+                             "actor_rollout_ref.model.lora_rank > 0")
+        self.engine = _engine_class()(model_config=self.model_config, engine_config=engine_config,
+                                      optimizer_config=self.actor_config.optim,
+                                      checkpoint_config=self.actor_config.checkpoint)
+        self.engine.given_module, self.engine.given_optimizer = model, optimizer
+        self.engine.given_lr_scheduler = lr_scheduler
+        with contextlib.redirect_stdout(io.StringIO()):  # verl prints the model size and the LR schedule
+            self.engine.initialize()
+        self.model, self.optimizer = self.engine.module, self.engine.optimizer
+        self.lr_scheduler = self.engine.lr_scheduler
+        self.loss_fn = functools.partial(ppo_loss, config=self.actor_config)
+        self._torch = torch
+
+    def _mode_kwargs(self) -> dict[str, bool]:
+        """Arguments for verl's ``engine.eval_mode()`` / ``train_mode()``.
+
+        Those contexts move an offloaded model or optimizer in on entry and out on exit. With neither
+        offloaded (``fsdp_config.param_offload`` / ``optimizer_offload`` false, our default) the move is
+        empty, but on a CPU device verl still runs ``gc.collect()`` on entry and on exit: about 0.3 s each
+        in a test process, six times a step. Skip the contexts' offload step then; with offload set, it runs.
+        """
+        engine = self.engine
+        return {"disable_auto_offload": not (engine.is_param_offload_enabled or engine.is_optimizer_offload_enabled)}
+
+    def _no_padding(self, data: Any, **non_tensor: Any) -> Any:
+        """``RayPPOTrainer``'s steps 1–3: DataProto → TensorDict → verl's no-padding layout, plus the
+        per-call keys ``TrainingWorker`` injects."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import left_right_2_no_padding
+
+        td = left_right_2_no_padding(data.to_tensordict())
+        tu.assign_non_tensor(td, **non_tensor)
+        return td
+
+    def compute_log_prob(self, data: Any, *, calculate_entropy: bool = False,
+                         max_token_len: Optional[int] = None) -> Any:
+        """The current policy's log-probs of ``data``'s responses, as verl's ``_compute_old_log_prob``.
+
+        ``max_token_len``: the token budget of one forward (verl's dynamic micro-batching);
+        None: ``rollout.log_prob_max_token_len_per_gpu``.
+
+        Returns a ``DataProto`` with ``old_log_probs`` (B, R) float32 (0 on padding; to be
+        ``union``-ed into ``data``), and ``entropys`` (B, R) with ``calculate_entropy``.
+        """
+        from verl import DataProto
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        ec = self.engine.engine_config
+        td = self._no_padding(data, calculate_entropy=calculate_entropy, compute_loss=False,
+                              use_remove_padding=ec.use_remove_padding, use_dynamic_bsz=ec.use_dynamic_bsz,
+                              max_token_len_per_gpu=max_token_len or ec.infer_max_token_len_per_gpu,
+                              micro_batch_size_per_gpu=ec.infer_micro_batch_size_per_gpu,
+                              use_fused_kernels=ec.use_fused_kernels)
+        was_training = self.model.training
+        try:
+            with self.engine.eval_mode(**self._mode_kwargs()):
+                out = self.engine.infer_batch(td, loss_function=None)
+        finally:
+            self.model.train(was_training)
+        result = {"old_log_probs": no_padding_2_padding(out["model_output"]["log_probs"], td).float()}
+        if calculate_entropy:
+            result["entropys"] = no_padding_2_padding(out["model_output"]["entropy"], td).float()
+        return DataProto.from_tensordict(tu.get_tensordict(result))
+
+    def update_policy(self, data: Any, *, mini_batch_size: Optional[int] = None,
+                      max_token_len: Optional[int] = None) -> dict[str, float]:
+        """verl's PPO update on ``data`` (``RayPPOTrainer._update_actor`` + ``TrainingWorker.train_mini_batch``).
+
+        ``data`` needs ``old_log_probs`` and ``advantages`` (B, R) besides the keys of
+        :func:`triplets_to_dataproto` (and ``ref_log_prob`` with ``actor.use_kl_loss``).
+        ``ppo_epochs`` times, the batch is cut into consecutive mini-batches of ``mini_batch_size``
+        rows (the last one may be smaller; None: ``ppo_mini_batch_size × rollout.n``, capped at B);
+        each mini-batch is one ``engine.train_batch`` (verl's dynamic micro-batches of at most
+        ``max_token_len`` tokens, ``ppo_loss`` normalised over the whole mini-batch, ``clip_grad``,
+        one optimizer step). verl's own ``make_iterator`` needs B to be a multiple of the mini-batch
+        size, which an agent batch (forks, dropped groups) rarely is; without ``actor.shuffle`` it
+        yields the same consecutive slices. The LR scheduler steps once per call. Returns the
+        metrics averaged over the mini-batches: verl's ``actor/pg_loss``, ``actor/pg_clipfrac``,
+        ``actor/ppo_kl``, ... plus ``loss``, ``grad_norm``, ``lr`` (after the step),
+        ``optimizer_steps``.
+
+        Raises:
+            ValueError: a key is missing, or ``actor.shuffle`` is set (not supported here).
+        """
+        missing = [k for k in ("old_log_probs", "advantages") if k not in data.batch.keys()]
+        if missing:
+            raise ValueError(f"update_policy() needs {missing} in data.batch: union compute_log_prob()'s result "
+                             "(or rollout_log_probs as old_log_probs) and grpo_advantages()")
+        cfg = self.config.actor_rollout_ref
+        ac, ec = self.actor_config, self.engine.engine_config
+        if ac.shuffle:
+            raise ValueError("actor_rollout_ref.actor.shuffle=true is not supported by the in-process actor; "
+                             "mini-batches are consecutive rows")
+        B = len(data)
+        mini = min(mini_batch_size or cfg.actor.ppo_mini_batch_size * cfg.rollout.n, B)
+        parts = [data[i: i + mini] for i in range(0, B, mini)]
+        tds = [self._no_padding(
+            part, calculate_entropy=ac.calculate_entropy or ac.entropy_coeff != 0.0, distillation_use_topk=False,
+            distillation_only=False, global_batch_size=len(part), compute_loss=True,
+            use_remove_padding=ec.use_remove_padding, use_dynamic_bsz=ec.use_dynamic_bsz,
+            max_token_len_per_gpu=max_token_len or ec.max_token_len_per_gpu,
+            micro_batch_size_per_gpu=ec.micro_batch_size_per_gpu, use_fused_kernels=ec.use_fused_kernels)
+            for part in parts]
+        rows: list[dict[str, float]] = []
+        was_training = self.model.training
+        try:
+            with self.engine.train_mode(**self._mode_kwargs()):
+                for _ in range(ac.ppo_epochs):
+                    for td in tds:
+                        out = self.engine.train_batch(td, loss_function=self.loss_fn)
+                        rows.append(_reduce_metrics(out))
+            lr = self.engine.lr_scheduler_step()
+        finally:
+            self.model.train(was_training)
+        metrics = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+        metrics.update(lr=lr, optimizer_steps=float(len(rows)))
+        return metrics
+
+
+
+def _reduce_metrics(out: dict[str, Any]) -> dict[str, float]:
+    """One ``train_batch`` output → floats: verl ``Metric``s merged over micro-batches, losses summed."""
+    from verl.utils.metric import Metric
+
+    metrics: dict[str, float] = {"loss": float(sum(out["loss"])), "grad_norm": float(out["metrics"]["grad_norm"])}
+    for key, values in out["metrics"].items():
+        if key == "grad_norm":
+            continue
+        values = values if isinstance(values, list) else [values]
+        if values and isinstance(values[0], Metric):
+            merged = values[0].init_list()
+            for v in values:
+                merged.append(v)
+            metrics[key] = float(merged.aggregate())
+        else:
+            metrics[key] = float(sum(float(v) for v in values) / len(values))
+    return metrics
+
+
+def _engine_class() -> type:
+    """verl's ``FSDPEngineWithLMHead`` with the build hooks that adopt a given module (patch 1)."""
+    import warnings
+
+    with warnings.catch_warnings():  # verl.workers.engine warns about each optional backend not installed
+        warnings.simplefilter("ignore")
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    class _InProcessEngine(FSDPEngineWithLMHead):
+        given_module: Any = None
+        given_optimizer: Any = None
+        given_lr_scheduler: Any = None
+
+        def initialize(self) -> None:  # no FSDPCheckpointManager: checkpoints are the trainer's
+            self._build_model_optimizer()
+
+        def _build_module(self) -> Any:
+            return self.given_module
+
+        def _build_fsdp_module(self, module: Any) -> Any:
+            self._autocast_dtype = next(module.parameters()).dtype  # float32: no autocast
+            self.scaler = None
+            return module
+
+        def _build_optimizer(self, module: Any) -> Any:
+            if self.given_optimizer is not None:
+                return self.given_optimizer
+            return super()._build_optimizer(module)
+
+        def _build_lr_scheduler(self, optimizer: Any) -> Any:
+            if self.given_lr_scheduler is not None:
+                return self.given_lr_scheduler
+            return super()._build_lr_scheduler(optimizer)
+
+    return _InProcessEngine

@@ -1,0 +1,232 @@
+"""The five patches that let verl's actor run in this process, without Ray, on a model already in memory.
+
+What runs in-process and what is patched (patch 1 in :mod:`lightning_nb.trainers.verl.actor`, 2–5 here;
+nothing in verl's files).
+verl 0.9.0 has no ``dp_actor.DataParallelPPOActor`` any more: its actor is
+``engine_workers.ActorRolloutRefWorker`` → ``TrainingWorker`` → an engine from
+``verl.workers.engine`` (FSDP: ``FSDPEngineWithLMHead``). ``TrainingWorker`` itself cannot be
+built here without a Ray-style launch (``Worker.__init__`` reads ``RANK``/``WORLD_SIZE``/
+``MASTER_ADDR``/``MASTER_PORT``, and the engine it builds loads the model from a path and wraps
+it in FSDP), so :class:`~lightning_nb.trainers.verl.actor.VerlActor` drives the engine the way
+``TrainingWorker.infer_batch`` / ``train_mini_batch`` and ``RayPPOTrainer._compute_old_log_prob`` / ``_update_actor`` do. The
+departures:
+
+1. ``_InProcessEngine(FSDPEngineWithLMHead)`` overrides four build hooks: ``_build_module``
+   returns the given model (no ``from_pretrained``, no verl monkey patches), ``_build_fsdp_module``
+   returns it unwrapped (autocast follows the model's own dtype: none in float32), and
+   ``_build_optimizer`` / ``_build_lr_scheduler`` return the given optimizer / scheduler if one
+   was passed (else verl's ``build_optimizer`` / its warmup schedules). ``initialize`` builds no
+   FSDP checkpoint manager (checkpoints are the trainer's job). Forward, loss, micro-batching,
+   gradient clipping (``clip_grad_norm_`` for a non-FSDP module is verl's own branch), the optimizer
+   step and the LR scheduler are verl's code.
+2. A one-process ``torch.distributed`` group (gloo, or ``cpu:gloo,cuda:nccl`` on a GPU, over an
+   in-memory ``HashStore``: no port, no Ray) because the engine all-reduces token counts.
+3. On a machine without a GPU, a CPU platform (:class:`_PlatformCPU`) registered through verl's
+   own extension point ``verl.plugin.platform.PlatformRegistry`` / ``set_platform``: verl 0.9.0
+   registers only nvidia/huawei/amd and falls back to CUDA, so ``get_device_id()`` would call
+   ``torch.cuda.current_device()``.
+4. Where ``flash_attn`` is not installed (CPU), verl's padding helpers
+   (``verl.utils.attention_utils.unpad_input`` & co., which ``left_right_2_no_padding`` calls) are
+   pointed at plain-torch equivalents of flash-attn's ``bert_padding`` functions (verl's own
+   port, ``verl.utils.npu_flash_attn_utils``, needs einops, which verl does not declare), by
+   replacing ``attention_utils._get_attention_functions``. verl 0.9.1 has the same torch fallback
+   built in, so this patch can go when we move to 0.9.1.
+5. The model's ``config.json`` is written to a temporary folder (with ``architectures`` filled in)
+   because verl's ``HFModelConfig`` reads the model config from a path and asserts one architecture.
+
+``import verl`` needs the ``ray`` *package* (``verl/protocol.py`` imports it at module level),
+but nothing here starts or contacts Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Optional
+
+from lightning_nb.errors import MissingDependencyError
+
+__all__ = ["require_verl", "use_cpu_platform_without_gpu", "use_torch_padding_without_flash_attn",
+           "ensure_process_group", "save_model_config"]
+
+
+def require_verl() -> None:
+    """Import verl, or raise an ImportError that names the extra to install.
+
+    Raises:
+        MissingDependencyError: an ImportError: verl (or the ``ray`` package that ``verl/protocol.py``
+            imports) is not installed.
+    """
+    try:
+        import verl  # noqa: F401
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"lightning_nb.trainers.verl.bridge and VerlTrainer need verl and the ray package it imports ({exc}); install "
+            "the tested set with pip install 'lightning-nb[verl]' (CPU, verl 0.9.0) or 'lightning-nb[gpu]' "
+            "(CUDA: verl[vllm]==0.9.1 with vllm 0.24.0, torch 2.11.0, transformers 5.9.0)") from exc
+
+
+def save_model_config(model: Any, path: str) -> None:
+    """Write ``model``'s ``config.json``, architecture named: verl's ``HFModelConfig`` asserts one (patch 5)."""
+    import copy
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: the wrapped one
+    config = copy.deepcopy(base.config)
+    if not getattr(config, "architectures", None):
+        config.architectures = [type(base).__name__]
+    config.save_pretrained(path)
+
+
+
+def use_torch_padding_without_flash_attn() -> None:
+    """Without flash_attn, verl's unpad/pad helpers use the plain-torch versions below (patch 4)."""
+    import importlib.util
+
+    from verl.utils import attention_utils
+    from verl.utils.device import is_torch_npu_available
+
+    if importlib.util.find_spec("flash_attn") is not None or is_torch_npu_available(check_device=False):
+        return
+    functions = (_index_first_axis, _pad_input, _no_rearrange, _unpad_input)
+    attention_utils._get_attention_functions = lambda: functions
+
+
+def _index_first_axis(x: Any, indices: Any) -> Any:
+    """flash_attn.bert_padding.index_first_axis: ``x[indices]`` along the first axis (differentiable)."""
+    return x[indices]
+
+
+def _pad_input(hidden: Any, indices: Any, batch: int, seqlen: int) -> Any:
+    """flash_attn.bert_padding.pad_input: (total_nnz, ...) → (batch, seqlen, ...), zeros where not indexed."""
+    import torch
+
+    out = torch.zeros(batch * seqlen, *hidden.shape[1:], dtype=hidden.dtype, device=hidden.device)
+    out[indices] = hidden
+    return out.reshape(batch, seqlen, *hidden.shape[1:])
+
+
+def _unpad_input(hidden: Any, attention_mask: Any, unused_mask: Any = None) -> tuple:
+    """flash_attn.bert_padding.unpad_input: ``(hidden[mask], indices, cu_seqlens, max_seqlen, used_seqlens)``."""
+    import torch
+    import torch.nn.functional as F
+
+    masks = attention_mask + unused_mask if unused_mask is not None else attention_mask
+    seqlens = masks.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(masks.flatten(), as_tuple=False).flatten()
+    cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    flat = hidden.reshape(-1, *hidden.shape[2:])
+    return flat[indices], indices, cu_seqlens, int(seqlens.max()), attention_mask.sum(dim=-1, dtype=torch.int32)
+
+
+def _no_rearrange(*args: Any, **kwargs: Any) -> Any:
+    raise ImportError("verl asked for einops.rearrange through attention_utils; install flash-attn (GPU) or einops")
+
+
+def ensure_process_group() -> None:
+    """A one-process ``torch.distributed`` group over an in-memory store (patch 2); kept if one exists."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def use_cpu_platform_without_gpu() -> None:
+    """Register and select :class:`_PlatformCPU` when no GPU is visible (patch 3)."""
+    import torch
+    from verl.plugin.platform import platform_manager as pm
+
+    if torch.cuda.is_available():
+        return
+    current = pm._current_platform
+    if current is not None and current.device_name == "cpu":
+        return
+    pm.PlatformRegistry.register(platform="cpu")(_platform_cpu_class())
+    level = pm.logger.level
+    pm.logger.setLevel(logging.ERROR)  # set_platform warns when it replaces the CUDA fallback
+    try:
+        pm.set_platform(pm.PlatformRegistry.get("cpu")())
+    finally:
+        pm.logger.setLevel(level)
+
+
+def _platform_cpu_class() -> type:
+    """verl's ``PlatformBase`` for a machine without an accelerator (device ``cpu``, backend gloo)."""
+    from types import ModuleType
+
+    import torch
+    from verl.plugin.platform.platform_base import PlatformBase
+
+    class _PlatformCPU(PlatformBase):
+        @property
+        def device_name(self) -> str:
+            return "cpu"
+
+        @property
+        def vendor_name(self) -> str:
+            return "cpu"
+
+        @property
+        def device_module(self) -> ModuleType:
+            return torch.cpu
+
+        def is_available(self) -> bool:
+            return True
+
+        def current_device(self) -> Any:  # used as a .to() target: "cpu"
+            return "cpu"
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: int) -> None:
+            pass
+
+        def synchronize(self, device_index: Optional[int] = None) -> None:
+            pass
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            pass
+
+        def empty_cache(self) -> None:
+            pass
+
+        def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
+            return None, None
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CUDA_VISIBLE_DEVICES"
+
+        def nvtx_range(self, msg: str) -> Any:
+            return contextlib.nullcontext()
+
+        def profiler_start(self) -> None:
+            pass
+
+        def profiler_stop(self) -> None:
+            pass
+
+        def ray_resource_name(self) -> str:
+            return "CPU"
+
+        def ray_noset_envvars(self) -> list[str]:
+            return []
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+        def cudart(self) -> Any:
+            return None
+
+    return _PlatformCPU

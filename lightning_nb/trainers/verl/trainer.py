@@ -1,0 +1,337 @@
+"""``VerlTrainer``: the GRPO update done by verl's own actor, the second implementation of the Trainer contract.
+
+The agent, the runners, the LLM proxy, the store and the algorithm (:class:`~lightning_nb.LightningRL`)
+are the same as with :class:`~lightning_nb.GRPOTrainer`: the engine behind the proxy (in-process
+transformers, or vLLM through :class:`~lightning_nb.engines.vllm.VLLMEngine`) serves the policy,
+spans become triplets, and each :meth:`VerlTrainer.update` hands the batch to verl
+(Agent Lightning's "Inside an RL Algorithm (VERL Example)", reference doc 000):
+
+1. the kept episodes (fresh enough, groups of ``min_group_size`` or more: the same rule as
+   ``GRPOTrainer``) → verl's ``DataProto`` (:func:`~lightning_nb.trainers.verl.bridge.triplets_to_dataproto`:
+   the engine's token IDs, multi-turn packing under ``response_mask``, ``token_level_scores``,
+   ``uid`` = group);
+2. old log-probs recomputed by verl's actor (``compute_log_prob``, as verl's ``_compute_old_log_prob``
+   does), and the reference policy's (``ref_log_prob``) when KL is tracked or penalised;
+3. GRPO advantages by verl's ``compute_grpo_outcome_advantage``;
+4. verl's PPO update (``FSDPEngineWithLMHead.train_batch`` with ``ppo_loss``: PPO clip with dual
+   clip, the KL loss, verl's loss aggregation, gradient clipping, the optimizer step);
+5. the new weights to the engine through the engine contract (``engine.load_weights``).
+
+The verl pieces run in this process without Ray (:class:`~lightning_nb.trainers.verl.actor.VerlActor`;
+:mod:`lightning_nb.trainers.verl.patches` lists the five patches). Everything else is shared with
+``GRPOTrainer`` through :class:`~lightning_nb.trainers.inplace.InPlaceTrainer` (the model placement,
+LoRA through peft, the reference, the optimizer, config edits while paused, ``state_dict``) and
+:class:`~lightning_nb.trainers.base.Trainer` (``start`` / ``pause`` / ``resume`` / ``stop`` delegated
+to the algorithm, ``metrics_df``, ``last_batch_df``, the widgets); VerlTrainer does not subclass
+GRPOTrainer. Importing this module needs no verl; building a VerlTrainer does. Checkpoints use verl's
+layout: ``<folder>/global_step_N/`` and ``<folder>/latest_checkpointed_iteration.txt``, with verl's
+``resume_mode`` (``auto``, ``resume_path``, ``disable``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from lightning_nb.errors import ConfigError
+from lightning_nb.trainers.base import ProgressCallback
+from lightning_nb.trainers.checkpoint import write_file
+from lightning_nb.trainers.grpo.batch import Batch, build_batch, check_batch, signal_groups
+from lightning_nb.trainers.inplace import InPlaceTrainer
+from lightning_nb.trainers.metrics import batch_metrics
+from lightning_nb.trainers.verl.config import MAPPED_KEYS, VerlConfig
+from lightning_nb.types import Triplet
+
+__all__ = ["VerlConfig", "VerlTrainer", "MAPPED_KEYS"]
+
+log = logging.getLogger(__name__)
+
+
+def _no_progress(done: int, total: int, unit: str) -> None:
+    pass
+
+
+class VerlTrainer(InPlaceTrainer):
+    """GRPO with verl's actor update, with the same notebook surface as :class:`~lightning_nb.GRPOTrainer`.
+
+    ``start(algorithm)`` runs in the background; ``pause()`` returns at a step boundary (no update
+    running, no rollout being enqueued); ``resume()`` validates config edits (and verl's checks)
+    first; ``stop()``, ``metrics_df()``, ``last_batch_df()``, ``last_batch_html()`` and the widgets
+    work as for ``GRPOTrainer``. See the module docstring for what one :meth:`update` does.
+
+    Args:
+        engine: serves the policy (``TransformersEngine``, or ``VLLMEngine`` whose server gets each
+            update's weights); its ``model`` is what verl trains, in place.
+        config: :class:`VerlConfig` (a plain ``GRPOConfig`` is refused: its defaults differ).
+
+    Raises:
+        ConfigError: ``config`` is not a ``VerlConfig``, verl refuses it, or a ``GRPOTrainer`` error
+            (device not available, ...).
+        MissingDependencyError: verl is not installed (``pip install 'lightning-nb[verl]'``).
+    """
+
+    def __init__(self, engine: Any, config: Optional[VerlConfig] = None) -> None:
+        config = config if config is not None else VerlConfig()
+        if not isinstance(config, VerlConfig):
+            raise ConfigError(f"VerlTrainer takes a VerlConfig, got {type(config).__name__}; build one with "
+                              "VerlConfig(...) (same field names as GRPOConfig)")
+        verl_cfg = config.verl_config()  # before anything is moved or adapted
+        super().__init__(engine, config)
+        self.verl_config = verl_cfg
+        self._build_actors()
+
+    def _build_actors(self) -> None:
+        from lightning_nb.trainers.verl.actor import VerlActor
+
+        self.actor = VerlActor(self.model, self.verl_config, optimizer=self.optimizer, lr_scheduler=self.scheduler)
+        self.reference_actor = (VerlActor(self.reference, self.verl_config, forward_only=True)
+                                if self.reference is not None else None)
+
+    # ----- the RL step ----------------------------------------------------------------
+    def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None) -> dict[str, Any]:
+        """One GRPO step by verl on ``triplets``; returns its metrics (also appended to :attr:`metrics`).
+
+        Episodes are kept as :meth:`GRPOTrainer.update` keeps them (``max_staleness``, ``min_group_size``,
+        forks counted or refused with ``fail_on_fork``), converted by
+        :func:`~lightning_nb.trainers.verl.bridge.triplets_to_dataproto` (one row per packed sequence), scored by
+        verl's actor (π_old, recomputed as verl does, and π_ref when the reference is active), given
+        verl's GRPO advantages (:func:`~lightning_nb.trainers.verl.bridge.grpo_advantages`), and updated by verl
+        (:meth:`~lightning_nb.trainers.verl.bridge.VerlActor.update_policy`: ``ppo_epochs`` × mini-batches of
+        ``mini_batch_size`` rows, or the whole batch). Then ``engine.load_weights(model)``.
+
+        Metrics: those of ``GRPOTrainer.update`` where the concept is the same (``loss``, ``pg_loss``,
+        ``grad_norm``, ``ppo_kl``, ``pg_clipfrac`` (verl's, means over the mini-batches), ``kl`` (the
+        ``kl_penalty`` estimator of π_old vs π_ref, mean over response tokens; NaN without a
+        reference), ``logprob_diff_max`` (largest |π_old − engine| log-prob on the trained tokens, nats),
+        ``reward_mean``, ``reward_std``, ``episodes``, ``groups``, ``groups_with_signal``,
+        ``groups_dropped``, ``episodes_dropped``, ``transitions``, ``stale_episodes_dropped``,
+        ``staleness_max``, ``sequences_trained``, ``tokens_trained``, ``optimizer_steps``,
+        ``turn_forks``, ``truncated_responses``, ``intermediate_rewards``, ``update_seconds``,
+        ``tokens_per_s``, ``lr``, ``config_changes``), plus every metric verl's loss reported under its
+        own name (``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``,
+        ``kl_loss`` with the KL loss, ...) and ``trainer`` = ``"verl"``.
+
+        Raises:
+            ConfigError: as ``GRPOTrainer.update`` (no triplets, empty responses, ``top_p < 1``, a fork
+                with ``fail_on_fork``), or verl refuses a config edited while paused.
+        """
+        check_batch(triplets)
+        report = on_progress or _no_progress
+        with self._updating:
+            # verl's loss reads its own config: an edited config is composed and checked by verl first (nothing is
+            # applied if verl refuses it), then verl's actor is rebuilt from it
+            edited = self.config.verl_config() if asdict(self.config) != self._applied_config else None
+            changes = self._sync_config()
+            if edited is not None:
+                self.verl_config = edited
+                self._build_actors()
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            t0 = time.perf_counter()
+            with self.engine.lock:  # the kept episodes, as GRPOTrainer keeps them
+                batch = build_batch(self.config, triplets, self.engine.weight_version)
+                kept = [t for t in triplets if t.rollout_id in batch.advantages]
+                if kept:
+                    data, stats = self._verl_step(kept, report)
+                    self.engine.load_weights(self.model)  # in place, or pushed to a server (VLLMEngine)
+                else:
+                    data, stats = None, {}
+                    self._advance_schedule()  # the schedule counts updates
+                self.step += 1
+            seconds = time.perf_counter() - t0
+            rows = _batch_rows(data) if data is not None else []
+            metrics = self._verl_metrics(triplets, batch, stats, rows, seconds, lr, changes)
+            self.last_triplets = list(triplets)
+            self.last_advantages = _episode_advantages(rows)
+            self.last_turn_advantages = {(t.rollout_id, t.turn): self.last_advantages[t.rollout_id] for t in kept}
+            self.last_batch = rows
+            self.metrics.append(metrics)
+            return metrics
+
+    def _verl_step(self, kept: list[Triplet], on_progress: ProgressCallback) -> tuple[Any, dict[str, float]]:
+        """DataProto → π_old (and π_ref) → verl's GRPO advantages → verl's PPO update.
+
+        Returns ``(data, stats)``: the DataProto with ``old_log_probs``, ``advantages`` (and ``ref_log_prob``), and
+        verl's metrics plus ``kl`` and ``logprob_diff_max``. Each stage done calls ``on_progress(done, total,
+        "stages")`` (π_old, π_ref when active, verl's policy update).
+        """
+        from verl.trainer.ppo import core_algos
+
+        from lightning_nb.trainers.verl.bridge import grpo_advantages, triplets_to_dataproto
+
+        cfg = self.config
+        stages = 3 if self._reference_active() else 2
+
+        def report(done: int) -> None:
+            on_progress(done, stages, "stages")
+
+        report(0)
+        data = triplets_to_dataproto(kept, pad_token_id=self.engine.pad_token_id, pack_turns=cfg.pack_turns)
+        lengths = data.batch["attention_mask"].sum(-1)
+        max_tokens = int(cfg.micro_batch_size * int(lengths.max()))  # verl's dynamic micro-batch budget
+        data = data.union(self.actor.compute_log_prob(data, max_token_len=max_tokens))
+        report(1)
+        mask = data.batch["response_mask"].bool()
+        stats: dict[str, float] = {"kl": math.nan}
+        if self._reference_active():
+            ref = self._reference_log_prob(data, max_tokens)
+            report(2)
+            data.batch["ref_log_prob"] = ref
+            kl = core_algos.kl_penalty(data.batch["old_log_probs"], ref, cfg.kl_penalty)
+            stats["kl"] = float(kl[mask].mean()) if mask.any() else math.nan
+        data.batch["advantages"] = grpo_advantages(data, norm_adv_by_std=cfg.norm_adv_by_std,
+                                                   min_group_size=cfg.min_group_size)
+        if "rollout_log_probs" in data.batch.keys() and mask.any():
+            diff = (data.batch["old_log_probs"] - data.batch["rollout_log_probs"]).abs()
+            stats["logprob_diff_max"] = float(diff[mask].max())
+        else:
+            stats["logprob_diff_max"] = math.nan
+        stats.update(self.actor.update_policy(data, mini_batch_size=cfg.mini_batch_size, max_token_len=max_tokens))
+        report(stages)
+        return data, stats
+
+    def _reference_log_prob(self, data: Any, max_tokens: int) -> Any:
+        """π_ref's log-probs (B, R): the kept copy of the initial weights, or with LoRA the base model
+        (adapters disabled, as verl's ``ref_in_actor``)."""
+        if self.reference_actor is not None:
+            return self.reference_actor.compute_log_prob(data, max_token_len=max_tokens).batch["old_log_probs"]
+        with self.peft_model.disable_adapter():
+            return self.actor.compute_log_prob(data, max_token_len=max_tokens).batch["old_log_probs"]
+
+    def _verl_metrics(self, triplets: Sequence[Triplet], batch: Batch, stats: dict[str, float],
+                      rows: list[dict[str, Any]], seconds: float, lr: float, changes: list[str]) -> dict[str, Any]:
+        """The metrics row of one update (see :meth:`update`)."""
+        steps = int(stats.pop("optimizer_steps", 0))
+        signal = {batch.groups[r] for r, a in batch.advantages.items() if a != 0.0}
+        tokens = sum(len(r["input_ids"]) for r in rows)
+        head, tail = batch_metrics(triplets, batch, signal, changes)
+        metrics: dict[str, Any] = {
+            "step": self.step, "trainer": "verl",
+            "loss": stats.get("loss", math.nan), "pg_loss": stats.get("actor/pg_loss", math.nan),
+            "kl": stats.get("kl", math.nan), "ppo_kl": stats.get("actor/ppo_kl", math.nan),
+            "pg_clipfrac": stats.get("actor/pg_clipfrac", math.nan),
+            "logprob_diff_max": stats.get("logprob_diff_max", math.nan), **head,
+            "sequences_trained": len(rows), "tokens_trained": sum(sum(r["response_mask"]) for r in rows),
+            "grad_norm": stats.get("grad_norm", 0.0), "update_seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "lr": lr, "optimizer_steps": steps, **tail,
+        }
+        for k, v in stats.items():  # verl's own metric names, as its trainer logs them
+            if k not in ("loss", "grad_norm", "kl", "logprob_diff_max", "lr"):
+                metrics.setdefault(k, v)
+        return metrics
+
+    def signal_groups(self, triplets: Sequence[Triplet]) -> set[str]:
+        """Group ids of ``triplets`` that :meth:`update` would learn from (the same rule as GRPOTrainer's)."""
+        return signal_groups(self.config, triplets)
+
+    # ----- config edits while paused ----------------------------------------------------
+    def check_config(self) -> None:
+        """GRPOTrainer's checks, then the config must stay a VerlConfig that verl accepts (``resume()`` calls it)."""
+        super().check_config()
+        if not isinstance(self.config, VerlConfig):
+            raise ConfigError("VerlTrainer.config must stay a VerlConfig")
+        self.config.verl_config()  # verl's own checks, before resume() lets the loop go on
+
+    # ----- checkpoints (verl's layout) --------------------------------------------------
+    def write_checkpoint(self, path: str | Path, state: dict[str, Any]) -> Path:
+        """Write a run checkpoint into the folder ``path`` the way verl lays them out; returns the step's folder.
+
+        ``path`` plays verl's ``trainer.default_local_dir``: ``trainer.save(path)`` writes
+        ``path/global_step_{step}/trainer.pt`` (the run checkpoint: the weights or LoRA adapters, the
+        optimizer and LR scheduler, RNG states, metrics, config, the algorithm's state) and then,
+        atomically, ``path/latest_checkpointed_iteration.txt`` (verl's tracker file), so a crash mid-save
+        leaves the previous checkpoint the latest. Call it at a step boundary (paused, or after ``wait()``).
+
+        Raises:
+            ConfigError: ``path`` names a ``.pt`` file, not a folder.
+        """
+        root = Path(path)
+        if root.suffix == ".pt":
+            raise ConfigError(f"VerlTrainer.save() takes a folder (verl's trainer.default_local_dir), got {root}; "
+                              "e.g. trainer.save('runs/verl/checkpoints')")
+        folder = root / f"global_step_{self.step}"
+        write_file(folder / "trainer.pt", state)
+        tracker = root / "latest_checkpointed_iteration.txt"
+        tmp = tracker.with_suffix(".tmp")
+        tmp.write_text(str(self.step))
+        os.replace(tmp, tracker)
+        return folder
+
+    def find_checkpoint(self, path: str | Path, *, resume_mode: str = "auto") -> Optional[Path]:
+        """The checkpoint file ``load(path, resume_mode=...)`` reads, with verl's ``trainer.resume_mode``.
+
+        * ``"auto"``: ``path`` is the checkpoint folder; load its latest step (verl's
+          ``find_latest_ckpt_path`` reads ``latest_checkpointed_iteration.txt``).
+        * ``"resume_path"``: ``path`` is one ``global_step_N`` folder (or its ``trainer.pt``).
+        * ``"disable"``: load nothing (start fresh): None.
+
+        The rest of ``load`` is GRPOTrainer's (config restored from the checkpoint unless
+        ``keep_config``; RNG states; the algorithm's state; the engine gets the weights).
+
+        Raises:
+            FileNotFoundError: no checkpoint at ``path``.
+            ConfigError: an unknown ``resume_mode``.
+        """
+        if resume_mode == "disable":
+            return None
+        path = Path(path)
+        if resume_mode == "resume_path":
+            return path if path.suffix == ".pt" else path / "trainer.pt"
+        if resume_mode != "auto":
+            raise ConfigError(f"resume_mode={resume_mode!r}; use 'auto', 'resume_path' or 'disable' (verl's "
+                              "trainer.resume_mode)")
+        from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+        tracker = path / "latest_checkpointed_iteration.txt"
+        with contextlib.redirect_stdout(io.StringIO()):  # verl prints "Found checkpoint: %s <path>"
+            latest = find_latest_ckpt_path(str(path)) if tracker.exists() else None
+        if latest is None:
+            raise FileNotFoundError(f"no checkpoint in {path} (no latest_checkpointed_iteration.txt naming an "
+                                    "existing global_step_N folder); write one with trainer.save(folder)")
+        return Path(latest) / "trainer.pt"
+
+    def load_state_dict(self, state: dict[str, Any], *, keep_config: bool = False, source: Any = "the state") -> None:
+        """GRPOTrainer's ``load_state_dict``, then verl's actor rebuilt from the restored config."""
+        super().load_state_dict(state, keep_config=keep_config, source=source)
+        with self._updating:
+            self.verl_config = self.config.verl_config()
+            self._build_actors()
+
+
+def _batch_rows(data: Any) -> list[dict[str, Any]]:
+    """The DataProto's rows as ``GRPOTrainer.last_batch`` holds sequences (token-aligned lists)."""
+    b = data.batch
+    rows = []
+    for i in range(len(data)):
+        attn = b["attention_mask"][i]
+        P = b["prompts"].shape[1]
+        prompt = b["prompts"][i][attn[:P].bool()].tolist()
+        n = int(attn[P:].sum())
+        response = b["responses"][i][:n].tolist()
+        mask = b["response_mask"][i][:n].tolist()
+        zeros = [0.0] * len(prompt)
+        adv = b["advantages"][i][:n].tolist()
+        rows.append({
+            "rollout_id": data.non_tensor_batch["rollout_id"][i], "group_id": data.non_tensor_batch["uid"][i],
+            "input_ids": prompt + response, "response_mask": [0] * len(prompt) + mask,
+            "advantage": float(next((a for a, m in zip(adv, mask) if m), 0.0)),
+            "advantages": zeros + [a if m else 0.0 for a, m in zip(adv, mask)],
+            "engine_logprobs": zeros + ([lp if m else 0.0
+                                         for lp, m in zip(b["rollout_log_probs"][i][:n].tolist(), mask)]
+                                        if "rollout_log_probs" in b.keys() else [0.0] * n),
+            "trainer_logprobs": zeros + [lp if m else 0.0 for lp, m in zip(b["old_log_probs"][i][:n].tolist(), mask)],
+        })
+    return rows
+
+
+def _episode_advantages(rows: list[dict[str, Any]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for r in rows:
+        out.setdefault(r["rollout_id"], r["advantage"])
+    return out
