@@ -26,7 +26,7 @@ import pytest
 
 from lightning_nb import InMemoryStore, LLMProxy, TripletAdapter, start_runners, tool_span
 from lightning_nb.engines.chat_format import parse_tool_calls
-from lightning_nb.semconv import LLM_SPAN
+from lightning_nb.semconv import LLM_SPAN as LLM_SPAN_NAME
 from lightning_nb.tasks.calc import calc_reward
 from lightning_nb.tasks.calc import calculator as evaluate
 from lightning_nb.types import LLMResource
@@ -175,7 +175,7 @@ def _failures(store: InMemoryStore, ids: list[str]) -> list[str]:
 def _tool_call_rollout(store: InMemoryStore, rid: str) -> dict[str, Any] | None:
     """For a rollout whose model called the calculator and whose tool ran: the spans that show it."""
     spans = store.query_spans(rid, "latest")
-    llm = [s for s in spans if s.name == LLM_SPAN]
+    llm = [s for s in spans if s.name == LLM_SPAN_NAME]
     for i, span in enumerate(llm):
         calls = json.loads(span.attributes.get("gen_ai.response.tool_calls") or "[]")
         for call in calls:
@@ -197,7 +197,7 @@ def _check_framework(store: InMemoryStore, name: str) -> None:
 
     # every LLM call is a span with the token IDs the model saw and sampled
     for rid in asked:
-        llm = [s for s in store.query_spans(rid, "latest") if s.name == LLM_SPAN]
+        llm = [s for s in store.query_spans(rid, "latest") if s.name == LLM_SPAN_NAME]
         assert llm, f"{name}: rollout {rid} made no LLM call through the proxy"
         for span in llm:
             assert span.attributes.get("prompt_token_ids") and span.attributes.get("completion_token_ids"), span
@@ -214,7 +214,7 @@ def _check_framework(store: InMemoryStore, name: str) -> None:
         for span in store.query_spans(rid, "latest"):
             a = span.attributes
             shown = a.get("gen_ai.request.tools") and a.get("gen_ai.request.tool_choice") != '"none"'
-            if span.name == LLM_SPAN and shown and "<tool_call>" in str(a.get("gen_ai.completion")):
+            if span.name == LLM_SPAN_NAME and shown and "<tool_call>" in str(a.get("gen_ai.completion")):
                 _, parsed = parse_tool_calls(span.attributes["gen_ai.completion"], ["calculator"])
                 assert not parsed or "gen_ai.response.tool_calls" in span.attributes, span.attributes
 
