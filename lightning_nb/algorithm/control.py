@@ -134,11 +134,8 @@ class BackgroundLoop:
             LightningNbError: a loop started earlier on this trainer is still running (even if a wait()
                 was interrupted).
         """
-        other = getattr(self.trainer, "algorithm", None)
-        if other is not None and other is not self and getattr(other, "running", False):
-            raise LightningNbError("the trainer is already running; call stop() or wait() first")
-        if other is not self and hasattr(self.trainer, "attach"):
-            self.trainer.attach(self)
+        if getattr(self.trainer, "algorithm", None) is not self and hasattr(self.trainer, "attach"):
+            self.trainer.attach(self)  # refuses while another algorithm's loop runs on the trainer
         n = steps if steps is not None else getattr(getattr(self, "config", None), "steps", None)
         first = self._steps_done()
         self._start_loop(lambda: self.run(steps), first, None if n is None else first + n)

@@ -256,11 +256,7 @@ class Trainer(abc.ABC):
         """
         if getattr(algorithm, "trainer", self) is not self:
             raise ConfigError("algorithm.trainer is a different trainer; build the algorithm with this trainer")
-        if self.algorithm is not None and self.algorithm is not algorithm and self.algorithm.running:
-            raise LightningNbError("the trainer is already running; call stop() or wait() first")
-        if self.algorithm is not algorithm:
-            self.attach(algorithm)
-        algorithm.start(steps)
+        algorithm.start(steps)  # attaches it first: attach() refuses while another algorithm's loop runs
         return self
 
     def pause(self, wait: bool = True, timeout: Optional[float] = None, progress: bool = False) -> bool:
