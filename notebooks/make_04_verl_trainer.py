@@ -34,7 +34,8 @@ step boundary, `resume`, `wait`, `metrics_df()`, `last_batch_df()`, `save` and `
 2. the metrics carry verl's own names (`actor/pg_loss`, `actor/pg_clipfrac`, `actor/ppo_kl`, ...);
 3. checkpoints use verl's folder layout (`global_step_N/`, `latest_checkpointed_iteration.txt`).
 
-The last section lists what to change on a GPU.
+To run on a GPU, change only the parameter cell: `DEVICE = "cuda"` (the sizes and the precision follow), and
+`MODEL_DIR` for a bigger model; the last section says what else the GPU path offers.
 
 Everything runs on CPU. A smoke run with small sizes (the tests use it) took just over 2 minutes (131 s) on a 2-core
 CPU: loading the model twice, 3 training steps, and writing and reading a 1.6 GB checkpoint. To run it, set
@@ -45,20 +46,31 @@ steps) take several times longer; they were not timed."""),
 import os
 import time
 
+DEVICE = os.environ.get("LIGHTNING_NB_DEVICE", "cpu")  # "cuda" (or "cuda:N") on a GPU: precision and sizes follow
+ENGINE = "transformers"     # "vllm": a vLLM server (make setup-vllm; on a GPU, vLLM's CUDA build) serves the policy
+MODEL_DIR = None            # None: SmolLM2-135M-Instruct; or a local Hugging Face model folder (0.5B-1.5B on one GPU)
+GPU = DEVICE.startswith("cuda")
+DTYPE = "bfloat16" if GPU else "float32"  # bfloat16 weights; the optimizer keeps float32 master weights
+GRADIENT_CHECKPOINTING = GPU              # recompute activations in the backward pass: less memory
+
 SMOKE = os.environ.get("LIGHTNING_NB_SMOKE") == "1"  # small sizes: a few minutes in all
-STEPS = 2 if SMOKE else 4           # training steps before the checkpoint (one more after loading it)
-TASKS_PER_STEP = 2 if SMOKE else 4  # distinct tasks per step
-GROUP_SIZE = 2 if SMOKE else 4      # rollouts per task (the GRPO group)
-SAMPLE_ROUNDS = 1 if SMOKE else 3   # DAPO dynamic sampling: resample groups whose rewards are all equal
-MAX_TOKENS = 24 if SMOKE else 48    # completion tokens per LLM call
-N_RUNNERS = 4 if SMOKE else 8       # runner threads (on a GPU: bigger batch sizes, see the last section)
-LEARNING_RATE = 2e-5"""),
+STEPS = 2 if SMOKE else 4                           # training steps before the checkpoint (one more after loading it)
+TASKS_PER_STEP = 2 if SMOKE else 16 if GPU else 4   # distinct tasks per step
+GROUP_SIZE = 2 if SMOKE else 8 if GPU else 4        # rollouts per task (the GRPO group)
+SAMPLE_ROUNDS = 1 if SMOKE else 3                   # DAPO dynamic sampling: resample groups whose rewards are all equal
+MAX_TOKENS = 24 if SMOKE else 48                    # completion tokens per LLM call
+N_RUNNERS = 4 if SMOKE else 64 if GPU else 8        # runner threads (and the engine's batch)
+MICRO_BATCH_SIZE = 16 if GPU else 4                 # verl's tokens per forward: this many times the longest row
+LEARNING_RATE = 2e-5
+print(f"{DEVICE}, {DTYPE}, {ENGINE} engine: {TASKS_PER_STEP} tasks x {GROUP_SIZE} rollouts per step, "
+      f"{N_RUNNERS} runners, micro-batch {MICRO_BATCH_SIZE}")"""),
     ("md", """## 1. Set-up
 
 One function builds everything a kernel needs before training, so that section 4 can build it again as a new
 kernel would: the engine serving the model (SmolLM2-135M-Instruct) in this process, the store, the
 OpenAI-compatible LLM proxy, runner threads running the calculator agent (`lightning_nb.tasks.calc.calc_agent`, tasks
-from `datasets/calc`), the trainer and the algorithm. Only the trainer's line differs from notebook 03.
+from `datasets/calc`), the trainer and the algorithm. Only the trainer's line differs from notebook 03. The
+engine and the config take `DEVICE`, `DTYPE` and the sizes from the parameter cell.
 
 `VerlConfig` takes `GRPOConfig`'s fields (`learning_rate`, `ppo_epochs`, `mini_batch_size`, `clip_ratio`,
 `kl_coef`, `lora_rank`, `device`, `dtype`, ...). `overrides` passes any other key of verl's `ppo_trainer.yaml` as a
@@ -68,14 +80,31 @@ from lightning_nb.tasks.calc import calc_agent, load_tasks
 from lightning_nb.trainers.verl.trainer import VerlConfig, VerlTrainer
 
 
+def make_engine():
+    \"\"\"The engine of the parameter cell: ENGINE serving MODEL_DIR (None: the default model) on DEVICE in DTYPE.\"\"\"
+    if ENGINE == "vllm":  # a server on DEVICE; the trainer moves the in-process copy it trains to DEVICE too
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from lightning_nb.engines.vllm import VLLMEngine
+
+        if MODEL_DIR is None:
+            return VLLMEngine.from_default(device=DEVICE, dtype=DTYPE)
+        return VLLMEngine(AutoModelForCausalLM.from_pretrained(MODEL_DIR), AutoTokenizer.from_pretrained(MODEL_DIR),
+                          model_name=os.path.basename(os.path.normpath(MODEL_DIR)), device=DEVICE, dtype=DTYPE)
+    if MODEL_DIR is None:
+        return TransformersEngine.from_default(device=DEVICE, dtype=DTYPE, max_batch_size=N_RUNNERS)
+    return TransformersEngine.from_pretrained(MODEL_DIR, device=DEVICE, dtype=DTYPE, max_batch_size=N_RUNNERS)
+
+
 def set_up():
-    \"\"\"Engine, store, proxy, runners, trainer and algorithm (the GPU lines are marked; see the last section).\"\"\"
-    engine = TransformersEngine.from_default(max_batch_size=8)          # GPU: a bigger model, see the last section
+    \"\"\"Engine, store, proxy, runners, trainer and algorithm, from the parameter cell.\"\"\"
+    engine = make_engine()
     store = InMemoryStore()
     proxy = LLMProxy(engine, store).start()                             # binds 127.0.0.1 on a free port
     store.add_resources({"main_llm": proxy.as_resource()})
     runners = start_runners(calc_agent, store, n=N_RUNNERS)             # background threads; returns at once
-    config = VerlConfig(learning_rate=LEARNING_RATE,                    # GPU: VerlConfig.one_gpu_lora()
+    config = VerlConfig(learning_rate=LEARNING_RATE, device=DEVICE, dtype=DTYPE,  # or VerlConfig.one_gpu_lora()
+                        gradient_checkpointing=GRADIENT_CHECKPOINTING, micro_batch_size=MICRO_BATCH_SIZE,
                         overrides=["actor_rollout_ref.actor.entropy_coeff=0.001"])
     trainer = VerlTrainer(engine, config)                               # verl checks the config here
     algo = LightningRL(store, trainer, load_tasks("train"),
@@ -198,27 +227,29 @@ Install the GPU extra (verl with vLLM, a CUDA build of torch) on a machine with 
 pip install -e '.[gpu]'      # verl[vllm]==0.9.1, vllm 0.24, torch 2.11
 ```
 
-Then change three lines: the engine and the config in `set_up()`, and the batch sizes in the parameter cell:
+Then change the parameter cell only, and run the notebook top to bottom:
 
 ```python
-engine = TransformersEngine.from_pretrained("/path/to/Qwen2.5-0.5B-Instruct", device="cuda", dtype="bfloat16",
-                                            max_batch_size=64)      # any local Hugging Face model folder, 0.5B-1.5B
-config = VerlConfig.one_gpu_lora()                                  # or one_gpu_lora(learning_rate=1e-5, ...)
-TASKS_PER_STEP, GROUP_SIZE, N_RUNNERS = 16, 8, 64                  # batch sizes: 128 rollouts per step
+DEVICE = "cuda"                                   # bfloat16, gradient checkpointing, 16 tasks x 8 rollouts per
+                                                  # step and 64 runners follow
+MODEL_DIR = "/path/to/Qwen2.5-0.5B-Instruct"     # optional: any local Hugging Face model folder, 0.5B-1.5B
 ```
 
-* `from_pretrained` reads a folder that exists with `local_files_only=True` (anything else is taken as a hub id and
-  needs network); `device` and `dtype` load the weights there.
-* `VerlConfig.one_gpu_lora()` is verl's one-GPU LoRA recipe (`examples/tuning/0.5b/qwen2-0.5b_grpo-lora_1_h100_fsdp_vllm.sh`):
-  CUDA, bfloat16, gradient checkpointing, LoRA rank 32 on all linear layers, learning rate 3e-5, a 0.001 KL loss
-  (`low_var_kl`) to the base model and a 0.001 entropy bonus. It raises `ConfigError` on a machine without CUDA;
+(or leave the cell as it is and start Jupyter with `LIGHTNING_NB_DEVICE=cuda`).
+
+* `from_pretrained` (used when `MODEL_DIR` is set) reads a folder that exists with `local_files_only=True` (anything
+  else is taken as a hub id and needs network); `device` and `dtype` load the weights there.
+* For LoRA, replace the `VerlConfig(...)` line in `set_up()` with `VerlConfig.one_gpu_lora()`, verl's one-GPU
+  LoRA recipe (`examples/tuning/0.5b/qwen2-0.5b_grpo-lora_1_h100_fsdp_vllm.sh`): CUDA, bfloat16, gradient
+  checkpointing, LoRA rank 32 on all linear layers, learning rate 3e-5, a 0.001 KL loss (`low_var_kl`) to the base
+  model and a 0.001 entropy bonus. It raises `ConfigError` on a machine without CUDA;
   `VerlConfig.one_gpu_lora(device="cpu", dtype="float32").hydra_overrides()` shows its verl keys anywhere.
   Keyword arguments replace fields, and `overrides` adds verl keys as above.
-* For faster rollouts, serve the policy with vLLM instead of transformers:
-  `lightning_nb.engines.vllm.VLLMEngine(model, tokenizer, python=...)` starts a vLLM server (from the interpreter
-  that has vLLM installed) that the proxy forwards to, and keeps `model` in this process for verl to train; after
-  each verl update the trainer hands the new weights to the server (`engine.load_weights`), so every rollout comes
-  from the current policy. Its docstring lists the server's settings (it serves in float32).
+* For faster rollouts, set `ENGINE = "vllm"`: `lightning_nb.engines.vllm.VLLMEngine` starts a vLLM server (from the
+  interpreter that has vLLM installed, `make setup-vllm`; on a GPU, vLLM's CUDA build) that the proxy forwards to,
+  and keeps the model in this process for verl to train on `DEVICE`; after each verl update the trainer hands the
+  new weights to the server (`engine.load_weights`), so every rollout comes from the current policy. Its docstring
+  lists the server's settings.
 
 **Pause** means the same on a GPU: the loop parks at a step boundary, with no verl update running and no rollouts
 enqueued; the engine keeps serving, so you can chat with the model (`engine.chat(...)`) or look at

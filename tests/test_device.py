@@ -356,3 +356,112 @@ def test_lora_update_on_cuda_bfloat16(trainer_kind, tmp_path):
         assert merged.config.vocab_size == engine.model.config.vocab_size
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+def test_bfloat16_engine_and_trainer_logprobs_agree_on_cuda():
+    """Issue 29 item 5: the engine samples and scores with float32 logits of its bfloat16 hidden states (the
+    fp32 head), the trainer scores the same tokens with its fused float32 head. Before that change CUDA bf16
+    gave logprob_diff_max 1.89 nats at step 1 (FACTS.md); the issue's target is p99 < 0.1."""
+    from lightning_nb.models.lm_head import has_fp32_head
+    from lightning_nb.trainers.grpo.logprobs import logprob_path
+
+    _default_model_or_skip()
+    engine = TransformersEngine.from_default(device="cuda", dtype="bfloat16", max_batch_size=16, batch_wait_s=0.5)
+    try:
+        questions = ["What is 17 + 25? Answer with a number.", "Name a colour of the sky.",
+                     "Write one word that rhymes with cat.", "What is 6 times 7?"] * 4
+        prompts = [engine.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+        torch.manual_seed(0)
+        gens = [f.result() for f in [engine.submit(p, temperature=1.0, max_tokens=64) for p in prompts]]
+        assert has_fp32_head(engine.model) and logprob_path(engine.model) == "fused"
+        diffs = []
+        for g in gens:  # one sequence at a time, as the CPU test in this module
+            ids_B_T = torch.tensor([g.prompt_ids + g.completion_ids], device="cuda")
+            P = len(g.prompt_ids)
+            mask_B_L = torch.tensor([[0.0] * (P - 1) + [1.0] * len(g.completion_ids)], device="cuda")
+            with torch.no_grad():
+                lp = response_logprobs(engine.model, ids_B_T, torch.ones_like(ids_B_T), mask_B_L,
+                                       torch.ones(1, device="cuda"))
+            diffs.append((lp[0, P - 1:].cpu() - torch.tensor(g.logprobs)).abs())
+        diff_N = torch.cat(diffs)
+        p99, mx = float(diff_N.quantile(0.99)), float(diff_N.max())
+        print(f"\ncuda bf16 {torch.cuda.get_device_name()}: engine vs trainer over {len(diff_N)} sampled tokens: "
+              f"mean {float(diff_N.mean()):.4f}, p99 {p99:.4f} (issue 29 target < 0.1), max {mx:.4f} nats")
+        # The same test on CPU (bf16, 16 x 64 tokens, 602 scored): mean 0.033, p99 0.208, max 0.286 nats. The
+        # float32 head removes the head's rounding (mean 0.024, p99 0.094 nats between a bfloat16 and a float32
+        # head on the same hidden states); the rest is the bfloat16 decoder: its trainer-side log-probs differ
+        # from the float32 model's by p99 0.17, max 0.44 nats, and the engine's cached decode rounds otherwise.
+        # So p99 < 0.1 is not expected here (GRPOConfig.tis_cap covers it); these bounds catch a regression (CUDA
+        # bf16 before issue 29: logprob_diff_max 1.89 nats) and a real mismatch (a wrong token, position or
+        # temperature costs > 1 nat on average).
+        assert len(diff_N) >= 128 and 0 < float(diff_N.mean()) < 0.1 and 0 < p99 < 0.3 and mx < 1.0
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+def test_fused_logprobs_peak_memory_on_cuda_against_a_plain_loop():
+    """Issue 29 item 4 at the default model's shape (8 x 512 tokens, bf16): peak CUDA memory of forward +
+    backward through response_logprobs, the formula before issue 29, and a plain loop (the model's own
+    ``labels=`` loss). bench/logprob_memory.py --shape 7b does the same at the issue's 7B shape."""
+    from lightning_nb.models.default import load_default_model
+
+    _default_model_or_skip()
+    model, _ = load_default_model(device="cuda", dtype="bfloat16")
+    B, T, P = 8, 512, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids_B_T = torch.randint(3, model.config.vocab_size, (B, T), device="cuda", generator=g)
+    attn_B_T = torch.ones_like(ids_B_T)
+    mask_B_L = torch.zeros(B, T - 1, device="cuda")
+    mask_B_L[:, P:] = 1
+    temp_B = torch.ones(B, device="cuda")
+    N, V = int(mask_B_L.sum()), model.config.vocab_size
+
+    def peak(step):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step().backward()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+    def old_formula():
+        logits = model(input_ids=ids_B_T, attention_mask=attn_B_T, logits_to_keep=T - P).logits[:, :-1].float()
+        sel = mask_B_L[:, P:].bool()
+        return -torch.log_softmax(logits[sel], -1).gather(-1, ids_B_T[:, P + 1:][sel][:, None]).sum()
+
+    plain = peak(lambda: model(input_ids=ids_B_T, attention_mask=attn_B_T, labels=ids_B_T).loss)
+    before = peak(old_formula)
+    now = peak(lambda: -response_logprobs(model, ids_B_T, attn_B_T, mask_B_L, temp_B).sum())
+    print(f"\ncuda bf16 SmolLM2-135M, {B} x {T} tokens ({N} scored, V {V}): peak above the weights: plain loop "
+          f"{plain:.3f} GiB, formula before issue 29 {before:.3f} GiB, response_logprobs now {now:.3f} GiB; "
+          f"one (N, V) float32 tensor is {N * V * 4 / 2**30:.3f} GiB")
+    assert now < before - N * V * 4 / 2**30  # at least one full-vocabulary float32 copy fewer
+    assert now < plain + 0.3  # issue 29's bound against a plain loop
+
+
+@pytest.mark.gpu
+def test_the_fused_head_on_cuda_bfloat16_matches_float64_and_takes_the_float32_accumulating_matmul():
+    """The CUDA path of lightning_nb.models.lm_head: bfloat16 operands multiplied by ``torch.mm(...,
+    out_dtype=torch.float32)`` (or upcast where this torch lacks it), against float64 on the same values."""
+    from lightning_nb.models import lm_head
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h_N_H = (torch.randn(512, 896, device="cuda", generator=g) * 2).to(torch.bfloat16).requires_grad_(True)
+    w_V_H = (torch.randn(20000, 896, device="cuda", generator=g) / 30).to(torch.bfloat16).requires_grad_(True)
+    target_N = torch.randint(0, 20000, (512,), device="cuda", generator=g)
+    temp_N = torch.full((512,), 0.8, device="cuda")
+    got_N = lm_head.token_logprobs(h_N_H, w_V_H, target_N, temp_N)
+    got_N.sum().backward()
+    h64, w64 = h_N_H.detach().double().requires_grad_(True), w_V_H.detach().double().requires_grad_(True)
+    want_N = torch.log_softmax(h64 @ w64.T / 0.8, -1).gather(1, target_N[:, None]).squeeze(1)
+    want_N.sum().backward()
+    print(f"\ntorch.mm(out_dtype=float32) on CUDA: {lm_head._OUT_DTYPE_MM.get('cuda')}; max |logp - float64| "
+          f"{float((got_N.double() - want_N).abs().max()):.2e} nats")
+    assert got_N.dtype == torch.float32 and float((got_N.double() - want_N).abs().max()) < 1e-3
+    for got, want in ((h_N_H.grad, h64.grad), (w_V_H.grad, w64.grad)):  # bfloat16 gradients: 8 bits
+        assert got.dtype == torch.bfloat16
+        assert float((got.double() - want).abs().max()) < 0.02 * float(want.abs().max())

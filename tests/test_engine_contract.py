@@ -231,6 +231,43 @@ def test_a_weight_update_is_served_at_once_and_nothing_stale_after(served, proxy
     assert float((torch.tensor(back["logprobs"]) - old_lp).abs().max()) < TOLERANCE[kind]
 
 
+def test_an_update_wrapped_in_released_for_update_is_served_after_it(served, proxy_store, pristine):
+    """What a trainer's update does: ``with engine.lock, engine.released_for_update():`` change the weights and
+    ``load_weights`` inside; the first call after the block gets the new weights. An engine with nothing to release
+    (TransformersEngine, an endpoint, vLLM on the CPU) runs the block as it is."""
+    kind, eng, model = served
+    proxy, store = proxy_store
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    if kind == "endpoint":
+        with eng.released_for_update():
+            pass
+        reply, _ = _call(proxy, store, messages, max_tokens=4, temperature=0.0)
+        assert reply["choices"][0]["finish_reason"] in ("stop", "length")
+        return
+    _, before = _call(proxy, store, messages, max_tokens=8, temperature=0.0)
+    original = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with eng.lock, eng.released_for_update():
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(1)
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+        version = eng.load_weights(model)
+    _, changed = _call(proxy, store, messages, max_tokens=8, temperature=0.0)
+    assert changed["weight_version"] == version == eng.weight_version
+    new_lp = _trainer_logprobs(model, changed["prompt_token_ids"], changed["completion_token_ids"], 1.0)
+    assert float((new_lp - torch.tensor(changed["logprobs"])).abs().max()) < TOLERANCE[kind]
+    assert (changed["completion_token_ids"], changed["logprobs"]) != \
+        (before["completion_token_ids"], before["logprobs"])
+    with eng.lock, eng.released_for_update():  # an update without new weights: the engine serves as before it
+        pass
+    with torch.no_grad():
+        model.load_state_dict(original)
+    eng.load_weights(model)
+    _, back = _call(proxy, store, messages, max_tokens=8, temperature=0.0)
+    assert back["completion_token_ids"] == before["completion_token_ids"]
+
+
 def test_close_leaves_nothing_serving(engine):
     from lightning_nb.engines.transformers import TransformersEngine
 

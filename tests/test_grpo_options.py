@@ -87,6 +87,8 @@ def _update(engine, start, batch, **config):
     (dict(overlong_penalty_factor=-1.0), "overlong_penalty_factor"), (dict(tis_cap=0.5), "tis_cap"),
     (dict(fail_on_fork=True, pack_turns=False), "fail_on_fork"),
     (dict(loss_agg_mode="seq-mean-token-sum-norm"), "max_response_len"),
+    (dict(micro_batch_size=0), "micro_batch_size"), (dict(micro_batch_tokens=0), "micro_batch_tokens"),
+    (dict(micro_batch_tokens="max"), "micro_batch_tokens"),
 ])
 def test_each_option_is_validated_with_the_field_its_range_and_a_fix(fields, name):
     with pytest.raises(ConfigError, match=rf"GRPOConfig\.{name}=.* must be .*; \w+"):
@@ -393,3 +395,15 @@ def test_the_adapter_reads_the_finish_reason_of_each_llm_span():
     store.update_attempt(rid, aid, status="succeeded")
     triplets = TripletAdapter().adapt(store, [rid])
     assert [t.finish_reason for t in triplets] == ["length", "stop", None]
+
+
+def test_tis_cap_defaults_on_in_bfloat16_and_an_explicit_value_is_kept():
+    """bf16 engine and trainer log-probs differ even with float32 heads (issue 29): truncated IS is on there."""
+    from lightning_nb.trainers.grpo.config import BF16_TIS_CAP
+
+    assert GRPOConfig().tis_cap is None
+    assert GRPOConfig(dtype="bfloat16").tis_cap == BF16_TIS_CAP == 2.0
+    assert GRPOConfig(dtype="bfloat16", tis_cap=None).tis_cap is None  # the user's None is honoured
+    assert GRPOConfig(dtype="float32", tis_cap=3.0).tis_cap == 3.0
+    with pytest.raises(ConfigError, match="lora_adapter_dtype"):
+        GRPOConfig(lora_adapter_dtype="bfloat16")

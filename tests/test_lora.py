@@ -158,20 +158,93 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora_engine, one
         GRPOTrainer(engine, GRPOConfig(track_reference_kl=False)).load(path)
 
 
-def test_lora_in_bfloat16_with_gradient_checkpointing_trains_float32_adapters(one_group):
-    """The GPU recipe on the CPU: bf16 base (frozen), float32 adapters (peft's autocast_adapter_dtype), gradient
-    checkpointing through the frozen layers (non-reentrant, so no input needs requires_grad)."""
+def test_lora_in_bfloat16_with_gradient_checkpointing_trains_bfloat16_adapters_with_float32_masters(one_group):
+    """The GPU recipe on the CPU: bf16 base (frozen), bf16 adapters computed in bf16 whose float32 masters the
+    trainer's MasterWeightAdamW keeps (models/lora.py says why not peft's float32 adapters), gradient checkpointing
+    through the frozen layers (non-reentrant, so no input needs requires_grad)."""
     eng = TransformersEngine.from_default(max_batch_size=4, dtype="bfloat16")
     try:
         base = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
         trainer = GRPOTrainer(eng, GRPOConfig(dtype="bfloat16", gradient_checkpointing=True, learning_rate=5e-4,
                                               **LORA))
-        assert {p.dtype for p in trainer._trainable} == {torch.float32}
+        assert {p.dtype for p in trainer._trainable} == {torch.bfloat16}
+        assert {m.dtype for m in trainer.optimizer.master_params} == {torch.float32}
         batch = one_group(eng)
         before = _seq_logprob(eng.model, batch[0])
         m = trainer.update(batch)
         assert m["optimizer_steps"] == 1 and m["grad_norm"] > 0 and m["kl"] == 0.0
         assert _seq_logprob(eng.model, batch[0]) > before  # the rewarded completion became likelier
         assert all(torch.equal(v, base[k.replace(".base_layer.", ".")]) for k, v in base_state_dict(eng.model).items())
+        # the model computes with its masters rounded to bfloat16
+        assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(trainer._trainable,
+                                                                        trainer.optimizer.master_params))
+    finally:
+        eng.stop()
+
+
+def _nll(model, ids_B_T):
+    logits = model(input_ids=ids_B_T).logits[:, :-1].float()
+    return -torch.log_softmax(logits, -1).gather(-1, ids_B_T[:, 1:, None]).mean()
+
+
+def _lora_a_changed(params, names, before):
+    """Fraction of the lora_A elements that differ from ``before``."""
+    pairs = [(p, before[n]) for p, n in zip(params, names) if ".lora_A." in n]
+    return sum(int((p != b).sum()) for p, b in pairs) / sum(p.numel() for p, _ in pairs)
+
+
+def test_small_lr_steps_on_bfloat16_adapters_survive_in_float32_masters():
+    """A step of lr 2e-5 or 1e-6 moves lora_A (|A| up to ~0.04) by ~lr: under half a bfloat16 step for most
+    elements, so a plain AdamW on bf16 adapters rounds it away; the float32 masters keep it (bench/lora_dtype.py
+    measures it over 10 steps)."""
+    from lightning_nb.models.lora import add_lora
+    from lightning_nb.trainers.optim import MasterWeightAdamW, make_optimizer
+
+    ids_B_T = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(0))
+    model, _ = load_default_model(dtype="bfloat16")
+    add_lora(model, 8, 16.0)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert {p.dtype for p in params} == {torch.bfloat16}  # the base's dtype, not peft's float32
+    start = {n: p.detach().clone() for n, p in zip(names, params)}
+    for lr, plain_at_most in ((2e-5, 0.3), (1e-6, 0.02)):
+        for kind in ("masters", "plain"):
+            with torch.no_grad():
+                for n, p in zip(names, params):
+                    p.copy_(start[n])  # the same initial adapters for every run
+            opt = (make_optimizer(params, dtype="bfloat16", lr=lr, weight_decay=0.0) if kind == "masters"
+                   else torch.optim.AdamW(params, lr=lr, weight_decay=0.0))
+            for step in range(2):  # step 1 moves B away from 0; from step 2 on A has a gradient
+                opt.zero_grad()
+                _nll(model, ids_B_T).backward()
+                opt.step()
+                if step == 0:  # B starts at 0, where bfloat16 holds a step of any size
+                    assert all(bool((p != start[n]).all()) for n, p in zip(names, params) if ".lora_B." in n)
+            if kind == "masters":
+                assert isinstance(opt, MasterWeightAdamW)
+                assert _lora_a_changed(opt.master_params, names, start) > 0.99, lr  # every A moved, in float32
+                assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(params, opt.master_params))
+            else:  # lost, but for elements under about lr * 2^8 in size
+                assert _lora_a_changed(params, names, start) < plain_at_most, lr
+
+
+def test_float32_adapters_stay_available_and_bad_adapter_dtype_is_refused():
+    from lightning_nb.models.lora import add_lora
+
+    model, _ = load_default_model(dtype="bfloat16")
+    with pytest.raises(ConfigError, match="adapter_dtype='bfloat16' must be None"):
+        add_lora(model, 8, 16.0, adapter_dtype="bfloat16")
+    add_lora(model, 8, 16.0, adapter_dtype="float32")  # peft's autocast_adapter_dtype
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+
+
+def test_the_trainer_config_keeps_peft_float32_adapters_when_asked():
+    """GRPOConfig.lora_adapter_dtype='float32' reaches add_lora (nothing the user sets is ignored)."""
+    eng = TransformersEngine.from_default(max_batch_size=4, dtype="bfloat16")
+    try:
+        trainer = GRPOTrainer(eng, GRPOConfig(dtype="bfloat16", lora_adapter_dtype="float32", **LORA))
+        assert {p.dtype for p in trainer._trainable} == {torch.float32}
+        assert {p.dtype for p in eng.model.parameters() if not p.requires_grad} == {torch.bfloat16}
     finally:
         eng.stop()

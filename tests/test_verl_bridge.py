@@ -337,3 +337,34 @@ def test_one_verl_update_takes_the_same_step_as_one_grpo_trainer_update(engine, 
     print(f"verl step vs GRPOTrainer step: relative L2 gap {rel:.2e}, elements off by > lr/2: {flipped:.2e}; "
           f"GRPOTrainer.update {t1 - t0:.2f} s, VerlActor.update_policy {t3 - t2:.2f} s")
     assert float(step_grpo.norm()) > 0 and rel < 0.01 and flipped < 1e-4
+
+
+# ----- devices ---------------------------------------------------------------------------
+def test_the_batch_is_built_on_the_given_device_and_advantages_stay_there():
+    """The CPU check of a device mix (issue 29: on CUDA, verl returned its log-probs on the GPU while the batch
+    stayed on the CPU). PyTorch's ``meta`` device stands in for a second device: any tensor made without the
+    batch's device (a CPU ``torch.zeros`` meeting a meta tensor) raises, as CPU and CUDA tensors do."""
+    ts = _grouped_batch()
+    d = triplets_to_dataproto(ts, pad_token_id=PAD, device="meta")
+    assert {str(v.device) for v in d.batch.values()} == {"meta"}
+    assert set(d.batch.keys()) >= {"input_ids", "rollout_log_probs", "token_level_scores", "response_mask"}
+    adv = grpo_advantages(d)
+    assert adv.device.type == "meta" and adv.shape == d.batch["response_mask"].shape
+    cpu = triplets_to_dataproto(ts, pad_token_id=PAD)
+    assert {str(v.device) for v in cpu.batch.values()} == {"cpu"}  # None: the CPU, as before
+    assert torch.equal(cpu.batch["input_ids"], triplets_to_dataproto(ts, pad_token_id=PAD, device="cpu").batch["input_ids"])
+
+
+def test_verls_actor_names_its_device_and_moves_a_batch_given_elsewhere():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4)).eval()
+    actor = VerlActor(model, ppo_config())
+    assert actor.device == torch.device("cpu")
+    d = triplets_to_dataproto([_t("a", 0, [5, 6], [8, 9], 1.0), _t("b", 0, [5], [8], 0.0)], pad_token_id=PAD,
+                              device=actor.device)
+    out = actor.compute_log_prob(d).batch["old_log_probs"]
+    assert out.device == actor.device and out.shape == d.batch["responses"].shape
+    assert (out - d.batch["rollout_log_probs"]).shape == out.shape  # the comparison the trainer makes

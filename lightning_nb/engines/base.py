@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import abc
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from lightning_nb.engines.chat_format import prompt_token_ids
 from lightning_nb.errors import ConfigError
@@ -33,7 +34,7 @@ SERVING_MEMBERS = ("model_name", "base_url", "deployment", "litellm_provider", "
 #: have them (an :class:`~lightning_nb.engines.endpoint.OpenAIEndpoint` has none of these attributes, its
 #: :meth:`~Engine.load_weights` raises and its :meth:`~Engine.generate` / :meth:`~Engine.submit` raise).
 WEIGHT_MEMBERS = ("model", "tokenizer", "lock", "pad_token_id", "stop_token_ids", "model_source",
-                  "apply_chat_template", "generate", "submit", "chat")
+                  "released_for_update", "apply_chat_template", "generate", "submit", "chat")
 
 
 @dataclass
@@ -91,14 +92,19 @@ class Engine(abc.ABC):
 
     * :attr:`model`: for a :class:`~lightning_nb.engines.transformers.TransformersEngine`, the
       module it generates with (the trainer updates it in place: no copy); for a
-      :class:`~lightning_nb.engines.vllm.VLLMEngine`, a float32 CPU transformers copy of the
-      served weights, kept only for the trainer (the server has its own; :meth:`load_weights`
-      exports this copy to it);
+      :class:`~lightning_nb.engines.vllm.VLLMEngine`, a transformers copy of the served weights
+      (float32 on the CPU until a trainer moves it to its device), kept only for the trainer (the
+      server has its own; :meth:`load_weights` exports this copy to it);
     * :attr:`tokenizer`, :attr:`pad_token_id`, :attr:`stop_token_ids`: what the trainer pads
       and renders with, and what :meth:`~lightning_nb.trainers.grpo.trainer.GRPOTrainer.save_pretrained`
       writes into the exported generation config;
     * :attr:`lock`: a trainer holds it while it changes :attr:`model`'s weights (and across
       :meth:`load_weights`), so no completion reads half-updated weights;
+    * :meth:`released_for_update`: a trainer wraps each update in it (``with engine.lock,
+      engine.released_for_update():`` ... ``engine.load_weights(model)``), so an engine that shares the
+      accelerator with the trainer can give its memory back for the update's length (a
+      :class:`~lightning_nb.engines.vllm.VLLMEngine` on CUDA sleeps); :meth:`load_weights` is allowed
+      inside it, and the engine serves again (the new weights if they were loaded) once the block ends;
     * :attr:`model_source`: where the initial weights came from, so a checkpoint can rebuild them;
     * :meth:`apply_chat_template`, :meth:`generate`, :meth:`submit` and :meth:`chat`: token-level
       generation without the proxy (notebooks, the trainer's tests).
@@ -198,6 +204,22 @@ class Engine(abc.ABC):
         self.close()
 
     # ----- weights: token-level generation without the proxy --------------------------------
+    @contextmanager
+    def released_for_update(self) -> Iterator[None]:
+        """Give the engine's accelerator memory to the trainer while the ``with`` block runs; serve again after.
+
+        A trainer wraps each update in it and calls :meth:`load_weights` inside (or not, when the
+        weights did not change). Completions requested meanwhile wait, or are served by the old
+        weights; none fails. This default does nothing: an engine that shares its module with the
+        trainer (:class:`~lightning_nb.engines.transformers.TransformersEngine`) or serves from
+        elsewhere has nothing to release. :meth:`VLLMEngine.released_for_update
+        <lightning_nb.engines.vllm.VLLMEngine.released_for_update>` puts its server to sleep.
+
+        Raises:
+            LightningNbError: the engine could not release or take back its memory (names the cause).
+        """
+        yield
+
     def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Token IDs of ``messages`` rendered with the chat template plus the assistant header
         (:func:`~lightning_nb.engines.chat_format.prompt_token_ids`, as the proxy's engine renders them)."""

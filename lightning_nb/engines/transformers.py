@@ -27,7 +27,8 @@ from lightning_nb.engines.chat_format import prompt_token_ids
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.models.default import (DEFAULT_MODEL_NAME, IM_END, default_gguf_path, default_model_cache_dir,
                                          load_default_model)
-from lightning_nb.models.device import model_device
+from lightning_nb.models.device import model_device, model_dtype
+from lightning_nb.models.lm_head import install_fp32_head
 
 __all__ = ["TransformersEngine", "Engine", "Generation", "load_default_model", "DEFAULT_MODEL_NAME", "IM_END",
            "default_gguf_path", "default_stop_token_ids", "default_model_cache_dir", "prompt_token_ids"]
@@ -133,7 +134,13 @@ class TransformersEngine(Engine):
 
     The engine runs on the model's device and in its dtype, read from the model at each
     batch (a :class:`~lightning_nb.trainers.grpo.trainer.GRPOTrainer` may move it after the engine was
-    built); log-probs are computed in float32 from the logits whatever the dtype.
+    built). Its logits are float32 whatever the dtype: on a model that is not float32 the engine
+    installs :func:`~lightning_nb.models.lm_head.install_fp32_head` (the output ``nn.Linear`` returns
+    float32 logits of the bfloat16 hidden states; weights and ``state_dict`` unchanged), so sampling
+    and log-probs use the same float32 logits the trainer's
+    :func:`~lightning_nb.trainers.grpo.logprobs.response_logprobs` computes, not logits rounded to
+    bfloat16 (spacing 0.06–0.125 at magnitudes 10–30). A head that is not an ``nn.Linear`` (LoRA-wrapped)
+    keeps the model's dtype; its logits are upcast before the log-softmax.
 
     Beyond the :class:`~lightning_nb.engines.base.Engine` contract: :attr:`tokens_generated`, the
     completion tokens decoded so far (the trainer panel's tokens/s), and :attr:`max_batch_size`,
@@ -354,6 +361,8 @@ class TransformersEngine(Engine):
         if temperature > 0:
             sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
         with self.lock, torch.inference_mode():
+            if model_dtype(self.model) != torch.float32:  # read per batch: the trainer may have cast the model
+                install_fp32_head(self.model)
             version = self.weight_version
             out = self.model.generate(
                 input_ids=input_ids_B_P,
@@ -366,7 +375,7 @@ class TransformersEngine(Engine):
                 **sampling,
             )
             new_B_T = out.sequences[:, P:]
-            logits_B_T_V = torch.stack(out.logits, dim=1).float()  # float32 whatever the model's dtype
+            logits_B_T_V = torch.stack(out.logits, dim=1).float()  # float32 already where the fp32 head runs
             if temperature > 0:
                 logits_B_T_V = logits_B_T_V / temperature
             logprobs_B_T = torch.log_softmax(logits_B_T_V, dim=-1).gather(-1, new_B_T.unsqueeze(-1)).squeeze(-1)

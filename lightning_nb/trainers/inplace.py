@@ -55,7 +55,8 @@ class InPlaceTrainer(Trainer):
         with engine.lock:  # the engine serves the moved model from its next batch on (it reads the device each time)
             place_model(self.model, cfg.device, cfg.dtype)
             if cfg.lora_rank:  # injected in place: the engine serves the adapted model with no copy
-                self.peft_model = add_lora(self.model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+                self.peft_model = add_lora(self.model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules,
+                                           adapter_dtype=cfg.lora_adapter_dtype)
             elif has_lora(self.model):
                 raise ConfigError(
                     "GRPOConfig.lora_rank=0 (full fine-tuning), but this engine's model has LoRA adapters from an "
@@ -67,7 +68,7 @@ class InPlaceTrainer(Trainer):
             set_gradient_checkpointing(self.reference, False)
         set_gradient_checkpointing(self.model, cfg.gradient_checkpointing)
         self._placement = {k: getattr(cfg, k) for k in ("device", "dtype", "gradient_checkpointing", "lora_rank",
-                                                         "lora_alpha", "lora_target_modules")}
+                                                         "lora_alpha", "lora_target_modules", "lora_adapter_dtype")}
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]  # the adapters only, with LoRA
         # created after the move, so its state lives beside the weights
         self.optimizer = make_optimizer(self._trainable, dtype=cfg.dtype, lr=cfg.learning_rate,

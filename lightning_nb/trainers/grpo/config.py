@@ -11,7 +11,38 @@ from typing import Optional, Union
 from lightning_nb.errors import ConfigError
 from lightning_nb.models.device import check_device, check_dtype
 
-__all__ = ["GRPOConfig", "lr_factor"]
+__all__ = ["GRPOConfig", "lr_factor", "DEVICE_DEFAULT", "DTYPE_DEFAULT", "BF16_TIS_CAP"]
+
+
+class _DeviceDefault:
+    """The default of ``GRPOConfig.micro_batch_tokens`` before construction resolves it: 'auto' on CUDA, None on CPU."""
+
+    def __repr__(self) -> str:
+        return "'auto' on CUDA, None on CPU"
+
+
+#: Placeholder default of ``micro_batch_tokens``; ``GRPOConfig.__post_init__`` replaces it by the device's default.
+DEVICE_DEFAULT = _DeviceDefault()
+
+
+class _DtypeDefault:
+    """The default of ``GRPOConfig.tis_cap`` before construction resolves it: BF16_TIS_CAP in bfloat16, else None."""
+
+    def __repr__(self) -> str:
+        return f"{BF16_TIS_CAP} in bfloat16, None in float32"
+
+
+#: Placeholder default of ``tis_cap``; ``GRPOConfig.__post_init__`` replaces it by the dtype's default.
+DTYPE_DEFAULT = _DtypeDefault()
+
+#: ``tis_cap`` in bfloat16 unless set: engine and trainer log-probs of the same tokens differ there even with
+#: float32 LM heads on both sides (measured on CPU, SmolLM2-135M: p99 0.15-0.21 nats, max 0.29; issue 29).
+BF16_TIS_CAP = 2.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 @dataclass
 class GRPOConfig:
@@ -61,8 +92,8 @@ class GRPOConfig:
                 "policy at the start of the update, so the clip acts. 1 = one pass."})
     mini_batch_size: Optional[int] = field(default=None, metadata={
         "help": "Sequences per optimizer step (PPO mini-batch); None = the whole batch, one step. Its "
-                "micro-batches (micro_batch_size) accumulate gradients, and the loss is normalized per "
-                "mini-batch, so accumulation does not change the step."})
+                "micro-batches (micro_batch_tokens, micro_batch_size) accumulate gradients, and the loss is "
+                "normalized per mini-batch, so accumulation does not change the step."})
     lr_scheduler: str = field(default="constant", metadata={
         "help": "Learning-rate schedule over update() calls, after warmup_steps of linear warmup: constant, "
                 "linear (to 0 at total_steps) or cosine (to 0 at total_steps). See lightning_nb.trainers.grpo.config.lr_factor."})
@@ -91,10 +122,12 @@ class GRPOConfig:
                 "overlong_buffer_len lose up to overlong_penalty_factor of reward, linearly. 0 = off."})
     overlong_penalty_factor: float = field(default=1.0, metadata={
         "help": "Largest soft overlong penalty (reward units), reached at max_response_len tokens."})
-    tis_cap: Optional[float] = field(default=None, metadata={
+    tis_cap: Optional[float] = field(default=DTYPE_DEFAULT, metadata={  # type: ignore[assignment]
         "help": "Truncated importance sampling (Yao et al. 2025): weight each token's loss by "
                 "min(π_trainer/π_engine, tis_cap), for engines whose log-probs differ from the trainer's "
-                "(vLLM, bf16, stale weights); 2 is typical. None = off."})
+                "(vLLM, bf16, stale weights); 2 is typical. None = off. Default: 2.0 when dtype='bfloat16' "
+                "(engine and trainer log-probs differ by p99 0.15-0.21 nats there even with float32 LM heads), "
+                "None otherwise; an explicit None is kept."})
     fail_on_fork: bool = field(default=False, metadata={
         "help": "Raise ConfigError when a turn's prompt does not extend the previous turn's prompt + "
                 "completion token for token (a fork: pack_episode would start a new sequence; counted in the "
@@ -102,7 +135,22 @@ class GRPOConfig:
     loss_agg_mode: str = field(default="token-mean", metadata={
         "help": "verl loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, or "
                 "seq-mean-token-sum-norm (Dr. GRPO; needs max_response_len)."})
-    micro_batch_size: int = field(default=4, metadata={"help": "Sequences per forward/backward (memory bound)."})
+    micro_batch_size: Optional[int] = field(default=None, metadata={
+        "help": "Rows (sequences) per forward/backward. Without a token budget (micro_batch_tokens=None): "
+                "micro-batches of this many rows in batch order, 4 when None. With a token budget: a cap on the "
+                "rows of a micro-batch on top of it (None: no cap). Either way the step does not change, only "
+                "memory and speed (the loss is normalized per mini-batch)."})
+    micro_batch_tokens: Optional[Union[int, str]] = field(default=DEVICE_DEFAULT, metadata={
+        "help": "Token budget of one forward/backward, padding counted (rows × the longest row): verl's "
+                "use_dynamic_bsz with ppo_max_token_len_per_gpu. The sequences of a mini-batch are sorted by "
+                "length and packed greedily (lightning_nb.trainers.microbatch.plan_micro_batches), so padding "
+                "stays small; a sequence longer than the budget gets a micro-batch of its own (never cut); "
+                "micro_batch_size, when set, still caps the rows. None = fixed micro-batches of micro_batch_size "
+                "rows. 'auto' = chosen at each update from free device memory on CUDA (auto_micro_batch_tokens: "
+                "a per-token memory estimate from the model's hidden size, layers, vocabulary and dtype, 70% of "
+                "what is free after 1 GiB of headroom), 2048 on CPU; the metrics report the budget used "
+                "(micro_batch_tokens). Default: 'auto' when device is CUDA, None on CPU (CPU updates stay as "
+                "they were)."})
     pack_turns: bool = field(default=True, metadata={
         "help": "Pack an episode's turns into one sequence when each prompt extends the previous turn."})
     skip_zero_advantage: bool = field(default=True, metadata={
@@ -129,12 +177,21 @@ class GRPOConfig:
     lora_alpha: float = field(default=32.0, metadata={
         "help": "LoRA scale numerator: the adapters' update is scaled by lora_alpha / lora_rank (verl's and "
                 "peft's lora_alpha)."})
+    lora_adapter_dtype: Optional[str] = field(default=None, metadata={
+        "help": "None: the adapters take the model's dtype (bf16 adapters on a bf16 model, with float32 master "
+                "copies in AdamW, so small steps survive); 'float32': peft's float32 adapters (slower bf16 "
+                "matmuls become float32 ones). Set at construction."})
     lora_target_modules: Union[str, list] = field(default="all-linear", metadata={
         "help": "Layers that get adapters: 'all-linear' (every linear layer but the output head, as QLoRA and "
                 "verl's examples do) or module names such as ['q_proj', 'v_proj'] (peft's target_modules). "
                 "Set at construction."})
 
     def __post_init__(self) -> None:
+        if self.tis_cap is DTYPE_DEFAULT:  # resolved once, from the dtype the config names
+            self.tis_cap = BF16_TIS_CAP if self.dtype == "bfloat16" else None
+        if self.micro_batch_tokens is DEVICE_DEFAULT:  # resolved once, from the device the config names
+            cuda = isinstance(self.device, str) and self.device.startswith("cuda")
+            self.micro_batch_tokens = "auto" if cuda else None
         self.validate()
 
     def validate(self) -> None:
@@ -142,7 +199,7 @@ class GRPOConfig:
         checks = {
             "learning_rate": self.learning_rate > 0, "weight_decay": self.weight_decay >= 0,
             "max_grad_norm": self.max_grad_norm > 0, "clip_ratio": 0 < self.clip_ratio < 1,
-            "kl_coef": self.kl_coef >= 0, "micro_batch_size": self.micro_batch_size >= 1,
+            "kl_coef": self.kl_coef >= 0,
             "min_group_size": self.min_group_size >= 2, "max_staleness": self.max_staleness >= 0,
         }
         for name, ok in checks.items():
@@ -158,6 +215,18 @@ class GRPOConfig:
         self._validate_rl_options()
         check_device(self.device, "GRPOConfig.device")
         check_dtype(self.dtype, "GRPOConfig.dtype")
+
+    def _micro_batch_rules(self) -> list[tuple[str, bool, str, str]]:
+        """(field, valid, allowed range, fix) of micro_batch_size and micro_batch_tokens."""
+        return [
+            ("micro_batch_size", self.micro_batch_size is None or (
+                _is_int(self.micro_batch_size) and self.micro_batch_size >= 1), "None or an int >= 1",
+             "use None for 4 rows (or no row cap with micro_batch_tokens)"),
+            ("micro_batch_tokens", self.micro_batch_tokens is None or self.micro_batch_tokens == "auto" or (
+                _is_int(self.micro_batch_tokens) and self.micro_batch_tokens >= 1),
+             "None, 'auto' or an int >= 1 (tokens per forward/backward, padding counted)",
+             "use 'auto' to size micro-batches from free device memory, or None for micro_batch_size rows"),
+        ]
 
     def _validate_rl_options(self) -> None:
         """The RL-step options: (field, in range, allowed range, fix) in order; the first failure raises."""
@@ -205,6 +274,8 @@ class GRPOConfig:
             ("lora_rank", isinstance(self.lora_rank, int) and self.lora_rank >= 0, "an int >= 0",
              "use 0 for full fine-tuning, or 8-64 for LoRA"),
             ("lora_alpha", self.lora_alpha > 0, "> 0", "use twice lora_rank, a common choice"),
+            ("lora_adapter_dtype", self.lora_adapter_dtype in (None, "float32"), "None or 'float32'",
+             "use None for adapters in the model's dtype, or 'float32' for peft's float32 adapters"),
             ("lora_target_modules", self.lora_target_modules == "all-linear" or (
                 isinstance(self.lora_target_modules, (list, tuple)) and self.lora_target_modules
                 and all(isinstance(m, str) for m in self.lora_target_modules)),
@@ -212,7 +283,7 @@ class GRPOConfig:
             ("fail_on_fork", not self.fail_on_fork or self.pack_turns, "False when pack_turns is False",
              "set pack_turns=True (without packing every turn is its own sequence, so nothing forks)"),
         ]
-        for name, ok, allowed, fix in rules:
+        for name, ok, allowed, fix in self._micro_batch_rules() + rules:
             if not ok:
                 raise ConfigError(f"GRPOConfig.{name}={getattr(self, name)!r} is invalid: it must be {allowed}; "
                                   f"{fix}")

@@ -22,10 +22,11 @@ from lightning_nb.trainers.base import ProgressCallback
 from lightning_nb.trainers.grpo.batch import Batch, build_batch, check_batch, per_triplet_turn, signal_groups
 from lightning_nb.trainers.grpo.config import GRPOConfig, lr_factor
 from lightning_nb.trainers.grpo.credit import group_advantages, overlong_penalty, reward_to_go, transition_advantages
-from lightning_nb.trainers.grpo.logprobs import micro_batches, response_logprobs, shift_pad
+from lightning_nb.trainers.grpo.logprobs import response_logprobs, shift_pad
 from lightning_nb.trainers.grpo.losses import aggregate_loss, kl_estimate, policy_loss, truncated_is_weights
 from lightning_nb.trainers.inplace import InPlaceTrainer
 from lightning_nb.trainers.metrics import batch_metrics
+from lightning_nb.trainers.microbatch import MicroBatcher, auto_micro_batch_tokens
 from lightning_nb.trainers.packing import PackedSequence, pack_episode
 from lightning_nb.types import Triplet
 
@@ -36,6 +37,10 @@ __all__ = ["GRPOConfig", "GRPOTrainer", "group_advantages", "lr_factor", "overlo
 
 def _no_progress(done: int, total: int, unit: str) -> None:
     pass
+
+
+def _lengths(seqs: Sequence[PackedSequence]) -> list[int]:
+    return [len(s.input_ids) for s in seqs]
 
 
 def _ticker(report: ProgressCallback, total: int) -> Callable[[], None]:
@@ -74,6 +79,7 @@ class GRPOTrainer(InPlaceTrainer):
 
     def __init__(self, engine: TransformersEngine, config: Optional[GRPOConfig] = None) -> None:
         super().__init__(engine, config or GRPOConfig())
+        self._batcher = MicroBatcher()  # the micro-batch rule of the running update (_micro_batcher)
 
     # ----- the RL step ----------------------------------------------------------------
     def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None) -> dict[str, Any]:
@@ -92,8 +98,12 @@ class GRPOTrainer(InPlaceTrainer):
              ``reward_to_go``, ``transition_advantages``), given to that turn's tokens;
           2. :meth:`_optimize`: ``ppo_epochs`` passes over mini-batches of ``mini_batch_size``
              sequences, one AdamW step each with gradient-norm clipping; each mini-batch is
-             forwarded in micro-batches of ``micro_batch_size`` (:meth:`_micro_step`, gradients
-             accumulated) through the model's own ``forward``; each micro-batch done (also those
+             forwarded in micro-batches (:meth:`_micro_step`, gradients accumulated) through the
+             model's own ``forward``: with ``micro_batch_tokens`` its sequences sorted by length and
+             packed into micro-batches of at most that many tokens, padding counted (``"auto"``: sized
+             from free device memory at the start of the update; :mod:`~lightning_nb.trainers.microbatch`),
+             else ``micro_batch_size`` rows in batch order; π_start's and the reference's scoring
+             forwards are split the same way; each micro-batch done (also those
              of π_start's scoring forwards) calls ``on_progress(done, total, "micro-batches")``
              (the algorithm's loop shows it as ``progress``, phase ``"update"``);
           3. ``engine.load_weights(model)`` serves the new weights and bumps
@@ -149,6 +159,10 @@ class GRPOTrainer(InPlaceTrainer):
         tokens), ``truncated_responses`` (triplets with ``finish_reason == "length"``),
         ``intermediate_rewards`` (triplets with ``step_reward != 0``),
         ``update_seconds``, ``tokens_per_s``, ``lr`` (the learning rate this update used),
+        ``micro_batches`` (forwards this update made: training micro-batches of every epoch plus π_start's
+        and the reference's scoring forwards), ``padding_fraction`` (padding tokens / all tokens those
+        forwards held, rows × the longest row each), ``micro_batch_tokens`` (the token budget used, tokens:
+        ``"auto"`` resolved; NaN with fixed rows, ``micro_batch_tokens=None``),
         ``config_changes`` (edits applied at this step, or "").
 
         Departures from the GRPO paper (Shao et al. 2024) and the Agent Lightning paper:
@@ -178,10 +192,12 @@ class GRPOTrainer(InPlaceTrainer):
             lr = float(self.optimizer.param_groups[0]["lr"])
             t0 = time.perf_counter()
             report(0, 0, "micro-batches")
-            with self.engine.lock:
+            # a VLLMEngine sharing the GPU sleeps meanwhile (Engine.released_for_update), so "auto" sees its memory free
+            with self.engine.lock, self.engine.released_for_update():
+                self._batcher = self._micro_batcher()
                 batch = build_batch(self.config, triplets, self.engine.weight_version,
                                     score_kl=lambda seqs: self._score_at_start(
-                                        seqs, _ticker(report, micro_batches(seqs, self.config.micro_batch_size)),
+                                        seqs, _ticker(report, self._batcher.count(_lengths(seqs))),
                                         with_reference=True))
                 stats = self._optimize(batch.seqs, report)
                 if stats["optimizer_steps"]:
@@ -214,8 +230,9 @@ class GRPOTrainer(InPlaceTrainer):
         minis = [m for m in (seqs[i: i + size] for i in range(0, len(seqs), size)) if any(s.trained for s in m)]
         scored = ([s for s in seqs if s.trained and s.trainer_logprobs is None]
                   if cfg.ppo_epochs * len(minis) > 1 else [])
-        tick = _ticker(report, micro_batches(scored, cfg.micro_batch_size) + cfg.ppo_epochs * sum(
-            micro_batches([s for s in m if s.trained], cfg.micro_batch_size) for m in minis))
+        count = self._batcher.count
+        tick = _ticker(report, count(_lengths(scored)) + cfg.ppo_epochs * sum(
+            count(_lengths([s for s in m if s.trained])) for m in minis))
         if scored:  # fix π_start before the first step changes the weights
             self._score_at_start(scored, tick)
         stats = dict.fromkeys(("loss", "pg_loss", "kl", "ppo_kl", "pg_clipfrac", "tis_weight", "tokens",
@@ -226,8 +243,8 @@ class GRPOTrainer(InPlaceTrainer):
                 agg = {"mode": cfg.loss_agg_mode, "num_tokens": sum(sum(s.mask) for s in mini),  # the mini-batch's
                        "num_sequences": sum(1 for s in mini if any(s.mask)), "norm_len": cfg.max_response_len}
                 trained = [s for s in mini if s.trained]
-                for i in range(0, len(trained), cfg.micro_batch_size):
-                    part = self._micro_step(trained[i: i + cfg.micro_batch_size], agg)
+                for micro in self._batcher.split(trained, _lengths(trained)):
+                    part = self._micro_step(micro, agg)
                     tick()
                     for k, v in part.items():
                         stats[k] = max(stats[k], v) if k == "logprob_diff_max" else stats[k] + v
@@ -237,6 +254,20 @@ class GRPOTrainer(InPlaceTrainer):
                 self.optimizer.zero_grad(set_to_none=True)
                 stats["optimizer_steps"] += 1
         return stats
+
+    def _micro_batcher(self) -> MicroBatcher:
+        """This update's micro-batch rule: ``micro_batch_tokens`` (``"auto"`` resolved now, from free device memory)
+        and ``micro_batch_size`` (rows: the split without a budget, a cap with one)."""
+        cfg = self.config
+        budget = cfg.micro_batch_tokens
+        if budget == "auto":
+            params = self._trainable
+            pending = sum(p.numel() * p.element_size() for p in params if p.grad is None)
+            if not self.optimizer.state:  # AdamW's two float32 moments, created by the first step
+                pending += 8 * sum(p.numel() for p in params)
+            budget = auto_micro_batch_tokens(self.model, gradient_checkpointing=cfg.gradient_checkpointing,
+                                             lora=self.peft_model is not None, pending_bytes=pending)
+        return MicroBatcher(max_tokens=budget, max_rows=cfg.micro_batch_size)
 
     def _step_metrics(self, triplets: Sequence[Triplet], batch: Batch, stats: dict[str, float], seconds: float,
                       lr: float, changes: list[str]) -> dict[str, Any]:
@@ -258,7 +289,10 @@ class GRPOTrainer(InPlaceTrainer):
                 "sequences_trained": len(trained), "tokens_trained": sum(sum(s.mask) for s in trained),
                 "grad_norm": grad_norm / steps if steps else 0.0, "update_seconds": seconds,
                 "tokens_per_s": sum(len(s.input_ids) for s in trained) / seconds if seconds > 0 else 0.0,
-                "lr": lr, "optimizer_steps": steps,
+                "lr": lr, "optimizer_steps": steps, "micro_batches": self._batcher.forwards,
+                "padding_fraction": self._batcher.padding_fraction,
+                "micro_batch_tokens": (self._batcher.max_tokens if self._batcher.max_tokens is not None
+                                       else math.nan),
                 "tis_weight_mean": tis_weight / tokens if self.config.tis_cap is not None and tokens else math.nan,
                 **tail}
 
@@ -272,6 +306,7 @@ class GRPOTrainer(InPlaceTrainer):
         import torch
 
         T = max(len(s.input_ids) for s in micro)
+        self._batcher.record(_lengths(micro))
         pad = self.engine.pad_token_id
         device = next(self.model.parameters()).device
         ids_B_T = torch.tensor([s.input_ids + [pad] * (T - len(s.input_ids)) for s in micro], device=device)
@@ -292,8 +327,7 @@ class GRPOTrainer(InPlaceTrainer):
         import torch
 
         with torch.no_grad():
-            for i in range(0, len(seqs), self.config.micro_batch_size):
-                micro = seqs[i: i + self.config.micro_batch_size]
+            for micro in self._batcher.split(seqs, _lengths(seqs)):
                 _, _, ids_B_T, attn_B_T, mask_B_L, temp_B = self._inputs(micro)
                 logp_B_L = response_logprobs(self.model, ids_B_T, attn_B_T, mask_B_L, temp_B)
                 if with_reference:

@@ -129,6 +129,18 @@ class VerlActor:
         self.loss_fn = functools.partial(ppo_loss, config=self.actor_config)
         self._torch = torch
 
+    @property
+    def device(self) -> Any:
+        """The ``torch.device`` of the model's parameters: where verl computes, and where its outputs are."""
+        return next(self.model.parameters()).device
+
+    def _on_device(self, data: Any) -> Any:
+        """``data`` with its tensors on :attr:`device` (``DataProto.to``, in place, only when some are elsewhere)."""
+        device = self.device
+        if any(v.device != device for v in data.batch.values()):
+            return data.to(device)
+        return data
+
     def _mode_kwargs(self) -> dict[str, bool]:
         """Arguments for verl's ``engine.eval_mode()`` / ``train_mode()``.
 
@@ -158,14 +170,16 @@ class VerlActor:
         None: ``rollout.log_prob_max_token_len_per_gpu``.
 
         Returns a ``DataProto`` with ``old_log_probs`` (B, R) float32 (0 on padding; to be
-        ``union``-ed into ``data``), and ``entropys`` (B, R) with ``calculate_entropy``.
+        ``union``-ed into ``data``), and ``entropys`` (B, R) with ``calculate_entropy``, on :attr:`device`
+        (``data`` is moved there first when it is elsewhere, in place as ``DataProto.to`` moves; building it
+        there, ``triplets_to_dataproto(..., device=actor.device)``, saves the copy).
         """
         from verl import DataProto
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import no_padding_2_padding
 
         ec = self.engine.engine_config
-        td = self._no_padding(data, calculate_entropy=calculate_entropy, compute_loss=False,
+        td = self._no_padding(self._on_device(data), calculate_entropy=calculate_entropy, compute_loss=False,
                               use_remove_padding=ec.use_remove_padding, use_dynamic_bsz=ec.use_dynamic_bsz,
                               max_token_len_per_gpu=max_token_len or ec.infer_max_token_len_per_gpu,
                               micro_batch_size_per_gpu=ec.infer_micro_batch_size_per_gpu,
@@ -210,6 +224,7 @@ class VerlActor:
         if ac.shuffle:
             raise ValueError("actor_rollout_ref.actor.shuffle=true is not supported by the in-process actor; "
                              "mini-batches are consecutive rows")
+        data = self._on_device(data)
         B = len(data)
         mini = min(mini_batch_size or cfg.actor.ppo_mini_batch_size * cfg.rollout.n, B)
         parts = [data[i: i + mini] for i in range(0, B, mini)]

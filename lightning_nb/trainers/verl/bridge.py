@@ -35,7 +35,7 @@ __all__ = ["triplets_to_dataproto", "grpo_advantages", "ppo_config", "VerlActor"
 # ----- triplets -> DataProto ------------------------------------------------------------
 def triplets_to_dataproto(triplets: Sequence[Triplet], *, pad_token_id: int, max_prompt_len: Optional[int] = None,
                           max_response_len: Optional[int] = None, pack_turns: bool = True,
-                          advantages: Optional[Mapping[Any, float]] = None) -> Any:
+                          advantages: Optional[Mapping[Any, float]] = None, device: Any = None) -> Any:
     """The ``verl.DataProto`` verl's PPO trainer consumes, one row per packed sequence.
 
     Each episode (the triplets of one ``rollout_id``, ordered by ``turn``) is packed by
@@ -87,6 +87,8 @@ def triplets_to_dataproto(triplets: Sequence[Triplet], *, pad_token_id: int, max
         pack_turns: pack turns that extend each other into one row (``GRPOConfig.pack_turns``).
         advantages: optional precomputed advantages, keyed by ``rollout_id`` (one per episode) or by
             ``(rollout_id, turn)`` (one per triplet, e.g. ``GRPOTrainer.last_turn_advantages``).
+        device: where the tensors go (``VerlActor.device``: verl's actor returns its log-probs there, and
+            they are compared with ``rollout_log_probs``); None: the CPU.
 
     Raises:
         ValueError: no triplets, an empty response, an episode whose triplets name two groups,
@@ -130,7 +132,8 @@ def triplets_to_dataproto(triplets: Sequence[Triplet], *, pad_token_id: int, max
         "rollout_id": np.array([r["rollout_id"] for r in rows], dtype=object),
         "turn": np.array([r["turn"] for r in rows], dtype=object),
     }
-    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info={"pad_token_id": int(pad_token_id)})
+    data = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info={"pad_token_id": int(pad_token_id)})
+    return data.to(device) if device is not None else data
 
 
 def _rows(triplets: Sequence[Triplet], pack_turns: bool,
@@ -215,6 +218,7 @@ def grpo_advantages(data: Any, *, norm_adv_by_std: bool = True, min_group_size: 
     row per episode this is the same as calling verl on the batch's ``token_level_scores``,
     ``response_mask`` and ``uid`` directly; per episode, a forked episode does not count twice in its
     group. The values equal :func:`lightning_nb.trainers.grpo.credit.group_advantages` of the episodes' rewards.
+    The result is on the batch's device (that of ``token_level_scores``).
 
     Raises:
         ValueError: a group has fewer than ``min_group_size`` episodes (verl would train a lone
@@ -229,9 +233,11 @@ def grpo_advantages(data: Any, *, norm_adv_by_std: bool = True, min_group_size: 
     uids = list(data.non_tensor_batch["uid"])
     episodes = list(dict.fromkeys(rollout_ids))
     index = {e: i for i, e in enumerate(episodes)}
-    row_episode = torch.tensor([index[r] for r in rollout_ids])
-    scores_E = torch.zeros(len(episodes), dtype=torch.float32).index_add_(
-        0, row_episode, data.batch["token_level_scores"].float().sum(-1))
+    scores_B_R = data.batch["token_level_scores"]
+    device = scores_B_R.device
+    row_episode = torch.tensor([index[r] for r in rollout_ids], device=device)
+    scores_E = torch.zeros(len(episodes), dtype=torch.float32, device=device).index_add_(
+        0, row_episode, scores_B_R.float().sum(-1))
     group_E = [uids[rollout_ids.index(e)] for e in episodes]
     sizes: dict[Any, int] = {}
     for g in group_E:
@@ -242,7 +248,7 @@ def grpo_advantages(data: Any, *, norm_adv_by_std: bool = True, min_group_size: 
         raise ValueError(f"group {g!r} has {n} episode(s), fewer than min_group_size={min_group_size} "
                          f"({len(small)} such group(s)); drop them before computing advantages")
     adv_E, _ = core_algos.compute_grpo_outcome_advantage(
-        token_level_rewards=scores_E[:, None], response_mask=torch.ones(len(episodes), 1),
+        token_level_rewards=scores_E[:, None], response_mask=torch.ones(len(episodes), 1, device=device),
         index=np.array(group_E, dtype=object), norm_adv_by_std_in_grpo=norm_adv_by_std)
     return adv_E[row_episode, 0][:, None] * data.batch["response_mask"].float()
 

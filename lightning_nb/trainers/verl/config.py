@@ -10,10 +10,11 @@ from __future__ import annotations
 import contextlib
 import io
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from lightning_nb.errors import ConfigError
 from lightning_nb.trainers.grpo.config import GRPOConfig
+from lightning_nb.trainers.microbatch import auto_micro_batch_tokens
 
 __all__ = ["VerlConfig", "MAPPED_KEYS"]
 
@@ -36,6 +37,8 @@ MAPPED_KEYS: dict[str, str] = {
     "actor_rollout_ref.actor.ppo_epochs": "ppo_epochs",
     "actor_rollout_ref.actor.ppo_mini_batch_size": "mini_batch_size",
     "actor_rollout_ref.actor.use_dynamic_bsz": "micro_batch_size",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "micro_batch_tokens",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "micro_batch_tokens",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "gradient_checkpointing",
     "actor_rollout_ref.model.lora_rank": "lora_rank",
     "algorithm.adv_estimator": "(VerlTrainer is GRPO)",
@@ -63,9 +66,14 @@ class VerlConfig(GRPOConfig):
     reference as a loss (``kl_coef``, ``kl_penalty``; ``track_reference_kl`` measures it),
     ``max_staleness``, ``min_group_size``, ``pack_turns``, ``fail_on_fork``, ``device``, ``dtype``,
     ``gradient_checkpointing`` and LoRA (``lora_*``: peft adapters injected in the engine's model; verl
-    adopts that model as it is). ``micro_batch_size`` bounds one forward by tokens: verl's dynamic
-    micro-batching (``use_dynamic_bsz``) with a budget of ``micro_batch_size ×`` the longest row's
-    tokens, so a forward holds at least ``micro_batch_size`` rows' worth of memory and never more.
+    adopts that model as it is). Micro-batches are verl's dynamic ones (``use_dynamic_bsz``), by a token
+    budget (``ppo_max_token_len_per_gpu``, :meth:`max_token_len`): ``micro_batch_tokens`` when set (an int, or
+    ``"auto"`` from free device memory as in ``GRPOTrainer``), else ``micro_batch_size ×`` the longest row's
+    tokens, so a forward holds at least ``micro_batch_size`` rows' worth of memory and never more. Unlike
+    ``GRPOTrainer``, the default ``micro_batch_tokens`` is None on every device (verl's own default is
+    ``use_dynamic_bsz=false``), ``micro_batch_size`` defaults to 4, and setting ``micro_batch_tokens`` needs
+    ``micro_batch_size=None`` (verl's dynamic micro-batches have no row cap). verl counts a micro-batch's real
+    tokens (its rows' lengths), not ``GRPOTrainer``'s rows × longest row.
 
     One difference in meaning: verl recomputes π_old with the weights at the start of the update (its
     ``_compute_old_log_prob``), so an episode sampled one weight version earlier (kept by ``max_staleness=1``)
@@ -78,6 +86,15 @@ class VerlConfig(GRPOConfig):
     (verl forwards every row).
     """
 
+    micro_batch_size: Optional[int] = field(default=4, metadata={
+        "help": "Without micro_batch_tokens: verl's token budget per forward is micro_batch_size × the longest "
+                "row's tokens. Must be None when micro_batch_tokens is set (verl has no row cap)."})
+    micro_batch_tokens: Optional[Union[int, str]] = field(default=None, metadata={
+        "help": "verl's ppo_max_token_len_per_gpu (and log_prob_max_token_len_per_gpu): tokens per forward, an "
+                "int >= 1 or 'auto' (from free device memory, lightning_nb.trainers.microbatch."
+                "auto_micro_batch_tokens); None = micro_batch_size × the longest row. Needs micro_batch_size=None."})
+    tis_cap: Optional[float] = field(default=None, metadata={
+        "help": "Not supported by VerlTrainer (verl's own rollout correction is not wired here); must stay None."})
     skip_zero_advantage: bool = field(default=False, metadata={
         "help": "Not supported by VerlTrainer (verl forwards every row; a zero-advantage row adds no policy "
                 "gradient); must stay False."})
@@ -103,6 +120,11 @@ class VerlConfig(GRPOConfig):
             ("overlong_buffer_len", self.overlong_buffer_len == 0, "0",
              "use GRPOTrainer for DAPO's soft overlong penalty"),
             ("skip_zero_advantage", not self.skip_zero_advantage, "False", "verl forwards every row"),
+            ("micro_batch_size", self.micro_batch_size is not None or self.micro_batch_tokens is not None,
+             "an int >= 1 without micro_batch_tokens", "set micro_batch_size (4 is the default) or micro_batch_tokens"),
+            ("micro_batch_size", self.micro_batch_size is None or self.micro_batch_tokens is None,
+             "None with micro_batch_tokens",
+             "verl's dynamic micro-batches have no row cap: set micro_batch_size=None to use micro_batch_tokens"),
         ]
         for name, ok, allowed, why in unsupported:
             if not ok:
@@ -118,6 +140,23 @@ class VerlConfig(GRPOConfig):
             if key in MAPPED_KEYS:
                 raise ConfigError(f"VerlConfig.overrides sets {key}, which VerlConfig.{MAPPED_KEYS[key]} sets; "
                                   f"set that field instead")
+
+    def max_token_len(self, longest: int, model: Any = None) -> int:
+        """verl's ``max_token_len`` (``ppo_max_token_len_per_gpu``) for a batch whose longest row has ``longest``
+        tokens: ``micro_batch_tokens``, ``"auto"`` resolved now for ``model`` (on its device), or
+        ``micro_batch_size × longest``.
+
+        Raises:
+            ConfigError: ``"auto"`` without a transformers ``model``.
+        """
+        if self.micro_batch_tokens is None:
+            return int(self.micro_batch_size * longest)
+        if self.micro_batch_tokens == "auto":
+            if model is None:
+                raise ConfigError("VerlConfig.micro_batch_tokens='auto' is resolved for a model; pass it")
+            return auto_micro_batch_tokens(model, gradient_checkpointing=self.gradient_checkpointing,
+                                           lora=self.lora_rank > 0)
+        return int(self.micro_batch_tokens)
 
     # ----- verl's config ----------------------------------------------------------------
     def hydra_overrides(self) -> list[str]:
@@ -187,8 +226,8 @@ class VerlConfig(GRPOConfig):
 
         A few of verl's keys are decided by :class:`VerlTrainer` per update instead, and show verl's defaults
         here: ``ppo_mini_batch_size`` (``mini_batch_size``; None = the whole batch), ``ppo_max_token_len_per_gpu``
-        (``micro_batch_size`` × the longest row's tokens), and ``fsdp_config`` (the model is trained unwrapped,
-        in ``dtype``, on ``device``).
+        (:meth:`max_token_len`: ``micro_batch_tokens``, or ``micro_batch_size`` × the longest row's tokens), and
+        ``fsdp_config`` (the model is trained unwrapped, in ``dtype``, on ``device``).
         """
         from omegaconf import OmegaConf
 

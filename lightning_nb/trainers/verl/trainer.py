@@ -134,7 +134,8 @@ class VerlTrainer(InPlaceTrainer):
                 self._build_actors()
             lr = float(self.optimizer.param_groups[0]["lr"])
             t0 = time.perf_counter()
-            with self.engine.lock:  # the kept episodes, as GRPOTrainer keeps them
+            # the kept episodes, as GRPOTrainer keeps them; a VLLMEngine sharing the GPU sleeps meanwhile
+            with self.engine.lock, self.engine.released_for_update():
                 batch = build_batch(self.config, triplets, self.engine.weight_version)
                 kept = [t for t in triplets if t.rollout_id in batch.advantages]
                 if kept:
@@ -172,9 +173,11 @@ class VerlTrainer(InPlaceTrainer):
             on_progress(done, stages, "stages")
 
         report(0)
-        data = triplets_to_dataproto(kept, pad_token_id=self.engine.pad_token_id, pack_turns=cfg.pack_turns)
+        # on the actor's device: verl returns its log-probs there, and they meet the batch's rollout_log_probs
+        data = triplets_to_dataproto(kept, pad_token_id=self.engine.pad_token_id, pack_turns=cfg.pack_turns,
+                                     device=self.actor.device)
         lengths = data.batch["attention_mask"].sum(-1)
-        max_tokens = int(cfg.micro_batch_size * int(lengths.max()))  # verl's dynamic micro-batch budget
+        max_tokens = cfg.max_token_len(int(lengths.max()), self.model)  # verl's dynamic micro-batch budget
         data = data.union(self.actor.compute_log_prob(data, max_token_len=max_tokens))
         report(1)
         mask = data.batch["response_mask"].bool()
