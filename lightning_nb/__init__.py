@@ -5,7 +5,7 @@ from lightning_nb.algorithm import AlgorithmConfig, LightningRL, SliceReport
 from lightning_nb.engines import Engine, OpenAIEndpoint, TransformersEngine, VLLMEngine, load_default_model
 from lightning_nb.errors import LightningNbError
 from lightning_nb.proxy import LLMProxy
-from lightning_nb.runners import start_runners
+from lightning_nb.runners import Hook, start_runners
 # lightning_nb.store already imports every backend (and the tracer module is imported above through the
 # runner), so exporting them here costs nothing at import time; torch is still imported lazily.
 from lightning_nb.store import InMemoryStore, LightningStore, SqliteStore, StoreClient, StoreServer
@@ -34,7 +34,7 @@ def _register_views() -> None:
 _register_views()
 
 __all__ = [
-    "AlgorithmConfig", "Engine", "GRPOConfig", "GRPOTrainer", "InMemoryStore", "LightningNbError", "LightningRL",
+    "AlgorithmConfig", "Engine", "GRPOConfig", "GRPOTrainer", "Hook", "InMemoryStore", "LightningNbError", "LightningRL",
     "LightningStore", "LLMProxy", "LLMResource", "OpenAIEndpoint", "PromptTemplate", "Rollout", "RolloutConfig",
     "SliceReport", "Span", "SqliteStore", "StoreClient", "StoreServer", "Tracer", "TransformersEngine", "Triplet",
     "TripletAdapter", "VLLMEngine", "VerlConfig", "VerlTrainer", "emit_intermediate_reward", "emit_reward",

@@ -12,7 +12,7 @@ structured values (messages, tools) are JSON text.
 from __future__ import annotations
 
 __all__ = [
-    "LLM_SPAN", "REWARD_SPAN", "INTERMEDIATE_REWARD_SPAN", "AGENT_SPAN", "TOOL_SPAN_PREFIX",
+    "LLM_SPAN", "REWARD_SPAN", "INTERMEDIATE_REWARD_SPAN", "AGENT_SPAN", "TOOL_SPAN_PREFIX", "HOOK_ERROR_SPAN",
     "ROLLOUT_ID", "ATTEMPT_ID",
     "SYSTEM", "AGENT_NAME", "AGENT_NAME_HEADER", "REQUEST_MODEL", "REQUEST_PREFIX", "REQUEST_TEMPERATURE",
     "REQUEST_TOP_P", "REQUEST_MAX_TOKENS", "REQUEST_SEED", "REQUEST_STOP_SEQUENCES", "REQUEST_TOOLS",
@@ -22,7 +22,7 @@ __all__ = [
     "TOKEN_IDS_MISSING", "SAMPLING_NOT_APPLIED", "WEIGHTS_CHANGED_DURING_CALL", "APPLIED_TEMPERATURE",
     "APPLIED_TOP_P", "APPLIED_MAX_TOKENS", "APPLIED_STOP", "APPLIED_SEED", "APPLIED_SAMPLING",
     "REWARD", "REWARD_NAME", "TOOL_NAME", "TOOL_INPUT", "TOOL_OUTPUT", "ERROR",
-    "SEQUENCE_ID", "SPAN_KIND", "SERVICE_NAME",
+    "SEQUENCE_ID", "SPAN_KIND", "SERVICE_NAME", "HOOK", "EXCEPTION_TYPE", "EXCEPTION_MESSAGE", "EXCEPTION_STACKTRACE",
 ]
 
 # ----- span names ----------------------------------------------------------------------------
@@ -38,6 +38,8 @@ INTERMEDIATE_REWARD_SPAN = "intermediate_reward"
 AGENT_SPAN = "agent"
 #: A tool call (:func:`~lightning_nb.tracing.tool_span`) is named ``TOOL_SPAN_PREFIX + tool name``.
 TOOL_SPAN_PREFIX = "tool:"
+#: An exception a runner lifecycle hook raised (:mod:`lightning_nb.runners.hooks`), one span per exception.
+HOOK_ERROR_SPAN = "lightning_nb.hook_error"
 
 # ----- ids every span carries (set by the tracer from the active rollout) ---------------------
 #: The rollout id (text); set on every span of an attempt, and taken off again when the span is stored
@@ -161,3 +163,11 @@ SEQUENCE_ID = "lightning_nb.sequence_id"
 SPAN_KIND = "openinference.span.kind"
 #: The OpenTelemetry resource attribute naming the service (the tracer's and exporter's ``service_name``).
 SERVICE_NAME = "service.name"
+#: On a :data:`HOOK_ERROR_SPAN`: the hook class and callback, e.g. ``"MyHook.on_trace_end"``.
+HOOK = "lightning_nb.hook"
+#: OpenTelemetry's exception attributes, on a :data:`HOOK_ERROR_SPAN`: the exception type's name (text).
+EXCEPTION_TYPE = "exception.type"
+#: The exception's message (text).
+EXCEPTION_MESSAGE = "exception.message"
+#: The exception's traceback (text).
+EXCEPTION_STACKTRACE = "exception.stacktrace"

@@ -113,7 +113,7 @@ class RunnerGroup(GroupLifecycle):
         return start_thread_runners(first.agent, first.store, len(self.runners), tracer=first.tracer,
                                     default_timeout_s=first.default_timeout_s, llm_resource=first.llm_resource,
                                     heartbeat_interval_s=first.heartbeat_interval_s, replace=True,
-                                    carry_from=self.runners)
+                                    carry_from=self.runners, hooks=list(first.hooks))
 
     def stop(self, timeout: float = 30.0, *, grace_s: float = 3.0) -> list[str]:
         """Stop all runners after their current attempts; abort the ones still running after ``timeout`` s.
@@ -173,19 +173,21 @@ class RunnerGroup(GroupLifecycle):
 
 def start_thread_runners(agent: Agent, store: LightningStore, n: int, *, tracer: Optional[Tracer],
                          default_timeout_s: Optional[float], llm_resource: str, heartbeat_interval_s: float,
-                         replace: bool, carry_from: Optional[list[Runner]] = None) -> RunnerGroup:
+                         replace: bool, carry_from: Optional[list[Runner]] = None,
+                         hooks: Optional[list[Any]] = None) -> RunnerGroup:
     """Make ``n`` runners sharing one tracer, failure notices and endpoint gate; replace, register and start them.
 
     What ``start_runners(backend="threads")`` and :meth:`RunnerGroup.restart` do (the arguments are
     :func:`~lightning_nb.runners.start_runners`'s, checked there); ``carry_from``: runners whose
-    counts the new ones carry on, one for one.
+    counts the new ones carry on, one for one; ``hooks``: the same Hook instances go to every runner.
     """
     warn_if_llm_endpoint_dead(store, llm_resource, stacklevel=4)
     tracer = tracer or Tracer(store)
     notices = FailureNotices()  # first failure of each kind warns once per group
     gate = EndpointGate(store, llm_resource)
     runners = [Runner(agent, store, tracer, default_timeout_s=default_timeout_s, llm_resource=llm_resource,
-                      heartbeat_interval_s=heartbeat_interval_s, notices=notices, gate=gate) for _ in range(n)]
+                      heartbeat_interval_s=heartbeat_interval_s, notices=notices, gate=gate, hooks=hooks)
+               for _ in range(n)]
     for old, new in zip(carry_from or [], runners):
         new.stats.succeeded, new.stats.failed, new.stats.timed_out = (
             old.stats.succeeded, old.stats.failed, old.stats.timed_out)

@@ -37,7 +37,8 @@ reachable from the workers too: start ``LLMProxy`` on a routable host with
 of starting runners that cannot reach it. Use TLS (``https://`` behind a reverse
 proxy) when the network between the machines is not trusted.
 
-The agent is sent to the actors with cloudpickle. Functions from installed
+The agent and the ``hooks`` are sent to the actors with cloudpickle (each actor gets its own copy of
+every hook: see :mod:`lightning_nb.runners.hooks`). Functions from installed
 packages travel by reference (the package must be installed on every node);
 functions defined in a notebook, a script or a local module travel by value.
 """
@@ -58,6 +59,7 @@ import pandas as pd
 from lightning_nb._net import is_loopback
 from lightning_nb.errors import ConfigError, LightningNbError, MissingDependencyError
 from lightning_nb.runners.group import GroupLifecycle, RunnerGroup
+from lightning_nb.runners.hooks import check_hooks
 from lightning_nb.runners.runner import Runner
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.client import StoreClient
@@ -92,10 +94,12 @@ class _RunnerActor:
     """Body of one Ray actor: one Runner thread against a StoreClient (wrapped by ``ray.remote``)."""
 
     def __init__(self, agent_bytes: bytes, url: str, token: Optional[str], worker_id: str,
-                 runner_kwargs: dict[str, Any]) -> None:
+                 runner_kwargs: dict[str, Any], hooks_bytes: Optional[bytes] = None) -> None:
         from ray import cloudpickle
 
         agent = cloudpickle.loads(agent_bytes)
+        if hooks_bytes is not None:
+            runner_kwargs = {**runner_kwargs, "hooks": cloudpickle.loads(hooks_bytes)}
         self.store = StoreClient(url, token=token)
         self.store.get_latest_resources()  # fail here, with the URL in the message, if the server is unreachable
         self.runner = Runner(agent, self.store, Tracer(self.store), **runner_kwargs)
@@ -241,7 +245,7 @@ def start_ray_runners(agent: Any, store: LightningStore, n: int = 2, *, default_
                       llm_resource: str = "main_llm", heartbeat_interval_s: float = 5.0,
                       num_cpus: float = 1.0, address: Optional[str] = None,
                       actor_options: Optional[dict[str, Any]] = None,
-                      start_timeout_s: float = 120.0) -> RayRunnerGroup:
+                      start_timeout_s: float = 120.0, hooks: Optional[list[Any]] = None) -> RayRunnerGroup:
     """Start ``n`` runner actors on Ray against the store server; returns once they run.
 
     Usually called as ``start_runners(agent, store, n=n, backend="ray", ...)``.
@@ -259,11 +263,13 @@ def start_ray_runners(agent: Any, store: LightningStore, n: int = 2, *, default_
         actor_options: extra ``ActorClass.options(...)`` keywords (``num_gpus``, ``resources``,
             ``runtime_env``, ``scheduling_strategy``, ...).
         start_timeout_s: seconds to wait for all actors to be placed and started.
+        hooks: :class:`~lightning_nb.runners.hooks.Hook` instances, cloudpickled like the agent; each actor's
+            runner calls its own copy.
 
     Raises:
         MissingDependencyError: Ray is not installed.
-        ConfigError: ``n`` < 1, ``num_cpus`` < 0, ``agent`` not callable, or a loopback store on a
-            multi-node cluster.
+        ConfigError: ``n`` < 1, ``num_cpus`` < 0, ``agent`` not callable, a ``hooks`` item not a Hook or
+            not picklable, or a loopback store on a multi-node cluster.
         LightningNbError: an actor failed to start (its error is included) or was not placed within
             ``start_timeout_s`` (e.g. the cluster lacks ``n * num_cpus`` CPUs); started actors are killed.
     """
@@ -276,9 +282,11 @@ def start_ray_runners(agent: Any, store: LightningStore, n: int = 2, *, default_
     if not isinstance(store, LightningStore):
         raise ConfigError(f"store must be a LightningStore (InMemoryStore, SqliteStore, StoreClient), "
                           f"got {type(store).__name__}")
+    hooks = list(check_hooks(hooks))
     ray = import_ray()
     _ensure_ray(ray, address, math.ceil(n * num_cpus))
     agent_bytes = _dump_agent(agent)
+    hooks_bytes = _dump_agent(hooks, "hooks", [type(h) for h in hooks]) if hooks else None
 
     server: Optional[StoreServer] = None
     if isinstance(store, StoreClient):
@@ -294,7 +302,7 @@ def start_ray_runners(agent: Any, store: LightningStore, n: int = 2, *, default_
         worker_ids = [f"ray-runner-{stamp}-{i}" for i in range(n)]
         runner_kwargs = {"default_timeout_s": default_timeout_s, "llm_resource": llm_resource,
                          "heartbeat_interval_s": heartbeat_interval_s}
-        actors = [remote_cls.options(**options).remote(agent_bytes, url, token, wid, runner_kwargs)
+        actors = [remote_cls.options(**options).remote(agent_bytes, url, token, wid, runner_kwargs, hooks_bytes)
                   for wid in worker_ids]
     except BaseException:
         if server is not None:
@@ -375,21 +383,23 @@ def _check_reachable(ray: Any, url: str) -> None:
         )
 
 
-def _dump_agent(agent: Any) -> bytes:
-    """cloudpickle ``agent``; its module travels by value unless it comes from an installed package."""
+def _dump_agent(agent: Any, field: str = "agent", owners: Optional[list[Any]] = None) -> bytes:
+    """cloudpickle ``agent`` (or the hooks list, ``field="hooks"``); the modules of ``owners`` (default: the agent)
+    travel by value unless they come from an installed package."""
     from ray import cloudpickle
 
-    module = sys.modules.get(getattr(agent, "__module__", None) or "")
-    by_value = module is not None and _is_local_module(module)
-    if by_value:
+    names = {getattr(o, "__module__", None) or "" for o in (owners if owners is not None else [agent])}
+    modules = [m for m in (sys.modules.get(name) for name in sorted(names)) if m is not None and _is_local_module(m)]
+    for module in modules:
         cloudpickle.register_pickle_by_value(module)
     try:
         return cloudpickle.dumps(agent)
     except Exception as exc:
-        raise ConfigError(f"agent cannot be sent to Ray actors ({type(exc).__name__}: {exc}); define it at "
-                          f"module level and keep unpicklable objects (locks, open clients) out of its closure")
+        raise ConfigError(f"{field} cannot be sent to Ray actors ({type(exc).__name__}: {exc}); define "
+                          f"{'them' if field == 'hooks' else 'it'} at module level and keep unpicklable objects "
+                          f"(locks, open clients) out of {'their state' if field == 'hooks' else 'its closure'}")
     finally:
-        if by_value:
+        for module in modules:
             cloudpickle.unregister_pickle_by_value(module)
 
 

@@ -52,6 +52,14 @@ watchdog ends attempts whose heartbeats stop (``unresponsive``) or that run past
 and takes the next rollout. A hung agent never blocks other runners: each agent runs
 in its own daemon thread, and its runner gives up on it at the timeout.
 
+Lifecycle hooks
+---------------
+``hooks=[...]`` (:class:`~lightning_nb.runners.hooks.Hook` instances) are called in list order around
+each attempt: ``on_rollout_start``, then in the agent thread inside the trace context
+``on_trace_start`` and ``on_trace_end``, then ``on_rollout_end`` once the attempt is final in the
+store. A hook that raises never kills the runner; what happens to the attempt is in
+:mod:`lightning_nb.runners.hooks` ("Errors in a hook").
+
 How runner threads are started (:func:`~lightning_nb.runners.start_runners`), replaced and stopped
 as a group (:class:`~lightning_nb.runners.group.RunnerGroup`) is in :mod:`lightning_nb.runners.group`;
 why an attempt failed, said once, in :mod:`lightning_nb.runners.failures`.
@@ -74,6 +82,7 @@ from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.runners.failures import (NO_REWARD_ERROR, UNREACHABLE, FailureNotices, first_line,
                                            unreachable_endpoint_hint)
 from lightning_nb.runners.gate import EndpointGate
+from lightning_nb.runners.hooks import call_hooks, check_hooks, hook_error_span, hook_error_text, warn_hook_error
 from lightning_nb.runners.live import LIVE
 from lightning_nb.semconv import REWARD_SPAN
 from lightning_nb.store.base import LightningStore
@@ -131,17 +140,23 @@ class Runner:
         gate: holds the runner off the queue while the LLM endpoint refuses connections
             (:class:`~lightning_nb.runners.gate.EndpointGate`); :func:`~lightning_nb.runners.start_runners`
             shares one among the runners of a group (a new one per runner when None).
+        hooks: :class:`~lightning_nb.runners.hooks.Hook` instances called in list order around each attempt.
+
+    Raises:
+        ConfigError: ``agent`` not callable, ``heartbeat_interval_s`` not positive, or a ``hooks`` item not a Hook.
     """
 
     def __init__(self, agent: Agent, store: LightningStore, tracer: Tracer, *,
                  default_timeout_s: Optional[float] = 300.0, llm_resource: str = "main_llm",
                  poll_interval_s: float = 0.2, heartbeat_interval_s: float = 5.0,
-                 notices: Optional[FailureNotices] = None, gate: Optional[EndpointGate] = None) -> None:
+                 notices: Optional[FailureNotices] = None, gate: Optional[EndpointGate] = None,
+                 hooks: Optional[list[Any]] = None) -> None:
         if not callable(agent):
             raise ConfigError(f"agent must be callable (task, llm) -> reward, got {type(agent).__name__}")
         if not heartbeat_interval_s > 0:
             raise ConfigError(f"heartbeat_interval_s must be positive seconds, got {heartbeat_interval_s!r}")
         self.heartbeat_interval_s = float(heartbeat_interval_s)
+        self.hooks = check_hooks(hooks)
         self._abort = threading.Event()
         self._abort_reason = ""
         self.current: Optional[tuple[str, str]] = None  # (rollout_id, attempt_id) while an agent runs
@@ -281,15 +296,47 @@ class Runner:
             log.warning("%s: could not start attempt %s: %s", self.worker_id, aid, exc)
             self.stats.state, self.stats.current_rollout = "idle", None
             return "failed"
+        failure = self._call_hooks(item, "on_rollout_start", self.agent, self, item)
+        if failure is not None:  # the agent is not called
+            status = self._finish(rid, aid, "failed", failure)
+        else:
+            status = self._run_agent(item, llm, resource)
+        self._call_hooks(item, "on_rollout_end", self.agent, self, item, status)
+        return status
+
+    def _call_hooks(self, item: AttemptedRollout, method: str, *args: Any) -> Optional[str]:
+        """Call ``method`` on the hooks in order; on an exception record it and return the attempt error text.
+
+        The error is stored as a :data:`~lightning_nb.runners.hooks.HOOK_ERROR_SPAN` span on the attempt
+        and warned once per group (kind ``"hook error"``); None when every hook returned.
+        """
+        failed = call_hooks(self.hooks, method, *args)
+        if failed is None:
+            return None
+        where, exc, tb = failed
+        rid, aid = item.rollout.rollout_id, item.attempt.attempt_id
+        text = hook_error_text(where, exc, tb)
+        log.warning("%s: %s", self.worker_id, text.splitlines()[0])
+        try:
+            self.store.add_span(hook_error_span(rid, aid, where, exc, tb))
+        except Exception as store_exc:  # the attempt error (or this log line) still says it
+            log.warning("%s: could not store the hook error span of %s: %s", self.worker_id, aid, store_exc)
+        if self.notices.first("hook error"):
+            warn_hook_error(self.worker_id, rid, text.splitlines()[0], final=method == "on_rollout_end")
+        return text
+
+    def _run_agent(self, item: AttemptedRollout, llm: LLMResource, resource: LLMResource) -> str:
+        """Run the agent thread of a started attempt, watch it and record its outcome; the final status."""
+        rid, aid = item.rollout.rollout_id, item.attempt.attempt_id
         outcome: dict[str, Any] = {}
         ctx = contextvars.copy_context()
-        worker = threading.Thread(target=ctx.run, args=(self._call_agent, rollout.input, llm, rid, aid, outcome),
+        worker = threading.Thread(target=ctx.run, args=(self._call_agent, item, llm, outcome),
                                   name=f"{self.worker_id}-agent", daemon=True)
         self.current = (rid, aid)
         self.tracer.open_attempt(rid, aid)  # counts its reward spans and records spans the store lost
         worker.start()
         try:
-            ended = self._watch(worker, rollout, rid, aid)
+            ended = self._watch(worker, item.rollout, rid, aid)
             if ended is not None:  # aborted, timed out, or ended elsewhere: the agent thread is left behind
                 return ended
         except BaseException:  # KeyboardInterrupt in Runner.step: end the attempt, then re-raise
@@ -361,14 +408,17 @@ class Runner:
                  endpoint: str) -> tuple[str, Optional[str], Optional[str], str]:
         """``(status, error, failure kind or None, one-line summary)`` of an attempt whose agent returned."""
         lost = "\n".join(spans.lost)
+        hook_error = outcome.get("hook_error")
         if "error" in outcome:
             exc = outcome.get("exc")
             hint = unreachable_endpoint_hint(exc, endpoint, self.llm_resource) if exc is not None else None
             kind = UNREACHABLE if hint else type(exc).__name__ if exc is not None else "agent error"
             summary = hint or (f"{type(exc).__name__}: {first_line(exc)}" if exc is not None
                                else outcome["error"].strip().splitlines()[-1])
-            error = "\n".join(part for part in (hint, outcome["error"].rstrip(), lost) if part)
+            error = "\n".join(part for part in (hint, outcome["error"].rstrip(), hook_error, lost) if part)
             return "failed", error, kind, summary
+        if hook_error is not None:  # on_trace_start or on_trace_end raised (already warned once as "hook error")
+            return "failed", "\n".join(part for part in (hook_error, lost) if part), None, ""
         if spans.lost:  # the attempt's record is incomplete (its reward, maybe): do not pass it off as succeeded
             return "failed", lost, "lost span", spans.lost[0]
         if outcome.get("returned_none") and spans.rewards_stored == 0 and not self._reward_in_store(rid, aid):
@@ -383,16 +433,35 @@ class Runner:
             log.warning("%s: could not look up the reward spans of %s: %s", self.worker_id, aid, exc)
             return False
 
-    def _call_agent(self, task: Any, llm: LLMResource, rid: str, aid: str, outcome: dict) -> None:
+    def _call_agent(self, item: AttemptedRollout, llm: LLMResource, outcome: dict) -> None:
+        """The agent thread: the trace context, the trace hooks around the agent, its reward; fills ``outcome``."""
+        rid, aid = item.rollout.rollout_id, item.attempt.attempt_id
         try:
             with self.tracer.trace_context(rid, aid):
-                result = self.agent(task, llm)
-                if inspect.isawaitable(result):
-                    result = asyncio.run(result)
-                if result is not None:
-                    emit_reward(result)
-                else:
-                    outcome["returned_none"] = True
+                try:
+                    failure = self._call_hooks(item, "on_trace_start", self.agent, self, self.tracer, item)
+                    if failure is not None:
+                        outcome["hook_error"] = failure
+                    else:
+                        self._agent_result(item.rollout.input, llm, outcome)
+                finally:
+                    failure = self._call_hooks(item, "on_trace_end", self.agent, self, self.tracer, item)
+                    if failure is not None:
+                        outcome.setdefault("hook_error", failure)
+        except BaseException as exc:  # the traceback is kept on the attempt
+            outcome["error"] = traceback.format_exc()
+            outcome["exc"] = exc
+
+    def _agent_result(self, task: Any, llm: LLMResource, outcome: dict) -> None:
+        """Call the agent and emit its returned reward, inside the trace context; an exception goes to ``outcome``."""
+        try:
+            result = self.agent(task, llm)
+            if inspect.isawaitable(result):
+                result = asyncio.run(result)
+            if result is not None:
+                emit_reward(result)
+            else:
+                outcome["returned_none"] = True
         except BaseException as exc:  # the traceback is kept on the attempt
             outcome["error"] = traceback.format_exc()
             outcome["exc"] = exc
@@ -407,11 +476,12 @@ class Runner:
         return attempt.status if attempt.status in ATTEMPT_TERMINAL else None
 
     def _finish(self, rid: str, aid: str, status: str, error: Optional[str]) -> str:
+        # counted first: whoever sees the attempt final in the store (wait_for_rollouts) then sees it in status()
+        counter = {"succeeded": "succeeded", "failed": "failed", "timeout": "timed_out"}[status]
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         try:
             self.store.update_attempt(rid, aid, status=status, error=error)
         except Exception as exc:  # e.g. the watchdog ended it or the rollout was cancelled meanwhile
             log.warning("%s: could not record %s for %s: %s", self.worker_id, status, aid, exc)
-        counter = {"succeeded": "succeeded", "failed": "failed", "timeout": "timed_out"}[status]
-        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         self.stats.state, self.stats.current_rollout = "idle", None
         return status

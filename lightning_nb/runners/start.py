@@ -11,6 +11,7 @@ from typing import Any, Optional
 from lightning_nb.errors import ConfigError
 from lightning_nb.runners.gate import warn_if_llm_endpoint_dead
 from lightning_nb.runners.group import RunnerGroup, start_thread_runners
+from lightning_nb.runners.hooks import check_hooks
 from lightning_nb.runners.runner import Agent
 from lightning_nb.store.base import LightningStore
 from lightning_nb.tracing.tracer import Tracer
@@ -21,7 +22,7 @@ __all__ = ["start_runners"]
 def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Optional[Tracer] = None,
                   default_timeout_s: Optional[float] = 300.0, llm_resource: str = "main_llm",
                   backend: str = "threads", heartbeat_interval_s: float = 5.0, replace: bool = True,
-                  **backend_options: Any) -> RunnerGroup:
+                  hooks: Optional[list[Any]] = None, **backend_options: Any) -> RunnerGroup:
     """Start ``n`` runner threads and return at once. Stop them with ``group.stop()``.
 
     Use it as ``with start_runners(...) as group:`` around the algorithm side to get the
@@ -43,6 +44,13 @@ def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Op
     ``actor_options`` go to :func:`~lightning_nb.runners.ray.start_ray_runners`) and returns
     a ``RayRunnerGroup`` with the same ``stop()`` / ``status()``.
 
+    ``hooks=[MyHook(), ...]``: :class:`~lightning_nb.runners.hooks.Hook` instances every runner calls,
+    in list order, around each attempt (``on_rollout_start``, ``on_trace_start``, ``on_trace_end``,
+    ``on_rollout_end``; order, arguments and what a raising hook does to the attempt are in
+    :mod:`lightning_nb.runners.hooks`). The thread runners share the same instances (a hook's
+    callbacks may run on several threads at once); with ``backend="ray"`` each actor gets a
+    cloudpickled copy, so hooks must be picklable and should record through ``runner.store``.
+
     Before any runner starts, the endpoint of ``llm_resource`` in the store's latest
     resources is probed once (``GET {endpoint}/models``, at most 3 s); if it does not
     answer, a ``RuntimeWarning`` names it and says to ``store.add_resources`` the running
@@ -53,9 +61,11 @@ def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Op
     that failed only for that reason (:mod:`lightning_nb.runners.gate`).
 
     Raises:
-        ConfigError: ``n`` < 1, ``agent`` not callable, unknown ``backend``, or options the backend lacks.
+        ConfigError: ``n`` < 1, ``agent`` not callable, unknown ``backend``, options the backend lacks, or a
+            ``hooks`` item that is not a Hook instance (or, with Ray, cannot be pickled).
         MissingDependencyError: ``backend="ray"`` without Ray installed.
     """
+    hooks = list(check_hooks(hooks))
     if backend == "ray":
         if tracer is not None:
             raise ConfigError("tracer cannot be passed with backend='ray': each Ray actor makes its own Tracer")
@@ -64,7 +74,7 @@ def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Op
         warn_if_llm_endpoint_dead(store, llm_resource)
         return start_ray_runners(agent, store, n, default_timeout_s=default_timeout_s,  # type: ignore[return-value]
                                  llm_resource=llm_resource, heartbeat_interval_s=heartbeat_interval_s,
-                                 **backend_options)
+                                 hooks=hooks, **backend_options)
     if backend != "threads":
         raise ConfigError(f"backend must be 'threads' (default) or 'ray', got {backend!r}")
     if backend_options:
@@ -73,4 +83,5 @@ def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Op
     if n < 1:
         raise ConfigError(f"n must be >= 1 runner, got {n}")
     return start_thread_runners(agent, store, n, tracer=tracer, default_timeout_s=default_timeout_s,
-                                llm_resource=llm_resource, heartbeat_interval_s=heartbeat_interval_s, replace=replace)
+                                llm_resource=llm_resource, heartbeat_interval_s=heartbeat_interval_s, replace=replace,
+                                hooks=hooks)
