@@ -19,7 +19,8 @@ __all__ = [
     "REQUEST_TOOL_CHOICE", "REQUEST_USER", "REQUEST_METADATA", "PROMPT", "COMPLETION", "RESPONSE_ID",
     "RESPONSE_FINISH_REASONS", "RESPONSE_TOOL_CALLS", "USAGE_INPUT_TOKENS", "USAGE_OUTPUT_TOKENS",
     "ENGINE", "CHOICE_INDEX", "CHOICES", "PROMPT_TOKEN_IDS", "COMPLETION_TOKEN_IDS", "LOGPROBS", "WEIGHT_VERSION",
-    "TOKEN_IDS_MISSING", "SAMPLING_NOT_APPLIED", "WEIGHTS_CHANGED_DURING_CALL", "APPLIED_TEMPERATURE",
+    "TOKEN_IDS_MISSING", "SAMPLING_NOT_APPLIED", "WEIGHTS_CHANGED_DURING_CALL", "REQUEST_RESPONSE_MASK", "PROMPT_SPLICED",
+    "TOOL_CHOICE_RESAMPLED", "ASSISTANT_TURNS_AS_SAMPLED", "ASSISTANT_TURNS_REWRITTEN", "APPLIED_TEMPERATURE",
     "APPLIED_TOP_P", "APPLIED_MAX_TOKENS", "APPLIED_STOP", "APPLIED_SEED", "APPLIED_SAMPLING",
     "REWARD", "REWARD_NAME", "TOOL_NAME", "TOOL_INPUT", "TOOL_OUTPUT", "ERROR",
     "SEQUENCE_ID", "SPAN_KIND", "SERVICE_NAME", "HOOK", "EXCEPTION_TYPE", "EXCEPTION_MESSAGE", "EXCEPTION_STACKTRACE",
@@ -143,6 +144,23 @@ SAMPLING_NOT_APPLIED = "lightning_nb.sampling_not_applied"
 #: ``[WEIGHT_VERSION, version at the end of the call]`` (two ints) when new weights were loaded during
 #: the call; absent otherwise.
 WEIGHTS_CHANGED_DURING_CALL = "lightning_nb.weights_changed_during_call"
+#: The ``response_mask`` a rollout server sent with the call (list of 0/1 ints, reference doc 002: one
+#: entry per prompt token added since the previous call's prompt and completion, 0 for tokens the
+#: model did not write); absent when none was sent. The proxy checked its length against the tokens
+#: it served (a wrong one is a 400 and an :data:`ERROR` span instead).
+REQUEST_RESPONSE_MASK = "lightning_nb.request.response_mask"
+#: True when the proxy gave the engine the prompt as token IDs with the attempt's previous reply as sampled,
+#: because its text re-tokenized differently (:mod:`lightning_nb.proxy.splice`); absent otherwise.
+PROMPT_SPLICED = "lightning_nb.prompt.spliced"
+#: How many replies without a tool call were sampled and dropped before this one to honour
+#: ``tool_choice="required"`` or a named tool (int; absent when the first reply called a tool).
+TOOL_CHOICE_RESAMPLED = "lightning_nb.tool_choice.resampled"
+#: How many earlier assistant turns with tool calls the proxy rendered into the prompt as sampled
+#: (their text as the model wrote it, so the prompt extends the previous call token for token) (int).
+ASSISTANT_TURNS_AS_SAMPLED = "lightning_nb.assistant_turns.as_sampled"
+#: How many earlier assistant turns with tool calls it re-wrote from ``tool_calls`` instead (the proxy no
+#: longer knew their text, or the client changed the calls): each can fork the episode (int).
+ASSISTANT_TURNS_REWRITTEN = "lightning_nb.assistant_turns.rewritten"
 
 # ----- rewards and tools ----------------------------------------------------------------------
 #: The reward value (float) of a :data:`REWARD_SPAN` or :data:`INTERMEDIATE_REWARD_SPAN`.

@@ -305,3 +305,79 @@ def test_an_endpoint_without_token_ids_is_traced_but_never_trained_on(engine):
     assert math.isfinite(store.final_rewards([rid])[rid])  # nothing stored was lost
     # asked, a server that honours return_token_ids is detected as such
     assert OpenAIEndpoint(engine.base_url, engine.model_name).returns_token_ids
+
+
+# ----- the README's table of chat parameters, sent to each engine ---------------------------------------
+CALC_TOOL = {"type": "function", "function": {"name": "calculator", "description": "Evaluate an expression.",
+                                              "parameters": {"type": "object", "properties": {
+                                                  "expression": {"type": "string"}}, "required": ["expression"]}}}
+# one request per parameter, with a value other than the default (a cell that says "0 only" must refuse it)
+PROBES = {
+    "model": {}, "messages": {"messages": [{"role": "developer", "content": "Be brief."},
+                                           {"role": "user", "content": "Hi"}]},
+    "max_tokens": {"max_tokens": 3}, "max_completion_tokens": {"max_completion_tokens": 3},
+    "temperature": {"temperature": 0.5}, "top_p": {"top_p": 0.9},
+    "tools": {"tools": [CALC_TOOL]}, "tool_choice": {"tools": [CALC_TOOL], "tool_choice": "auto"},
+    "parallel_tool_calls": {"tools": [CALC_TOOL], "parallel_tool_calls": False},
+    "stream": {"stream": True}, "stream_options.include_usage": {"stream": True,
+                                                                  "stream_options": {"include_usage": True}},
+    "stop": {"stop": ["\n"]}, "seed": {"seed": 3}, "n": {"n": 2, "temperature": 1.0},
+    "logprobs": {"logprobs": True}, "top_logprobs": {"logprobs": True, "top_logprobs": 2},
+    "response_format": {"response_format": {"type": "json_object"}},
+    "frequency_penalty": {"frequency_penalty": 0.5}, "presence_penalty": {"presence_penalty": 0.5},
+    "user": {"user": "u1"}, "metadata": {"metadata": {"k": "v"}}, "store": {"store": True},
+}
+
+
+def _readme_parameter_table() -> list[tuple[list[str], str, str]]:
+    """``(parameter names, TransformersEngine cell, VLLMEngine cell)`` per row of README's parameter table."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = text[text.index("| parameter | TransformersEngine | VLLMEngine |"):].split("\n\n")[0].splitlines()[2:]
+    rows = []
+    for line in table:
+        first, transformers_cell, vllm_cell = [c.strip() for c in line.strip("|").split("|")][:3]
+        rows.append((re.findall(r"`([a-z_.]+)`", first.split("(")[0]), transformers_cell, vllm_cell))
+    return rows
+
+
+def _probe(proxy, store, eng, name):
+    """Send ``name``'s probe on an attempt's URL: the HTTP status (a second call on the attempt for response_mask)."""
+    rid = store.enqueue_rollout("t").rollout_id
+    aid = store.dequeue_rollout().attempt.attempt_id
+    url = f"{proxy.endpoint(rid, aid)}/chat/completions"
+    body = {"model": eng.model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "temperature": 0.0}
+    if name == "response_mask":  # doc 002: none on the first call, then one 0 per token added since
+        first = httpx.post(url, json=body, timeout=120).json()
+        history = body["messages"] + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                                      {"role": "user", "content": "Again"}]
+        added = len(eng.apply_chat_template(history)) - len(first["prompt_token_ids"]) \
+            - len(first["choices"][0]["token_ids"])
+        body = {**body, "messages": history, "response_mask": [0] * added}
+    else:
+        body.update(PROBES[name])
+    return httpx.post(url, json=body, timeout=120)
+
+
+@pytest.mark.parametrize("kind", ["transformers", "vllm"])
+def test_the_readme_parameter_table_is_what_each_engine_does(kind, engine, request):
+    """Every parameter of README's table, sent to the engine of each column: a 200 where its column says yes
+    (or recorded), a 400 naming the parameter where it says otherwise."""
+    eng = engine if kind == "transformers" else request.getfixturevalue("vllm_engine")
+    store = InMemoryStore()
+    with LLMProxy(eng, store) as proxy:
+        _check_table(kind, eng, proxy, store)
+
+
+def _check_table(kind, eng, proxy, store):
+    rows = _readme_parameter_table()
+    assert {n for names, *_ in rows for n in names} == set(PROBES) | {"response_mask"}
+    for names, transformers_cell, vllm_cell in rows:
+        cell = vllm_cell if kind == "vllm" else transformers_cell
+        for name in names:
+            reply = _probe(proxy, store, eng, name)
+            if cell.startswith(("yes", "recorded")):
+                assert reply.status_code == 200, (kind, name, reply.text[:300])
+            else:
+                assert reply.status_code == 400, (kind, name, cell, reply.text[:300])
+                assert name.split(".")[0] in reply.json()["error"]["message"], (kind, name, reply.text[:300])

@@ -525,6 +525,14 @@ def test_a_lora_trainer_pushes_merged_weights_to_the_server(vllm):
     assert diff < LOGPROB_TOL
 
 
+def test_a_langgraph_tool_episode_on_the_server_packs_into_one_sequence(vllm):
+    """Issue 30 measured the forks on this engine: greedy, every later turn of a tool episode must extend the
+    previous prompt and completion (the proxy splices sampled tokens back through /v1/completions)."""
+    from test_tool_episodes import check_tool_episodes
+
+    check_tool_episodes(vllm, 0.0)
+
+
 def test_close_stops_the_whole_process_group(vllm):
     import httpx
 

@@ -13,13 +13,21 @@ reads and writes text. The LLM proxy bridges the two for an engine whose
   (``name``, ``description``, ``parameters``, without ``title``/``additionalProperties``/``strict``)
   and a worked example call open the system message (:data:`TOOL_SYSTEM_PROMPT`; the
   application's own system text follows), and a short hint with the example goes in front
-  of the user's question when the model is to answer it (:data:`TOOL_HINT`); an earlier assistant turn's
+  of every user message (:data:`TOOL_HINT`); an earlier assistant turn that made tool calls is
+  rendered as the model sampled it when the caller knows that text (``sampled``), else its
   ``tool_calls`` become ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` text;
   ``tool`` results become a ``user`` turn wrapping each result in
   ``<tool_response></tool_response>`` (the layout of Qwen2.5's chat template);
 * :func:`parse_tool_calls` reads ``<tool_call>`` JSON blocks back out of the reply text.
 
 The span keeps the raw completion tokens; parsing only changes what the client sees.
+
+Multi-turn episodes stay one sequence: every LLM call of an episode renders the earlier turns exactly
+as the previous call did, so its prompt extends the previous prompt and completion token for token
+(what :func:`lightning_nb.trainers.packing.pack_episode` packs into one sequence under a response
+mask). Two rules keep it so: the tool hint is the same on a user message whether or not it is the
+last one, and an assistant turn is rendered as sampled (its text, tool-call markup and any leftover
+words included), not re-written from the parsed ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -27,11 +35,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from lightning_nb.errors import ConfigError
 
-__all__ = ["prompt_token_ids", "render_tools", "parse_tool_calls", "TOOL_SYSTEM_PROMPT", "TOOL_HINT", "TOOL_HINT_AUTO"]
+__all__ = ["prompt_token_ids", "render_tools", "rendered_prompt_ids", "parse_tool_calls", "sampled_turn_key",
+           "count_sampled_turns", "TOOL_SYSTEM_PROMPT", "TOOL_HINT", "TOOL_HINT_AUTO"]
 
 # Chosen with bench/tool_call_rate.py on SmolLM2-135M-Instruct (its docstring has the workload and the
 # table). With the schemas and instructions in the system message alone the model never wrote a
@@ -49,10 +58,12 @@ TOOL_SYSTEM_PROMPT = (
     "A tool's result comes back inside <tool_response></tool_response>. "
     "When you know the answer, reply with plain text."
 )
-# Put in front of the last user message when the model is to answer it (not after tool results):
-# TOOL_HINT for tool_choice "required" or a named tool, TOOL_HINT_AUTO for "auto". ``{example}`` is a
-# call of the first tool (of the named one). A softer auto hint ("If a tool helps, ...") made the
-# model call less than half as often, so both are the same.
+# Put in front of every user message (not tool results), on every call, so that a later call renders
+# an earlier question exactly as the first call did (before, only the last message got it, and each
+# later turn of a tool episode forked from the previous prompt). TOOL_HINT for tool_choice "required"
+# or a named tool, TOOL_HINT_AUTO for "auto". ``{example}`` is a call of the first tool (of the named
+# one). A softer auto hint ("If a tool helps, ...") made the model call less than half as often, so
+# both are the same.
 TOOL_HINT = "Reply with a <tool_call> block, like:\n{example}\n\n"
 TOOL_HINT_AUTO = TOOL_HINT
 
@@ -98,21 +109,107 @@ def _tool_names(tools: Sequence[dict[str, Any]]) -> list[str]:
     return names
 
 
+def sampled_turn_key(tool_calls: Sequence[dict[str, Any]]) -> str:
+    """The key of an assistant turn in a ``sampled`` map (:func:`render_tools`): its tool-call ids, comma-joined."""
+    return ",".join(str(c.get("id", "")) for c in tool_calls)
+
+
+def _same_calls(text: str, tool_calls: Sequence[dict[str, Any]]) -> bool:
+    """Whether ``text`` (a sampled reply) parses to the calls of ``tool_calls`` (names and arguments; ids aside)."""
+    _, parsed = parse_tool_calls(text)
+
+    def canon(calls: Sequence[dict[str, Any]]) -> list[tuple[Any, Any]]:
+        out = []
+        for c in calls:
+            fn = c.get("function") or {}
+            args = fn.get("arguments", "{}")
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except json.JSONDecodeError:
+                pass
+            out.append((fn.get("name"), json.dumps(args, sort_keys=True)))
+        return out
+
+    return canon(parsed) == canon(tool_calls)
+
+
+def _assistant_text(m: dict[str, Any], sampled: Optional[Mapping[str, str]]) -> str:
+    """An assistant turn as the model reads it: as sampled when ``sampled`` has it, else re-written."""
+    content = text_content(m.get("content"))
+    calls = m.get("tool_calls") or []
+    if not calls:
+        return content
+    text = (sampled or {}).get(sampled_turn_key(calls))
+    if text is not None and _same_calls(text, calls):
+        return text
+    written = []
+    for call in calls:
+        fn = call.get("function", {})
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError:
+            pass  # keep the model's own (invalid) text: it is what it wrote
+        written.append("<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": args}) + "\n</tool_call>")
+    return "\n".join(([content] if content else []) + written)
+
+
+def count_sampled_turns(messages: Sequence[dict[str, Any]], sampled: Optional[Mapping[str, str]]) -> tuple[int, int]:
+    """``(as_sampled, rewritten)``: how many assistant turns with tool calls :func:`render_tools` renders from
+    ``sampled`` and how many it re-writes from their ``tool_calls``."""
+    as_sampled = rewritten = 0
+    for m in messages:
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if calls:
+            text = (sampled or {}).get(sampled_turn_key(calls))
+            if text is not None and _same_calls(text, calls):
+                as_sampled += 1
+            else:
+                rewritten += 1
+    return as_sampled, rewritten
+
+
+def _hint_for(tools: Sequence[dict[str, Any]], names: list[str], tool_choice: Any) -> tuple[str, str]:
+    """``(hint, example)`` for ``tool_choice``; raises ConfigError on an unknown choice or tool name."""
+    example_tools = list(tools)
+    hint = TOOL_HINT_AUTO
+    if tool_choice == "required":
+        hint = TOOL_HINT
+    elif isinstance(tool_choice, dict):
+        wanted = (tool_choice.get("function") or {}).get("name")
+        if wanted not in names:
+            raise ConfigError(f"tool_choice names {wanted!r}, which is not in tools ({names})")
+        hint = TOOL_HINT
+        example_tools = [example_tools[names.index(wanted)]]
+    elif tool_choice not in (None, "auto"):
+        raise ConfigError(f"tool_choice must be 'auto', 'none', 'required' or {{'type': 'function', 'function': "
+                          f"{{'name': ...}}}}; got {tool_choice!r}")
+    example = _example_call(example_tools)
+    return hint.format(example=example) if hint else "", example
+
+
 def render_tools(messages: Sequence[dict[str, Any]], tools: Optional[Sequence[dict[str, Any]]],
-                 tool_choice: Any = "auto") -> list[dict[str, str]]:
+                 tool_choice: Any = "auto", sampled: Optional[Mapping[str, str]] = None) -> list[dict[str, str]]:
     """Plain ``{"role", "content"}`` messages that show ``tools`` and earlier tool calls as Hermes text.
 
     Args:
         messages: OpenAI chat messages (roles system, developer, user, assistant, tool).
         tools: OpenAI function tools, or None.
         tool_choice: ``"auto"``, ``"none"`` (tools are not shown), ``"required"`` or
-            ``{"type": "function", "function": {"name": ...}}`` (the hint in front of the user's
-            question shows a call of that tool). Which hint goes where: see :data:`TOOL_HINT`.
+            ``{"type": "function", "function": {"name": ...}}`` (the hint in front of each user
+            message shows a call of that tool). Which hint goes where: see :data:`TOOL_HINT`.
+        sampled: the text the model sampled for earlier assistant turns that made tool calls, keyed by
+            :func:`sampled_turn_key` of their ``tool_calls`` (the LLM proxy keeps the replies it served).
+            A turn whose echoed calls parse the same from that text is rendered as that text, so the
+            prompt extends the earlier prompt and completion token for token; other turns are re-written
+            from their ``tool_calls``.
 
     Raises:
         ConfigError: a malformed tool, or a ``tool_choice`` naming an unknown tool.
     """
     names = _tool_names(tools or [])
+    show = bool(names) and tool_choice != "none"
+    hint, example = _hint_for(tools or [], names, tool_choice) if show else ("", "")
     out: list[dict[str, str]] = []
     pending_results: list[str] = []
 
@@ -127,45 +224,34 @@ def render_tools(messages: Sequence[dict[str, Any]], tools: Optional[Sequence[di
             pending_results.append(f"<tool_response>\n{text_content(m.get('content'))}\n</tool_response>")
             continue
         flush()
-        content = text_content(m.get("content"))
-        if role == "assistant" and m.get("tool_calls"):
-            calls = []
-            for call in m["tool_calls"]:
-                fn = call.get("function", {})
-                args = fn.get("arguments", "{}")
-                try:
-                    args = json.loads(args) if isinstance(args, str) else args
-                except json.JSONDecodeError:
-                    pass  # keep the model's own (invalid) text: it is what it wrote
-                calls.append("<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": args}) + "\n</tool_call>")
-            content = "\n".join(([content] if content else []) + calls)
-        out.append({"role": role, "content": content})
+        if role == "assistant":
+            out.append({"role": role, "content": _assistant_text(m, sampled)})
+        else:
+            content = text_content(m.get("content"))
+            out.append({"role": role, "content": hint + content if role == "user" else content})
     flush()
-    if not names or tool_choice == "none":
+    if not show:
         return out
-    example_tools = list(tools or [])
-    hint = TOOL_HINT_AUTO
-    if tool_choice == "required":
-        hint = TOOL_HINT
-    elif isinstance(tool_choice, dict):
-        wanted = (tool_choice.get("function") or {}).get("name")
-        if wanted not in names:
-            raise ConfigError(f"tool_choice names {wanted!r}, which is not in tools ({names})")
-        hint = TOOL_HINT
-        example_tools = [example_tools[names.index(wanted)]]
-    elif tool_choice not in (None, "auto"):
-        raise ConfigError(f"tool_choice must be 'auto', 'none', 'required' or {{'type': 'function', 'function': "
-                          f"{{'name': ...}}}}; got {tool_choice!r}")
-    example = _example_call(example_tools)
     block = TOOL_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(_compact(t)) for t in tools or []), example=example)
-    last = messages[-1] if messages else None
-    if last is not None and last["role"] == "user" and hint and out and out[-1]["role"] == "user":
-        out[-1] = {"role": "user", "content": hint.format(example=example) + out[-1]["content"]}
     if out and out[0]["role"] == "system":  # the tools first: the model follows them more often (see above)
         out[0] = {"role": "system", "content": f"{block}\n\n{out[0]['content']}" if out[0]["content"] else block}
     else:
         out.insert(0, {"role": "system", "content": block})
     return out
+
+
+def rendered_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]],
+                        tools: Optional[Sequence[dict[str, Any]]] = None, tool_choice: Any = "auto",
+                        sampled: Optional[Mapping[str, str]] = None) -> list[int]:
+    """The prompt token IDs a Hermes-format engine is given for a chat request with ``tools``.
+
+    :func:`render_tools` then :func:`prompt_token_ids` with ``tokenizer`` (the served model's). A rollout
+    server computing doc 002's ``response_mask`` needs this length before it calls the proxy.
+
+    Raises:
+        ConfigError: a malformed tool or ``tool_choice`` (as :func:`render_tools`).
+    """
+    return prompt_token_ids(tokenizer, render_tools(messages, tools, tool_choice, sampled))
 
 
 def _compact(tool: dict[str, Any]) -> dict[str, Any]:
@@ -197,6 +283,15 @@ def _strip_schema(schema: Any) -> Any:
 _EXAMPLE_VALUES = {"string": "...", "integer": 1, "number": 1, "boolean": True, "array": [], "object": {}}
 
 
+def _example_value(schema: dict[str, Any]) -> Any:
+    """A placeholder for one argument: the first ``enum`` value when there is one (a small model copies the
+    example, and ``"..."`` is never a valid choice), else a value of its type."""
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum:
+        return enum[0]
+    return _EXAMPLE_VALUES.get(schema.get("type"), "...")
+
+
 def _example_call(tools: Sequence[dict[str, Any]]) -> str:
     """A ``<tool_call>`` block for the first tool, its required arguments filled with placeholders by type."""
     if not tools:
@@ -205,7 +300,7 @@ def _example_call(tools: Sequence[dict[str, Any]]) -> str:
     params = fn.get("parameters") or {}
     props = params.get("properties") or {}
     names = list(params.get("required") or props)
-    args = {k: _EXAMPLE_VALUES.get((props.get(k) or {}).get("type"), "...") for k in names}
+    args = {k: _example_value(props.get(k) or {}) for k in names}
     return "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}) + "\n</tool_call>"
 
 

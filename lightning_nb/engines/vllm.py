@@ -90,7 +90,7 @@ class VLLMEngine(Engine):
     real server): ``stop`` (strings; the text ends before the stop string, the token IDs
     include the token that completed it), ``seed`` (the same seed and weights give the same
     tokens), ``n``, ``response_format`` (``json_object`` and ``json_schema``, by guided
-    decoding), ``frequency_penalty`` and ``presence_penalty`` (the returned log-probs are
+    decoding), ``top_logprobs``, ``frequency_penalty`` and ``presence_penalty`` (the returned log-probs are
     then those of the penalised distribution that was sampled). vLLM itself ignores
     (with a log line, no error) request fields it does not know.
 
@@ -142,7 +142,8 @@ class VLLMEngine(Engine):
             log's path; a flag this vLLM does not know is named with the argument that set it).
     """
 
-    supported_params = frozenset({"stop", "seed", "n", "response_format", "frequency_penalty", "presence_penalty"})
+    supported_params = frozenset({"stop", "seed", "n", "response_format", "frequency_penalty", "presence_penalty",
+                                  "top_logprobs"})
     tool_format = "hermes"
     litellm_provider = "hosted_vllm"
     returns_token_ids = True

@@ -25,10 +25,11 @@ from typing import Any, Optional, Sequence
 
 import pandas as pd
 
-from lightning_nb.engines.chat_format import prompt_token_ids, render_tools
+from lightning_nb.engines.chat_format import prompt_token_ids, render_tools, sampled_turn_key
 from lightning_nb.inspect.html import BOX_STYLE, esc
-from lightning_nb.semconv import (COMPLETION_TOKEN_IDS, LLM_SPAN, PROMPT, PROMPT_TOKEN_IDS, REQUEST_TOOL_CHOICE,
-                                  REQUEST_TOOLS)
+from lightning_nb.proxy.splice import ServedCall, splice_previous_reply
+from lightning_nb.semconv import (COMPLETION, COMPLETION_TOKEN_IDS, LLM_SPAN, PROMPT, PROMPT_SPLICED, PROMPT_TOKEN_IDS,
+                                  REQUEST_TOOL_CHOICE, REQUEST_TOOLS, RESPONSE_TOOL_CALLS)
 from lightning_nb.store.base import LightningStore
 from lightning_nb.types import Span
 
@@ -53,11 +54,16 @@ def token_fidelity(store: LightningStore, rollout_ids: Sequence[str], tokenizer:
       with the span's ``gen_ai.request.tools`` and ``tool_choice``) and then through
       ``tokenizer``'s chat template (:func:`~lightning_nb.engines.chat_format.prompt_token_ids`), must give
       the served ``prompt_token_ids``. ``expected`` is the re-rendering. A mismatch means
-      the engine renders with another template or tokenizer than ``tokenizer``.
+      the engine renders with another template or tokenizer than ``tokenizer``. Earlier
+      tool-calling replies render as the proxy rendered them (as sampled, from the attempt's
+      earlier spans), and a span the proxy marked ``lightning_nb.prompt.spliced`` is expected
+      with the previous reply's sampled tokens in place (:mod:`lightning_nb.proxy.splice`).
     * ``fork``: the prompt of a call must start with the previous call's prompt + completion
       tokens, else :func:`~lightning_nb.trainers.packing.pack_episode` starts a new sequence there.
       ``expected`` is the previous call's prompt + completion. Causes: the agent edits or
       drops history, or the reply's text re-tokenizes differently from the sampled tokens
+      where the proxy could not splice them back (an engine without token-level ``submit``,
+      or a request with penalties or a response format)
       (a sampled model may write a word in a non-canonical split: SmolLM2-135M at
       temperature 1.0 wrote ``E|CO`` where its tokenizer writes ``EC|O``).
 
@@ -90,15 +96,22 @@ def token_fidelity(store: LightningStore, rollout_ids: Sequence[str], tokenizer:
         calls = [s for s in store.query_spans(rid, "latest") if s.name == LLM_SPAN]
         prev: Optional[list[int]] = None
         prev_prompt_len = 0
+        sampled: dict[str, str] = {}  # the attempt's tool-calling replies, as the proxy renders them back
+        prev_call: Optional[ServedCall] = None
         rollouts += 1 if calls else 0
         for turn, span in enumerate(calls):
             a = span.attributes
+            if a.get(RESPONSE_TOOL_CALLS) and isinstance(a.get(COMPLETION), str):  # (never in its own prompt)
+                sampled[sampled_turn_key(json.loads(a[RESPONSE_TOOL_CALLS]))] = a[COMPLETION]
             if not a.get(PROMPT_TOKEN_IDS) or not a.get(COMPLETION_TOKEN_IDS):
                 continue
             checked += 1
             served = list(a[PROMPT_TOKEN_IDS])
             where = {"rollout_id": rid, "attempt_id": span.attempt_id, "turn": turn}
-            rendered = _rerender(span, tokenizer, tool_format)
+            canonical = rendered = _rerender(span, tokenizer, tool_format, sampled)
+            if a.get(PROMPT_SPLICED) and prev_call is not None:  # the proxy gave back the sampled replies' tokens
+                rendered = splice_previous_reply(canonical, prev_call, tokenizer, prev_call.completion_ids[-1:]) \
+                    or canonical
             pos = _first_diff(served, rendered)
             if pos is not None:
                 rows.append({**where, "kind": "render", "cause": "template",
@@ -109,19 +122,22 @@ def token_fidelity(store: LightningStore, rollout_ids: Sequence[str], tokenizer:
                 rows.append({**where, "kind": "fork", "cause": cause,
                              **_describe(tokenizer, served, prev, pos, context)})
             prev, prev_prompt_len = served + list(a[COMPLETION_TOKEN_IDS]), len(served)
+            prev_call = ServedCall(tuple(served), tuple(a[COMPLETION_TOKEN_IDS]), str(a.get(COMPLETION) or ""),
+                                   tuple(canonical))
     df = pd.DataFrame(rows, columns=FIDELITY_COLUMNS)
     df.attrs.update(calls_checked=checked, rollouts_checked=rollouts)
     return df
 
 
-def _rerender(span: Span, tokenizer: Any, tool_format: str) -> list[int]:
-    """The prompt token IDs the span's messages (and tools) render to, as the proxy and engine do it."""
+def _rerender(span: Span, tokenizer: Any, tool_format: str, sampled: dict[str, str]) -> list[int]:
+    """The prompt token IDs the span's messages (and tools) render to, as the proxy and engine do it
+    (``sampled``: the attempt's tool-calling replies so far, which the proxy renders back as sampled)."""
     a = span.attributes
     messages = json.loads(a[PROMPT]) if isinstance(a.get(PROMPT), str) else a.get(PROMPT)
     tools = json.loads(a[REQUEST_TOOLS]) if a.get(REQUEST_TOOLS) else None
     choice = json.loads(a[REQUEST_TOOL_CHOICE]) if a.get(REQUEST_TOOL_CHOICE) else None
     if tool_format == "hermes":
-        return prompt_token_ids(tokenizer, render_tools(messages or [], tools, choice or "auto"))
+        return prompt_token_ids(tokenizer, render_tools(messages or [], tools, choice or "auto", sampled))
     kwargs = {"tools": tools} if tools else {}
     return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                               return_dict=False, **kwargs))

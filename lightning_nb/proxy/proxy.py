@@ -30,21 +30,26 @@ app in :mod:`lightning_nb.proxy.app`.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
 import weakref
-from typing import Any, Optional, Sequence, Union
+from collections import OrderedDict
+from typing import Any, Hashable, Optional, Sequence, Union
 
 from lightning_nb._net import ThreadedServer, is_loopback
 from lightning_nb.engines import Engine
-from lightning_nb.engines.chat_format import render_tools
+from lightning_nb import semconv
+from lightning_nb.engines.chat_format import count_sampled_turns, render_tools, sampled_turn_key
 from lightning_nb.errors import ConfigError, LightningNbError, NotFoundError
 from lightning_nb.proxy.app import proxy_app
 from lightning_nb.proxy.request import (ChatCompletionRequest, ProxyHTTPError, applied_sampling, check_supported,
                                         validate_request)
-from lightning_nb.proxy.response import openai_response, parse_choices
+from lightning_nb.proxy.response import Choice, openai_response, parse_choices
 from lightning_nb.proxy.spans import choice_attributes, record_call, record_error, requested_attributes
+from lightning_nb.proxy.splice import (ServedCall, can_submit_tokens, generations_response, splice_previous_reply,
+                                       submit_kwargs)
 from lightning_nb.store.base import LightningStore
 from lightning_nb.tracing.tracer import Tracer
 from lightning_nb.types import LLMResource
@@ -52,6 +57,26 @@ from lightning_nb.types import LLMResource
 __all__ = ["LLMProxy", "ChatCompletionRequest"]
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the cost map at import
+
+#: Samples the proxy draws at most per choice to honour ``tool_choice="required"`` or a named tool.
+TOOL_CHOICE_TRIES = 4
+#: How many sampled assistant turns (and attempts' served lengths) the proxy remembers, newest kept.
+REMEMBERED_TURNS = 16384
+
+
+def _remember(table: "OrderedDict[Any, Any]", key: Hashable, value: Any) -> None:
+    """Put ``key`` last in ``table`` with ``value``, dropping the oldest entries beyond :data:`REMEMBERED_TURNS`."""
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > REMEMBERED_TURNS:
+        table.popitem(last=False)
+
+
+def _named_tool(tool_choice: Any) -> Optional[str]:
+    """The tool a ``{"type": "function", "function": {"name": ...}}`` tool_choice names, else None."""
+    if isinstance(tool_choice, dict):
+        return (tool_choice.get("function") or {}).get("name")
+    return None
 
 
 def _register_free_model(engine: Engine) -> None:
@@ -113,6 +138,11 @@ class LLMProxy:
         self._server: Any = None
         self._turn: dict[str, int] = {}
         self._lock = threading.Lock()
+        # the text of each tool-calling reply served, by its tool-call ids: an echoed assistant turn is
+        # rendered as sampled (lightning_nb.engines.chat_format.render_tools); and per attempt the previous
+        # call's prompt + completion length, which a rollout server's response_mask is checked against
+        self._sampled: "OrderedDict[str, str]" = OrderedDict()
+        self._served: "OrderedDict[tuple[str, str], ServedCall]" = OrderedDict()
 
     # ----- lifecycle ------------------------------------------------------------------
     def start(self) -> "LLMProxy":
@@ -231,6 +261,10 @@ class LLMProxy:
                 model, rollout or attempt), 502 (the engine failed).
         """
         req = validate_request(body)
+        if req.response_mask is not None and not (rollout_id and attempt_id):
+            raise ProxyHTTPError(400, "response_mask is checked against an attempt's earlier calls, so it needs an "
+                                      "attempt's URL ({proxy}/rollout/{rollout_id}/attempt/{attempt_id}/v1); "
+                                      "call that one, or drop response_mask", "response_mask")
         engine = self._engine_for(req)
         enforced = await self._rollout_sampling(rollout_id, attempt_id)
         completion = await self._complete(req, engine, rollout_id, attempt_id, enforced, agent_name=agent_name)
@@ -275,31 +309,135 @@ class LLMProxy:
 
         ``agent_name``: the request's ``X-Agent-Name`` header, recorded as ``gen_ai.agent.name``.
         """
-        import litellm
-
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         applied, not_applied = applied_sampling(req, enforced)
         hermes = engine.tool_format == "hermes"
-        parse_tools = hermes and bool(req.tools) and req.tool_choice != "none"
-        kwargs = _litellm_kwargs(req, engine, messages, applied, hermes)
-        version_before = engine.weight_version
+        kwargs = _litellm_kwargs(req, engine, messages, applied, hermes, self._sampled if hermes else None)
         t0 = time.time_ns()
-        try:
-            response = await litellm.acompletion(**kwargs)
-        except Exception as exc:  # LiteLLM maps the engine's HTTP errors to exceptions with status_code
-            raise await self._engine_error(exc, req, engine, rollout_id, attempt_id, agent_name) from None
-        raw = response.model_dump()
+        attempt = (rollout_id, attempt_id) if rollout_id and attempt_id else None
+        rendered: Optional[list[int]] = None  # the chat template's render, when the proxy rendered it itself
+        if attempt and hermes and attempt in self._served and can_submit_tokens(engine, kwargs):
+            rendered = await asyncio.to_thread(engine.apply_chat_template, kwargs["messages"])
+            kwargs["prompt_ids"] = splice_previous_reply(rendered, self._served[attempt], engine.tokenizer,
+                                                         engine.stop_token_ids)
+        raw, choices, resampled = await self._sample_choices(req, engine, kwargs, hermes, attempt, agent_name)
         prompt_ids = raw.get("prompt_token_ids")
-        version = raw.get("weight_version", version_before)
-        tool_names = [t.get("function", {}).get("name") for t in req.tools or []]
-        choices = parse_choices(raw["choices"], tool_names if parse_tools else None, req.parallel_tool_calls)
-        if rollout_id and attempt_id:
+        version = raw.get("weight_version", engine.weight_version)
+        for ch in choices:
+            if ch.tool_calls:
+                _remember(self._sampled, sampled_turn_key(ch.tool_calls), ch.text)
+        if attempt:
+            await self._check_response_mask(req, prompt_ids, choices, attempt, agent_name)
+            if prompt_ids is not None and choices and choices[0].token_ids is not None:
+                _remember(self._served, attempt, ServedCall(tuple(prompt_ids), tuple(choices[0].token_ids),
+                                                            choices[0].text, tuple(rendered or prompt_ids)))
             requested = requested_attributes(req, messages, applied, not_applied, engine, version,
                                              engine.weight_version, agent_name)
+            if hermes and req.tools:
+                as_sampled, rewritten = count_sampled_turns(messages, self._sampled)
+                requested.update({semconv.ASSISTANT_TURNS_AS_SAMPLED: as_sampled,
+                                  semconv.ASSISTANT_TURNS_REWRITTEN: rewritten})
             per_choice = [choice_attributes(ch, len(choices), raw.get("id"), prompt_ids, version, engine)
                           for ch in choices]
+            for attrs, n in zip(per_choice, resampled):
+                if n:
+                    attrs[semconv.TOOL_CHOICE_RESAMPLED] = n
+            if kwargs.get("prompt_ids"):
+                requested[semconv.PROMPT_SPLICED] = True
             await record_call(self.tracer, rollout_id, attempt_id, t0, requested, per_choice)
         return openai_response(req, raw, choices, prompt_ids, version)
+
+    async def _sample_choices(self, req: ChatCompletionRequest, engine: Engine, kwargs: dict[str, Any], hermes: bool,
+                              attempt: Optional[tuple[str, str]],
+                              agent_name: Optional[str]) -> tuple[dict[str, Any], list[Choice], list[int]]:
+        """Sample ``req``'s choices; with ``tool_choice`` "required" or a named tool, resample each choice without a
+        call of it (up to :data:`TOOL_CHOICE_TRIES` samples in all, at temperature > 0 without a seed).
+
+        Returns:
+            ``(raw, choices, resampled)``: the engine's first response (LiteLLM's ``model_dump()``), the
+            choices (:class:`~lightning_nb.proxy.response.Choice`), and per choice how many replies without
+            a call were dropped before it.
+
+        Raises:
+            ProxyHTTPError: the engine failed (:meth:`_engine_error`), or a choice still has no call of the
+                required tool: a 400 naming ``tool_choice`` (recorded as an error span on an attempt's URL).
+        """
+        parse_tools = hermes and bool(req.tools) and req.tool_choice != "none"
+        tool_names = [t.get("function", {}).get("name") for t in req.tools or []]
+        wanted = _named_tool(req.tool_choice)
+        if wanted and parse_tools:
+            tool_names = [wanted]
+        raw = await self._call_engine(kwargs, req, engine, attempt, agent_name)
+        choices = parse_choices(raw["choices"], tool_names if parse_tools else None, req.parallel_tool_calls)
+        resampled = [0] * len(choices)
+        if not (parse_tools and (req.tool_choice == "required" or wanted)):
+            return raw, choices, resampled
+        can_resample = kwargs.get("temperature", 1.0) > 0 and "seed" not in kwargs
+        for _ in range(TOOL_CHOICE_TRIES - 1 if can_resample else 0):
+            missing = [i for i, ch in enumerate(choices) if not ch.tool_calls]
+            if not missing:
+                break
+            more_raw = await self._call_engine({**kwargs, "n": len(missing)} if len(missing) > 1 else
+                                               {k: v for k, v in kwargs.items() if k != "n"},
+                                               req, engine, attempt, agent_name)
+            more = parse_choices(more_raw["choices"], tool_names, req.parallel_tool_calls)
+            for i, ch in zip(missing, more):
+                ch.index = choices[i].index
+                choices[i] = ch
+                resampled[i] += 1
+        failed = [ch for ch in choices if not ch.tool_calls]
+        if failed:
+            what = f"call of {wanted!r}" if wanted else "tool call"
+            how = (f"in {TOOL_CHOICE_TRIES} samples" if can_resample else
+                   "and the proxy resamples only at temperature > 0 without a seed")
+            message = (f"tool_choice={json.dumps(req.tool_choice)}: the model wrote no parseable {what} {how} "
+                       f"(its reply began {failed[0].text[:120]!r}); use tool_choice='auto', or a model that "
+                       "follows tool instructions")
+            if attempt:
+                await record_error(self.tracer, attempt[0], attempt[1], req.model, message, agent_name)
+            raise ProxyHTTPError(400, message, "tool_choice")
+        return raw, choices, resampled
+
+    async def _call_engine(self, kwargs: dict[str, Any], req: ChatCompletionRequest, engine: Engine,
+                           attempt: Optional[tuple[str, str]], agent_name: Optional[str]) -> dict[str, Any]:
+        """One ``litellm.acompletion`` call (or, with ``kwargs["prompt_ids"]``, ``n`` token-level
+        :meth:`Engine.submit` calls): the response as a dict, or the ProxyHTTPError to answer."""
+        import litellm
+
+        prompt_ids = kwargs.get("prompt_ids")
+        try:
+            if prompt_ids:
+                sampling = submit_kwargs(kwargs)
+                seed = sampling.pop("seed", None)
+                futures = [engine.submit(prompt_ids, **sampling, seed=None if seed is None else seed + i)
+                           for i in range(kwargs.get("n", 1))]
+                gens = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+                return generations_response(gens, engine.tokenizer, req.model)
+            response = await litellm.acompletion(**{k: v for k, v in kwargs.items() if k != "prompt_ids"})
+        except Exception as exc:  # LiteLLM maps the engine's HTTP errors to exceptions with status_code
+            rollout_id, attempt_id = attempt or (None, None)
+            raise await self._engine_error(exc, req, engine, rollout_id, attempt_id, agent_name) from None
+        return response.model_dump()
+
+    async def _check_response_mask(self, req: ChatCompletionRequest, prompt_ids: Optional[list[int]],
+                                   choices: list[Choice], attempt: tuple[str, str], agent_name: Optional[str]) -> None:
+        """Check a rollout server's ``response_mask`` (reference doc 002) against the tokens this proxy served.
+
+        The proxy keeps each attempt's previous call (its prompt plus completion length); a mask must have
+        one entry per prompt token beyond it. A wrong one is recorded as an error span and answered with a
+        400 naming ``response_mask`` (training on it would misplace the response mask of every later turn).
+        """
+        prev = self._served.get(attempt)
+        served_before = prev.length if prev is not None else 0
+        mask = req.response_mask
+        expected = len(prompt_ids) - served_before if prompt_ids is not None else None
+        if mask is not None and expected is not None and len(mask) != expected:
+            message = (f"response_mask has {len(mask)} entries, but this prompt adds {expected} tokens to the "
+                       f"previous call's {served_before} prompt and completion tokens ({len(prompt_ids)} prompt "
+                       "tokens now); send one 0 per token added since the previous call (reference doc 002), "
+                       "or none on the first call")
+            await record_error(self.tracer, attempt[0], attempt[1], req.model, message, agent_name)
+            raise ProxyHTTPError(400, message, "response_mask")
 
     async def _engine_error(self, exc: Exception, req: ChatCompletionRequest, engine: Engine,
                             rollout_id: Optional[str], attempt_id: Optional[str],
@@ -316,16 +454,17 @@ class LLMProxy:
 
 
 def _litellm_kwargs(req: ChatCompletionRequest, engine: Engine, messages: list[dict[str, Any]],
-                    applied: dict[str, Any], hermes: bool) -> dict[str, Any]:
+                    applied: dict[str, Any], hermes: bool, sampled: Optional[Any] = None) -> dict[str, Any]:
     """The ``litellm.acompletion`` arguments for ``req`` on ``engine`` with the ``applied`` sampling.
 
-    With a Hermes-format engine, the tools are rendered into the messages instead of passed on.
+    With a Hermes-format engine, the tools are rendered into the messages instead of passed on, and earlier
+    tool-calling assistant turns as ``sampled`` holds them (see :func:`~lightning_nb.engines.chat_format.render_tools`).
 
     Raises:
         ProxyHTTPError: 400 on ``tools`` the chat format cannot render.
     """
     try:
-        sent = render_tools(messages, req.tools, req.tool_choice or "auto") if hermes else messages
+        sent = render_tools(messages, req.tools, req.tool_choice or "auto", sampled) if hermes else messages
     except ConfigError as exc:
         raise ProxyHTTPError(400, str(exc), "tools") from None
     kwargs: dict[str, Any] = {**engine.deployment()["litellm_params"], "messages": sent, **applied}

@@ -70,6 +70,9 @@ class ChatCompletionRequest(BaseModel):
     metadata: Optional[dict[str, Any]] = None
     store: Optional[bool] = None
     return_token_ids: Optional[bool] = None
+    response_mask: Optional[list[Literal[0, 1]]] = Field(
+        None, description="Reference doc 002's mask from a rollout server: one 0/1 per prompt token added since "
+                          "the attempt's previous call (None on the first). Checked against the tokens served.")
 
 
 class ProxyHTTPError(Exception):
@@ -111,7 +114,8 @@ def check_supported(req: ChatCompletionRequest, engine: Engine) -> None:
 
     Raises:
         ProxyHTTPError: 400 naming the first parameter the engine does not support (and those it does),
-            or ``tool_choice`` set without ``tools``.
+            ``tool_choice`` set without ``tools``, ``response_mask`` with ``n`` > 1, or a content part other
+            than text for an engine that reads text (``tool_format="hermes"``: every engine of this kit).
     """
     used = {
         "stop": bool(req.stop), "seed": req.seed is not None, "n": (req.n or 1) > 1,
@@ -126,6 +130,25 @@ def check_supported(req: ChatCompletionRequest, engine: Engine) -> None:
                                  param)
     if req.tool_choice is not None and not req.tools and req.tool_choice != "none":
         raise ProxyHTTPError(400, "invalid field 'tool_choice': it needs 'tools'", "tool_choice")
+    if req.response_mask is not None and (req.n or 1) > 1:
+        raise ProxyHTTPError(400, "invalid field 'response_mask': it describes one conversation, so it needs n=1",
+                             "response_mask")
+    if engine.tool_format == "hermes":  # the messages reach the model as text (chat_format.render_tools)
+        _check_text_only(req)
+
+
+def _check_text_only(req: ChatCompletionRequest) -> None:
+    """Refuse content parts other than text: a text model would never see them, and dropping one is silent."""
+    for i, m in enumerate(req.messages):
+        if not isinstance(m.content, list):
+            continue
+        for j, part in enumerate(m.content):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                field = f"messages.{i}.content.{j}"
+                raise ProxyHTTPError(400, f"invalid field '{field}': a content part of type {kind!r}; the served "
+                                          f"model reads text only, so only 'text' parts are taken (send the "
+                                          f"{kind} to a model that takes it, or describe it in text)", field)
 
 
 def applied_sampling(req: ChatCompletionRequest, enforced: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -47,6 +47,7 @@ def requested_attributes(req: ChatCompletionRequest, messages: list[dict[str, An
         **({semconv.REQUEST_TOOL_CHOICE: json.dumps(req.tool_choice)} if req.tool_choice is not None else {}),
         **({semconv.REQUEST_USER: req.user} if req.user else {}),
         **({semconv.REQUEST_METADATA: json.dumps(req.metadata)} if req.metadata else {}),
+        **({semconv.REQUEST_RESPONSE_MASK: list(req.response_mask)} if req.response_mask is not None else {}),
         semconv.PROMPT: json.dumps(messages),
         semconv.ENGINE: type(engine).__name__,
         **{_APPLIED_KEYS[k]: v for k, v in applied.items() if k != "stop"},

@@ -55,7 +55,9 @@ def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Op
     resources is probed once (``GET {endpoint}/models``, at most 3 s); if it does not
     answer, a ``RuntimeWarning`` names it and says to ``store.add_resources`` the running
     proxy (a reopened ``SqliteStore`` after a kernel restart still names the dead one).
-    It only warns: agents that never call the LLM keep working. Once an attempt fails
+    It only warns: agents that never call the LLM keep working. An agent object with a ``preflight()``
+    method (e.g. :class:`~lightning_nb.agents.remote.RemoteRolloutAgent`, which asks its rollout server
+    for ``GET /tools``) has it called once here too, before any runner starts; it warns the same way. Once an attempt fails
     because that endpoint refused the connection, the group's runners hold off the queue
     until the latest resources name an endpoint that answers, then requeue the rollouts
     that failed only for that reason (:mod:`lightning_nb.runners.gate`).
@@ -66,6 +68,9 @@ def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Op
         MissingDependencyError: ``backend="ray"`` without Ray installed.
     """
     hooks = list(check_hooks(hooks))
+    preflight = getattr(agent, "preflight", None)
+    if callable(preflight):  # an agent that depends on a service checks it once, before any rollout runs
+        preflight()
     if backend == "ray":
         if tracer is not None:
             raise ConfigError("tracer cannot be passed with backend='ray': each Ray actor makes its own Tracer")

@@ -1,0 +1,6 @@
+"""Agent shapes beyond a plain function: a remote rollout server (reference doc 002), ROLL's AgentRunner over
+gym-style environments (reference doc 004), and the reference rollout server the kit ships.
+
+Every shape here is an agent a runner calls like a plain function agent, ``agent(task, llm) -> reward | None``,
+so :func:`~lightning_nb.runners.start_runners`, the proxy's token IDs and the trainers need nothing new.
+"""

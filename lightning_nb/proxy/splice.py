@@ -1,0 +1,119 @@
+"""Token in, token out for multi-turn episodes: an earlier reply is given back to the model as the tokens it sampled.
+
+An agent sends its conversation back as text, and the engine's chat template tokenizes it again. A
+sampled reply can be a split of its text that the tokenizer would never write (greedy SmolLM2-135M
+wrote ``"}`` then ``}}`` where its tokenizer writes ``"}}`` then ``}``), so the next prompt no longer
+extends the previous prompt and completion token for token, and the episode forks into two training
+sequences at that point. Re-writing text cannot fix a split, so the LLM proxy fixes the tokens: it
+keeps each attempt's previous call (:class:`ServedCall`), and when the new prompt, rendered as the
+engine would render it, starts with the previous prompt followed by the previous reply's text tokenized
+again, :func:`splice_previous_reply` puts the sampled tokens back in its place. The proxy then asks the
+engine for that exact prompt (``Engine.submit``, the token-level path every weight engine has) and
+:func:`generations_response` makes the chat response from it.
+
+Only the previous call of the same attempt is spliced: a prompt that does not start with it (another
+branch of the agent, an edited history) goes to the engine as text, and ``turn_forks`` counts it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from lightning_nb.engines import Engine, Generation
+
+__all__ = ["ServedCall", "splice_previous_reply", "can_submit_tokens", "submit_kwargs", "generations_response"]
+
+
+@dataclass(frozen=True)
+class ServedCall:
+    """An attempt's previous LLM call as served.
+
+    Attributes:
+        prompt_ids: the prompt token IDs the engine was given (earlier replies as sampled).
+        completion_ids: the sampled completion token IDs (the stop token last when the model stopped).
+        text: the completion's text.
+        rendered_ids: the prompt as the chat template renders the messages (earlier replies re-tokenized);
+            equal to ``prompt_ids`` unless that call was spliced.
+    """
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    text: str
+    rendered_ids: tuple[int, ...]
+
+    @property
+    def length(self) -> int:
+        """Prompt plus completion tokens: where the next call's new tokens start."""
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+def splice_previous_reply(rendered_ids: Sequence[int], prev: ServedCall, tokenizer: Any,
+                          stop_token_ids: Sequence[int]) -> Optional[list[int]]:
+    """The prompt to serve for ``rendered_ids`` with every earlier reply of the attempt as sampled, or None.
+
+    By induction over the attempt's calls: when ``rendered_ids`` (the chat template's render of the new
+    messages) starts with the previous call's render, then the previous reply's text tokenized again and
+    a stop token, the prompt to serve is the previous served prompt, the previous sampled completion, and
+    the rest of ``rendered_ids``. None when no splice is needed (``rendered_ids`` already extends the
+    previous prompt and completion as served) or none applies (the prompt does not start that way, or
+    the reply did not end with a stop token: the template closes an assistant turn with one, e.g.
+    ``<|im_end|>``).
+
+    Args:
+        rendered_ids: the new prompt as the engine would render it (token IDs).
+        prev: the attempt's previous call.
+        tokenizer: the served model's tokenizer.
+        stop_token_ids: the engine's stop tokens.
+    """
+    served = list(prev.prompt_ids) + list(prev.completion_ids)
+    if list(rendered_ids[:len(served)]) == served:
+        return None  # already extends: nothing to splice
+    n_rendered = len(prev.rendered_ids)
+    if list(rendered_ids[:n_rendered]) != list(prev.rendered_ids):
+        return None
+    if not prev.completion_ids or prev.completion_ids[-1] not in stop_token_ids:
+        return None
+    again = list(tokenizer.encode(prev.text, add_special_tokens=False))
+    end = n_rendered + len(again)
+    if (list(rendered_ids[n_rendered:end]) != again or end >= len(rendered_ids)
+            or rendered_ids[end] != prev.completion_ids[-1]):
+        return None
+    return served + list(rendered_ids[end + 1:])
+
+
+def can_submit_tokens(engine: Engine, kwargs: dict[str, Any]) -> bool:
+    """Whether ``engine`` can complete a token prompt with everything the request's ``kwargs`` (LiteLLM's) ask.
+
+    The token-level path (:meth:`Engine.submit`) takes ``max_tokens``, ``temperature``, ``top_p``, ``seed``
+    and ``stop``; a request that also sets penalties, a response format or top log-probs goes as text.
+    """
+    if type(engine).submit is Engine.submit or getattr(engine, "tokenizer", None) is None:
+        return False
+    return not any(kwargs.get(k) for k in ("response_format", "frequency_penalty", "presence_penalty",
+                                           "top_logprobs"))
+
+
+def submit_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The :meth:`Engine.submit` sampling arguments of LiteLLM ``kwargs``."""
+    return {k: kwargs[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop") if k in kwargs}
+
+
+def generations_response(gens: Sequence[Generation], tokenizer: Any, model: str) -> dict[str, Any]:
+    """Generations of one prompt as the chat response dict the proxy reads from LiteLLM (``model_dump()``
+    of a vLLM reply with ``return_token_ids``): choices with ``token_ids`` and OpenAI log-probs, top-level
+    ``prompt_token_ids`` and ``weight_version`` (the oldest version among the generations)."""
+    choices = []
+    for i, g in enumerate(gens):
+        pieces = [tokenizer.decode([t]) for t in g.completion_ids]
+        logprobs = {"content": [{"token": p, "bytes": list(p.encode("utf-8")), "logprob": lp, "top_logprobs": []}
+                                for p, lp in zip(pieces, g.logprobs)]}
+        choices.append({"index": i, "finish_reason": g.finish_reason, "logprobs": logprobs,
+                        "message": {"role": "assistant", "content": g.text}, "token_ids": list(g.completion_ids)})
+    completion = sum(len(g.completion_ids) for g in gens)
+    prompt = len(gens[0].prompt_ids)
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+            "prompt_token_ids": list(gens[0].prompt_ids), "weight_version": min(g.weight_version for g in gens)}
