@@ -327,7 +327,7 @@ class LLMProxy:
             if ch.tool_calls:
                 _remember(self._sampled, sampled_turn_key(ch.tool_calls), ch.text)
         if attempt:
-            await self._check_response_mask(req, prompt_ids, choices, attempt, agent_name)
+            await self._check_response_mask(req, prompt_ids, rendered, attempt, agent_name)
             if prompt_ids is not None and choices and choices[0].token_ids is not None:
                 _remember(self._served, attempt, ServedCall(tuple(prompt_ids), tuple(choices[0].token_ids),
                                                             choices[0].text, tuple(rendered or prompt_ids)))
@@ -420,19 +420,26 @@ class LLMProxy:
         return response.model_dump()
 
     async def _check_response_mask(self, req: ChatCompletionRequest, prompt_ids: Optional[list[int]],
-                                   choices: list[Choice], attempt: tuple[str, str], agent_name: Optional[str]) -> None:
-        """Check a rollout server's ``response_mask`` (reference doc 002) against the tokens this proxy served.
+                                   rendered: Optional[list[int]], attempt: tuple[str, str],
+                                   agent_name: Optional[str]) -> None:
+        """Check a rollout server's ``response_mask`` (reference doc 002) against the tokens of this call.
 
-        The proxy keeps each attempt's previous call (its prompt plus completion length); a mask must have
-        one entry per prompt token beyond it. A wrong one is recorded as an error span and answered with a
+        The mask must have one entry per prompt token added since the attempt's previous call: counted on
+        the tokens served (``prompt_ids``, the earlier replies as sampled), or as doc 002's rollout server
+        counts them, on its own tokenization of the messages (the chat template's render, ``rendered``,
+        less the previous render and completion); the two differ only after a splice
+        (:mod:`lightning_nb.proxy.splice`). A wrong one is recorded as an error span and answered with a
         400 naming ``response_mask`` (training on it would misplace the response mask of every later turn).
         """
+        mask = req.response_mask
+        if mask is None or prompt_ids is None:
+            return
         prev = self._served.get(attempt)
         served_before = prev.length if prev is not None else 0
-        mask = req.response_mask
-        expected = len(prompt_ids) - served_before if prompt_ids is not None else None
-        if mask is not None and expected is not None and len(mask) != expected:
-            message = (f"response_mask has {len(mask)} entries, but this prompt adds {expected} tokens to the "
+        rendered_before = len(prev.rendered_ids) + len(prev.completion_ids) if prev is not None else 0
+        expected = {len(prompt_ids) - served_before, len(rendered or prompt_ids) - rendered_before}
+        if len(mask) not in expected:
+            message = (f"response_mask has {len(mask)} entries, but this prompt adds {min(expected)} tokens to the "
                        f"previous call's {served_before} prompt and completion tokens ({len(prompt_ids)} prompt "
                        "tokens now); send one 0 per token added since the previous call (reference doc 002), "
                        "or none on the first call")
