@@ -251,3 +251,31 @@ def test_a_response_mask_is_checked_against_the_tokens_served(proxied):
     assert sum(1 for s in spans if "response_mask" in str(s.attributes.get(LLM_ERROR))) == 1
     off_attempt = httpx.post(f"{proxy.endpoint()}/chat/completions", json={**body, "response_mask": []}, timeout=60)
     assert off_attempt.status_code == 400 and off_attempt.json()["error"]["param"] == "response_mask"
+
+
+def test_a_reply_that_re_tokenizes_differently_is_spliced_back_as_sampled(engine):
+    """Greedy SmolLM2 wrote '"}' '}}' where its tokenizer writes '"}}' '}'; a reply cut at max_tokens has no stop
+    token. Either way the next prompt is the previous prompt and completion as served, then the new turns."""
+    from lightning_nb.proxy.splice import ServedCall, splice_previous_reply
+
+    tok = engine.tokenizer
+    first = [{"role": "user", "content": "Say it."}]
+    prompt = engine.apply_chat_template(first)
+    text = '{"a": {"b": 1}}}'
+    canonical = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.encode(p, add_special_tokens=False) for p in ('{"a": {"b": 1', '}', '}}')]
+    sampled = [t for p in pieces for t in p]
+    assert sampled != canonical and tok.decode(sampled) == text  # a split the tokenizer would not write
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    later = engine.apply_chat_template(first + [{"role": "assistant", "content": text},
+                                                {"role": "user", "content": "Again."}])
+    for cut in (False, True):
+        completion = tuple(sampled if cut else sampled + [im_end])
+        prev = ServedCall(tuple(prompt), completion, text, tuple(prompt), cut=cut)
+        spliced = splice_previous_reply(later, prev, tok, engine.stop_token_ids)
+        assert spliced[: len(prompt) + len(completion)] == list(prompt) + list(completion)
+        assert tok.decode(spliced) == tok.decode(later)  # the same text, the sampled tokens
+        assert splice_previous_reply(spliced, prev, tok, engine.stop_token_ids) is None  # already extends
+    # an edited history is not spliced: it forks, and turn_forks counts it
+    edited = engine.apply_chat_template([{"role": "user", "content": "Say that."}, {"role": "assistant", "content": text}])
+    assert splice_previous_reply(edited, prev, tok, engine.stop_token_ids) is None

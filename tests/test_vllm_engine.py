@@ -262,7 +262,8 @@ def test_logprobs_match_the_in_process_model(vllm):
 
 
 def test_supported_params_are_honoured(vllm):
-    assert vllm.supported_params == {"stop", "seed", "n", "response_format", "frequency_penalty", "presence_penalty"}
+    assert vllm.supported_params == {"stop", "seed", "n", "response_format", "frequency_penalty", "presence_penalty",
+                                     "top_logprobs"}
     count = [{"role": "user", "content": "List the numbers from 1 to 10, separated by commas."}]
     base = _chat(vllm, count, max_tokens=40)["choices"][0]
     assert "5" in base["message"]["content"]
@@ -276,6 +277,9 @@ def test_supported_params_are_honoured(vllm):
     for penalty in ("frequency_penalty", "presence_penalty"):  # the penalised distribution is what comes back
         pen = _chat(vllm, count, max_tokens=40, **{penalty: 2.0})["choices"][0]
         assert (pen["token_ids"], pen["logprobs"]) != (base["token_ids"], base["logprobs"]), penalty
+    top = _chat(vllm, count, max_tokens=8, top_logprobs=3)["choices"][0]["logprobs"]["content"]
+    for entry in top:  # the 3 likeliest tokens at each position, the sampled (greedy: the first) among them
+        assert len(entry["top_logprobs"]) == 3 and entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-5
     schema = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
     js = _chat(vllm, [{"role": "user", "content": "Give me a person as JSON."}], max_tokens=40,
                response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})["choices"][0]

@@ -4,3 +4,11 @@ gym-style environments (reference doc 004), and the reference rollout server the
 Every shape here is an agent a runner calls like a plain function agent, ``agent(task, llm) -> reward | None``,
 so :func:`~lightning_nb.runners.start_runners`, the proxy's token IDs and the trainers need nothing new.
 """
+
+from lightning_nb.agents.agent_runner import AgentRunner, EpisodeFailed, EpisodeResult, seed_tasks
+from lightning_nb.agents.gem_runner import GEMRunner
+from lightning_nb.agents.text_env import TextEnv
+from lightning_nb.agents.toolcall_runner import ToolActionEnv, ToolCallRunner
+
+__all__ = ["AgentRunner", "EpisodeResult", "EpisodeFailed", "seed_tasks", "GEMRunner", "ToolCallRunner",
+           "ToolActionEnv", "TextEnv"]

@@ -29,7 +29,7 @@ from lightning_nb.engines.chat_format import prompt_token_ids, render_tools, sam
 from lightning_nb.inspect.html import BOX_STYLE, esc
 from lightning_nb.proxy.splice import ServedCall, splice_previous_reply
 from lightning_nb.semconv import (COMPLETION, COMPLETION_TOKEN_IDS, LLM_SPAN, PROMPT, PROMPT_SPLICED, PROMPT_TOKEN_IDS,
-                                  REQUEST_TOOL_CHOICE, REQUEST_TOOLS, RESPONSE_TOOL_CALLS)
+                                  REQUEST_TOOL_CHOICE, REQUEST_TOOLS, RESPONSE_FINISH_REASONS, RESPONSE_TOOL_CALLS)
 from lightning_nb.store.base import LightningStore
 from lightning_nb.types import Span
 
@@ -110,8 +110,8 @@ def token_fidelity(store: LightningStore, rollout_ids: Sequence[str], tokenizer:
             where = {"rollout_id": rid, "attempt_id": span.attempt_id, "turn": turn}
             canonical = rendered = _rerender(span, tokenizer, tool_format, sampled)
             if a.get(PROMPT_SPLICED) and prev_call is not None:  # the proxy gave back the sampled replies' tokens
-                rendered = splice_previous_reply(canonical, prev_call, tokenizer, prev_call.completion_ids[-1:]) \
-                    or canonical
+                stop_ids = {*prev_call.completion_ids[-1:], getattr(tokenizer, "eos_token_id", None)}
+                rendered = splice_previous_reply(canonical, prev_call, tokenizer, list(stop_ids)) or canonical
             pos = _first_diff(served, rendered)
             if pos is not None:
                 rows.append({**where, "kind": "render", "cause": "template",
@@ -123,7 +123,7 @@ def token_fidelity(store: LightningStore, rollout_ids: Sequence[str], tokenizer:
                              **_describe(tokenizer, served, prev, pos, context)})
             prev, prev_prompt_len = served + list(a[COMPLETION_TOKEN_IDS]), len(served)
             prev_call = ServedCall(tuple(served), tuple(a[COMPLETION_TOKEN_IDS]), str(a.get(COMPLETION) or ""),
-                                   tuple(canonical))
+                                   tuple(canonical), cut="length" in (a.get(RESPONSE_FINISH_REASONS) or []))
     df = pd.DataFrame(rows, columns=FIDELITY_COLUMNS)
     df.attrs.update(calls_checked=checked, rollouts_checked=rollouts)
     return df

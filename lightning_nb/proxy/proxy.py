@@ -330,7 +330,8 @@ class LLMProxy:
             await self._check_response_mask(req, prompt_ids, rendered, attempt, agent_name)
             if prompt_ids is not None and choices and choices[0].token_ids is not None:
                 _remember(self._served, attempt, ServedCall(tuple(prompt_ids), tuple(choices[0].token_ids),
-                                                            choices[0].text, tuple(rendered or prompt_ids)))
+                                                            choices[0].text, tuple(rendered or prompt_ids),
+                                                            cut=choices[0].finish_reason == "length"))
             requested = requested_attributes(req, messages, applied, not_applied, engine, version,
                                              engine.weight_version, agent_name)
             if hermes and req.tools:

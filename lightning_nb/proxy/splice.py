@@ -37,12 +37,15 @@ class ServedCall:
         text: the completion's text.
         rendered_ids: the prompt as the chat template renders the messages (earlier replies re-tokenized);
             equal to ``prompt_ids`` unless that call was spliced.
+        cut: the reply was cut at ``max_tokens`` (finish reason ``"length"``): it has no stop token, and may end
+            inside a character.
     """
 
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
     text: str
     rendered_ids: tuple[int, ...]
+    cut: bool = False
 
     @property
     def length(self) -> int:
@@ -57,10 +60,10 @@ def splice_previous_reply(rendered_ids: Sequence[int], prev: ServedCall, tokeniz
     By induction over the attempt's calls: when ``rendered_ids`` (the chat template's render of the new
     messages) starts with the previous call's render, then the previous reply's text tokenized again and
     a stop token, the prompt to serve is the previous served prompt, the previous sampled completion, and
-    the rest of ``rendered_ids``. None when no splice is needed (``rendered_ids`` already extends the
-    previous prompt and completion as served) or none applies (the prompt does not start that way, or
-    the reply did not end with a stop token: the template closes an assistant turn with one, e.g.
-    ``<|im_end|>``).
+    the rest of ``rendered_ids`` (with the stop token that closes the turn when the reply was cut at
+    ``max_tokens`` and so had none). None when no splice is needed (``rendered_ids`` already extends the
+    previous prompt and completion as served) or none applies (the prompt does not start that way, the
+    turn is not closed by a stop token, e.g. ``<|im_end|>``, or the reply neither ended with one nor was cut).
 
     Args:
         rendered_ids: the new prompt as the engine would render it (token IDs).
@@ -74,14 +77,15 @@ def splice_previous_reply(rendered_ids: Sequence[int], prev: ServedCall, tokeniz
     n_rendered = len(prev.rendered_ids)
     if list(rendered_ids[:n_rendered]) != list(prev.rendered_ids):
         return None
-    if not prev.completion_ids or prev.completion_ids[-1] not in stop_token_ids:
-        return None
+    stopped = bool(prev.completion_ids) and prev.completion_ids[-1] in stop_token_ids
+    if not (stopped or prev.cut):
+        return None  # cut at a stop string: its tokens are not in the text, and splicing them in would add words
     again = list(tokenizer.encode(prev.text, add_special_tokens=False))
     end = n_rendered + len(again)
-    if (list(rendered_ids[n_rendered:end]) != again or end >= len(rendered_ids)
-            or rendered_ids[end] != prev.completion_ids[-1]):
+    if list(rendered_ids[n_rendered:end]) != again or end >= len(rendered_ids) or rendered_ids[end] not in \
+            stop_token_ids or (stopped and rendered_ids[end] != prev.completion_ids[-1]):
         return None
-    return served + list(rendered_ids[end + 1:])
+    return served + list(rendered_ids[end + 1 if stopped else end:])
 
 
 def can_submit_tokens(engine: Engine, kwargs: dict[str, Any]) -> bool:
