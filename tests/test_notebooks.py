@@ -31,6 +31,9 @@ EXPECTED = {
                               "verl metrics: actor/",  # metrics_df() has verl's own metric names
                               "<b>Last batch</b>",  # last_batch_html()
                               "loaded: step 2"],  # trainer.load(folder) in a fresh trainer found global_step_2
+    "05_any_agent.ipynb": ["shapes on one store:",  # the spans of the four agent shapes in one DataFrame
+                           "'langgraph'", "'gym'", "'remote'", "'function'",  # each shape made spans
+                           "training step 1:", "'turn_forks'"],  # one GRPO step on all four
 }
 # notebooks written by a script: notebooks/make_<notebook name>.py writes notebooks/<notebook name>.ipynb (its OUT)
 GENERATORS = sorted((ROOT / "notebooks").glob("make_*.py"))
