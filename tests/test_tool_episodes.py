@@ -279,3 +279,37 @@ def test_a_reply_that_re_tokenizes_differently_is_spliced_back_as_sampled(engine
     # an edited history is not spliced: it forks, and turn_forks counts it
     edited = engine.apply_chat_template([{"role": "user", "content": "Say that."}, {"role": "assistant", "content": text}])
     assert splice_previous_reply(edited, prev, tok, engine.stop_token_ids) is None
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_token_fidelity_re_derives_a_spliced_prompt(engine, cut):
+    """token_fidelity re-renders a spliced call the way the proxy served it: no 'render' row, no fork. A reply cut
+    at max_tokens ends with an ordinary token, which must not be taken for its stop token."""
+    import time
+
+    from lightning_nb import semconv
+    from lightning_nb.proxy.splice import ServedCall, splice_previous_reply
+    from lightning_nb.types import Span
+
+    tok = engine.tokenizer
+    first = [{"role": "user", "content": "List the steps."}]
+    prompt = engine.apply_chat_template(first)
+    text = '{"a": {"b": 1}}}'
+    sampled = [t for piece in ('{"a": {"b": 1', '}', '}}') for t in tok.encode(piece, add_special_tokens=False)]
+    assert tok.decode(sampled) == text and sampled != tok.encode(text, add_special_tokens=False)
+    completion = sampled if cut else sampled + [tok.convert_tokens_to_ids("<|im_end|>")]
+    second = first + [{"role": "assistant", "content": text}, {"role": "user", "content": "Go on."}]
+    served = splice_previous_reply(engine.apply_chat_template(second), ServedCall(
+        tuple(prompt), tuple(completion), text, tuple(prompt), cut=cut), tok, engine.stop_token_ids)
+    store = InMemoryStore()
+    run = store.start_rollout({"q": 1})
+    rid, aid = run.rollout.rollout_id, run.attempt.attempt_id
+    now = time.time()
+    for i, (messages, ids, extra) in enumerate([(first, prompt, {}), (second, served, {semconv.PROMPT_SPLICED: True})]):
+        store.add_span(Span(rollout_id=rid, attempt_id=aid, trace_id="t", span_id=f"c{i}", name=semconv.LLM_SPAN,
+                            start_time=now + i, end_time=now + i, attributes={
+                                semconv.PROMPT: json.dumps(messages), semconv.PROMPT_TOKEN_IDS: list(ids),
+                                semconv.COMPLETION_TOKEN_IDS: list(completion), semconv.COMPLETION: text,
+                                semconv.RESPONSE_FINISH_REASONS: ["length" if cut else "stop"], **extra}))
+    df = token_fidelity(store, [rid], tok)
+    assert df.empty and df.attrs["calls_checked"] == 2, df.to_dict("records")

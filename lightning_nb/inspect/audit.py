@@ -110,7 +110,9 @@ def token_fidelity(store: LightningStore, rollout_ids: Sequence[str], tokenizer:
             where = {"rollout_id": rid, "attempt_id": span.attempt_id, "turn": turn}
             canonical = rendered = _rerender(span, tokenizer, tool_format, sampled)
             if a.get(PROMPT_SPLICED) and prev_call is not None:  # the proxy gave back the sampled replies' tokens
-                stop_ids = {*prev_call.completion_ids[-1:], getattr(tokenizer, "eos_token_id", None)}
+                # the token that closes the turn: the reply's own stop token, or (a reply cut at max_tokens) EOS
+                stop_ids = {*([] if prev_call.cut else prev_call.completion_ids[-1:]),
+                            getattr(tokenizer, "eos_token_id", None)}
                 rendered = splice_previous_reply(canonical, prev_call, tokenizer, list(stop_ids)) or canonical
             pos = _first_diff(served, rendered)
             if pos is not None:
