@@ -9,15 +9,13 @@ batching thread (:meth:`~lightning_nb.engines.transformers.TransformersEngine.su
 
 from __future__ import annotations
 
-import time
-import uuid
 import weakref
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lightning_nb.engines.base import Generation
+from lightning_nb.engines.base import Generation, chat_completion_payload
 from lightning_nb.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -125,25 +123,8 @@ async def _engine_chat(request: Request) -> Any:
     except ConfigError as exc:
         return _engine_error(400, str(exc))
     gens: list[Generation] = list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
-    choices = []
-    for i, g in enumerate(gens):
-        choice: dict[str, Any] = {"index": i, "finish_reason": g.finish_reason,
-                                  "message": {"role": "assistant", "content": g.text},
-                                  "logprobs": _openai_logprobs(engine.tokenizer, g) if body.logprobs else None}
-        if body.return_token_ids:
-            choice["token_ids"] = g.completion_ids
-        choices.append(choice)
-    completion = sum(len(g.completion_ids) for g in gens)
-    payload: dict[str, Any] = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-        "model": engine.model_name, "choices": choices,
-        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-                  "total_tokens": len(prompt_ids) + completion},
-        "weight_version": min(g.weight_version for g in gens),
-    }
-    if body.return_token_ids:
-        payload["prompt_token_ids"] = prompt_ids
-    return payload
+    return chat_completion_payload(gens, engine.tokenizer, engine.model_name, logprobs=body.logprobs,
+                                   token_ids=body.return_token_ids)
 
 
 async def _json_body(request: Request) -> Any:
@@ -177,10 +158,3 @@ def _engine_request(engine: "TransformersEngine", raw: Any) -> _EngineRequest:
                                         "as text by the LLM proxy (lightning_nb.engines.chat_format.render_tools)",
                                    f"messages.{i}.role")
     return body
-
-
-def _openai_logprobs(tokenizer: Any, gen: Generation) -> dict[str, Any]:
-    """``choices[i].logprobs`` in the OpenAI shape: one entry per completion token (the stop token too)."""
-    tokens = [tokenizer.decode([t]) for t in gen.completion_ids]
-    return {"content": [{"token": tok, "bytes": list(tok.encode("utf-8")), "logprob": lp, "top_logprobs": []}
-                        for tok, lp in zip(tokens, gen.logprobs)], "refusal": None}

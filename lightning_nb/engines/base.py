@@ -18,6 +18,8 @@ from __future__ import annotations
 import abc
 from concurrent.futures import Future
 from contextlib import contextmanager
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
@@ -25,7 +27,8 @@ from lightning_nb.engines.chat_format import prompt_token_ids
 from lightning_nb.errors import ConfigError
 from lightning_nb.models.default import IM_END
 
-__all__ = ["Engine", "Generation", "SERVING_MEMBERS", "WEIGHT_MEMBERS", "default_stop_token_ids"]
+__all__ = ["Engine", "Generation", "SERVING_MEMBERS", "WEIGHT_MEMBERS", "default_stop_token_ids",
+           "chat_completion_payload"]
 
 #: Members of :class:`Engine` the LLM proxy uses; every engine has them.
 SERVING_MEMBERS = ("model_name", "base_url", "deployment", "litellm_provider", "api_key", "returns_token_ids",
@@ -54,6 +57,41 @@ class Generation:
     finish_reason: str
     weight_version: int
     temperature: float
+
+
+def chat_completion_payload(gens: Sequence[Generation], tokenizer: Any, model: str, *, logprobs: bool,
+                            token_ids: bool) -> dict[str, Any]:
+    """Generations of one prompt as an OpenAI ``chat.completion`` dict, vLLM's way: with ``logprobs`` each choice's
+    ``logprobs`` in the OpenAI shape (one entry per completion token, the stop token too; else None), with
+    ``token_ids`` each choice's ``token_ids`` and the top-level ``prompt_token_ids``; ``weight_version`` is the
+    oldest version among ``gens``. The TransformersEngine's endpoint answers with it, and the LLM proxy reads it
+    back when it completes a prompt given as token IDs (:mod:`lightning_nb.proxy.splice`)."""
+    choices = []
+    for i, g in enumerate(gens):
+        choice: dict[str, Any] = {"index": i, "finish_reason": g.finish_reason,
+                                  "message": {"role": "assistant", "content": g.text},
+                                  "logprobs": _openai_logprobs(tokenizer, g) if logprobs else None}
+        if token_ids:
+            choice["token_ids"] = list(g.completion_ids)
+        choices.append(choice)
+    prompt = len(gens[0].prompt_ids)
+    completion = sum(len(g.completion_ids) for g in gens)
+    payload: dict[str, Any] = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        "model": model, "choices": choices,
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+        "weight_version": min(g.weight_version for g in gens),
+    }
+    if token_ids:
+        payload["prompt_token_ids"] = list(gens[0].prompt_ids)
+    return payload
+
+
+def _openai_logprobs(tokenizer: Any, gen: Generation) -> dict[str, Any]:
+    """``choices[i].logprobs`` in the OpenAI shape: one entry per completion token (the stop token too)."""
+    tokens = [tokenizer.decode([t]) for t in gen.completion_ids]
+    return {"content": [{"token": tok, "bytes": list(tok.encode("utf-8")), "logprob": lp, "top_logprobs": []}
+                        for tok, lp in zip(tokens, gen.logprobs)], "refusal": None}
 
 
 class Engine(abc.ABC):

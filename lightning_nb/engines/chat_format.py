@@ -119,16 +119,7 @@ def _same_calls(text: str, tool_calls: Sequence[dict[str, Any]]) -> bool:
     _, parsed = parse_tool_calls(text)
 
     def canon(calls: Sequence[dict[str, Any]]) -> list[tuple[Any, Any]]:
-        out = []
-        for c in calls:
-            fn = c.get("function") or {}
-            args = fn.get("arguments", "{}")
-            try:
-                args = json.loads(args) if isinstance(args, str) else args
-            except json.JSONDecodeError:
-                pass
-            out.append((fn.get("name"), json.dumps(args, sort_keys=True)))
-        return out
+        return [((c.get("function") or {}).get("name"), json.dumps(_arguments(c), sort_keys=True)) for c in calls]
 
     return canon(parsed) == canon(tool_calls)
 
@@ -142,16 +133,19 @@ def _assistant_text(m: dict[str, Any], sampled: Optional[Mapping[str, str]]) -> 
     text = (sampled or {}).get(sampled_turn_key(calls))
     if text is not None and _same_calls(text, calls):
         return text
-    written = []
-    for call in calls:
-        fn = call.get("function", {})
-        args = fn.get("arguments", "{}")
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except json.JSONDecodeError:
-            pass  # keep the model's own (invalid) text: it is what it wrote
-        written.append("<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": args}) + "\n</tool_call>")
+    written = ["<tool_call>\n" + json.dumps({"name": (call.get("function") or {}).get("name"),
+                                              "arguments": _arguments(call)}) + "\n</tool_call>" for call in calls]
     return "\n".join(([content] if content else []) + written)
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    """A tool call's ``arguments`` as an object, or its own text when that is not valid JSON (it is what the model
+    wrote)."""
+    args = (call.get("function") or {}).get("arguments", "{}")
+    try:
+        return json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError:
+        return args
 
 
 def count_sampled_turns(messages: Sequence[dict[str, Any]], sampled: Optional[Mapping[str, str]]) -> tuple[int, int]:

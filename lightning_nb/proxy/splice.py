@@ -17,12 +17,11 @@ branch of the agent, an edited history) goes to the engine as text, and ``turn_f
 
 from __future__ import annotations
 
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from lightning_nb.engines import Engine, Generation
+from lightning_nb.engines.base import chat_completion_payload
 
 __all__ = ["ServedCall", "splice_previous_reply", "can_submit_tokens", "submit_kwargs", "generations_response"]
 
@@ -106,18 +105,7 @@ def submit_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def generations_response(gens: Sequence[Generation], tokenizer: Any, model: str) -> dict[str, Any]:
-    """Generations of one prompt as the chat response dict the proxy reads from LiteLLM (``model_dump()``
-    of a vLLM reply with ``return_token_ids``): choices with ``token_ids`` and OpenAI log-probs, top-level
-    ``prompt_token_ids`` and ``weight_version`` (the oldest version among the generations)."""
-    choices = []
-    for i, g in enumerate(gens):
-        pieces = [tokenizer.decode([t]) for t in g.completion_ids]
-        logprobs = {"content": [{"token": p, "bytes": list(p.encode("utf-8")), "logprob": lp, "top_logprobs": []}
-                                for p, lp in zip(pieces, g.logprobs)]}
-        choices.append({"index": i, "finish_reason": g.finish_reason, "logprobs": logprobs,
-                        "message": {"role": "assistant", "content": g.text}, "token_ids": list(g.completion_ids)})
-    completion = sum(len(g.completion_ids) for g in gens)
-    prompt = len(gens[0].prompt_ids)
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model, "choices": choices,
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-            "prompt_token_ids": list(gens[0].prompt_ids), "weight_version": min(g.weight_version for g in gens)}
+    """Generations of one prompt as the chat response dict the proxy reads from LiteLLM (``model_dump()`` of a vLLM
+    reply with ``return_token_ids``): :func:`~lightning_nb.engines.base.chat_completion_payload` with log-probs and
+    token IDs."""
+    return chat_completion_payload(gens, tokenizer, model, logprobs=True, token_ids=True)
