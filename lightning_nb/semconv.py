@@ -22,7 +22,8 @@ __all__ = [
     "TOKEN_IDS_MISSING", "SAMPLING_NOT_APPLIED", "WEIGHTS_CHANGED_DURING_CALL", "REQUEST_RESPONSE_MASK", "PROMPT_SPLICED",
     "TOOL_CHOICE_RESAMPLED", "ASSISTANT_TURNS_AS_SAMPLED", "ASSISTANT_TURNS_REWRITTEN", "APPLIED_TEMPERATURE",
     "APPLIED_TOP_P", "APPLIED_MAX_TOKENS", "APPLIED_STOP", "APPLIED_SEED", "APPLIED_SAMPLING",
-    "REWARD", "REWARD_NAME", "TOOL_NAME", "TOOL_INPUT", "TOOL_OUTPUT", "ERROR",
+    "REWARD", "REWARD_NAME", "REWARD_SOURCE", "JUDGE_SPAN", "JUDGE_MODEL", "JUDGE_PROMPT", "JUDGE_VERDICT",
+    "JUDGE_SCORE", "JUDGE_GROUP", "TOOL_NAME", "TOOL_INPUT", "TOOL_OUTPUT", "ERROR",
     "SEQUENCE_ID", "SPAN_KIND", "SERVICE_NAME", "HOOK", "EXCEPTION_TYPE", "EXCEPTION_MESSAGE", "EXCEPTION_STACKTRACE",
 ]
 
@@ -32,6 +33,10 @@ __all__ = [
 LLM_SPAN = "llm.chat.completions"
 #: The final reward of an attempt (:func:`~lightning_nb.tracing.emit_reward`); the last one counts.
 REWARD_SPAN = "reward"
+#: One call of an LLM judge (:mod:`lightning_nb.rewards`): its prompt, verdict and score. Never an
+#: :data:`LLM_SPAN`, so no trainer ever trains on the judge's tokens; ``store.rewards_df()`` lists its score as a
+#: reward component named by :data:`REWARD_NAME`.
+JUDGE_SPAN = "judge"
 #: An intermediate (per-step) reward (:func:`~lightning_nb.tracing.emit_intermediate_reward`); never
 #: named ``"reward"``, which is the final reward's name.
 INTERMEDIATE_REWARD_SPAN = "intermediate_reward"
@@ -167,6 +172,19 @@ ASSISTANT_TURNS_REWRITTEN = "lightning_nb.assistant_turns.rewritten"
 REWARD = "reward"
 #: The component name of an intermediate reward (e.g. ``"tool_error"``).
 REWARD_NAME = "reward.name"
+#: Who gave a final reward (text): absent when the agent returned or emitted it; ``"human"`` for
+#: ``store.label(...)``, ``"judge"`` / ``"group_judge"`` for an LLM judge's score used as the reward.
+REWARD_SOURCE = "reward.source"
+#: The judge's model name (text).
+JUDGE_MODEL = "lightning_nb.judge.model"
+#: The judge's prompt (JSON text of the chat messages sent to the judge).
+JUDGE_PROMPT = "lightning_nb.judge.prompt"
+#: The judge's reply, as it wrote it (text).
+JUDGE_VERDICT = "lightning_nb.judge.verdict"
+#: The score parsed from the verdict (float, in the rubric's range).
+JUDGE_SCORE = "lightning_nb.judge.score"
+#: The rollout ids a group judge scored together in one call (JSON text list), on each of their judge spans.
+JUDGE_GROUP = "lightning_nb.judge.group"
 #: The tool's name (text), the part of the span name after :data:`TOOL_SPAN_PREFIX`.
 TOOL_NAME = "tool.name"
 #: The tool's input (text; JSON text for structured input).

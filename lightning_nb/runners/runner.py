@@ -6,7 +6,9 @@ An agent is a plain function ``agent(task, llm) -> reward | None``: ``task`` is
 the rollout input, ``llm`` an :class:`~lightning_nb.types.LLMResource` whose
 ``endpoint`` is an OpenAI-compatible base URL attributed to the current attempt.
 Returning a number records it as the final reward; returning None means the
-agent called :func:`~lightning_nb.tracing.tracer.emit_reward` itself.
+agent called :func:`~lightning_nb.tracing.tracer.emit_reward` itself. An agent that declares a
+``resources`` parameter (``agent(task, llm, *, resources)``) also gets the rollout's resources set as
+``{name: LLMResource | PromptTemplate}``, e.g. a system prompt that APO tunes.
 
 When an attempt succeeds, and when it fails
 -------------------------------------------
@@ -160,6 +162,8 @@ class Runner:
         self._abort = threading.Event()
         self._abort_reason = ""
         self.current: Optional[tuple[str, str]] = None  # (rollout_id, attempt_id) while an agent runs
+        self._reward_optional: set[str] = set()  # attempt ids of step(..., reward_required=False)
+        self._wants_resources = _accepts_resources(agent)
         self.agent, self.store, self.tracer = agent, store, tracer
         self.default_timeout_s = default_timeout_s
         self.llm_resource = llm_resource
@@ -242,7 +246,7 @@ class Runner:
         self._worker_heartbeat("stopped")
         self.stats.state = "stopped"
 
-    def step(self, task: Any, resources: Optional[dict[str, Any]] = None) -> Rollout:
+    def step(self, task: Any, resources: Optional[dict[str, Any]] = None, *, reward_required: bool = True) -> Rollout:
         """Run one rollout of ``task`` now, in the caller's thread and context (online mode).
 
         The runner's thread need not be started: ``Runner(agent, store, Tracer(store)).step(task)``.
@@ -257,6 +261,10 @@ class Runner:
             resources: ``{name: LLMResource | PromptTemplate | dict}`` stored with
                 ``store.add_resources`` (so it also becomes the store's latest set) and
                 referenced by the rollout's ``resources_id``; None uses the latest set.
+            reward_required: True (default): an agent that returns None and emits no reward fails the attempt
+                (``NO_REWARD_ERROR``). False, for traffic users send (reference doc 000, continuous learning): the
+                rollout ends ``succeeded`` without a reward (its final reward is None, "unlabelled") until
+                ``store.label(rollout_id, reward)`` or a judge gives it one.
 
         Returns:
             The rollout as finally stored: ``succeeded``, or ``failed`` with the error
@@ -270,7 +278,12 @@ class Runner:
                               f"(latest), got {type(resources).__name__}")
         resources_id = self.store.add_resources(resources).resources_id if resources is not None else None
         item = self.store.start_rollout(task, resources_id=resources_id, worker_id=self.worker_id)
-        self.run_attempt(item)
+        if not reward_required:
+            self._reward_optional.add(item.attempt.attempt_id)
+        try:
+            self.run_attempt(item)
+        finally:
+            self._reward_optional.discard(item.attempt.attempt_id)
         return self.store.get_rollout_by_id(item.rollout.rollout_id)
 
     def run_attempt(self, item: AttemptedRollout) -> str:
@@ -353,6 +366,12 @@ class Runner:
             self.gate.close(resource.endpoint, rid)
         return status
 
+    def _agent_resources(self, rollout: Rollout, llm: LLMResource) -> dict[str, Any]:
+        """The rollout's resources set as ``{name: resource}``, with the attempt's attributed ``llm`` in it."""
+        resources = (self.store.get_resources_by_id(rollout.resources_id) if rollout.resources_id
+                     else self.store.get_latest_resources())
+        return {**(resources.resources if resources is not None else {}), self.llm_resource: llm}
+
     def _llm_resource(self, rollout: Rollout) -> LLMResource:
         """The rollout's LLM resource named ``llm_resource``: from its resources set, else the store's latest.
 
@@ -421,7 +440,8 @@ class Runner:
             return "failed", "\n".join(part for part in (hook_error, lost) if part), None, ""
         if spans.lost:  # the attempt's record is incomplete (its reward, maybe): do not pass it off as succeeded
             return "failed", lost, "lost span", spans.lost[0]
-        if outcome.get("returned_none") and spans.rewards_stored == 0 and not self._reward_in_store(rid, aid):
+        if (outcome.get("returned_none") and aid not in self._reward_optional and spans.rewards_stored == 0
+                and not self._reward_in_store(rid, aid)):
             return "failed", NO_REWARD_ERROR, "no reward", NO_REWARD_ERROR
         return "succeeded", None, None, ""
 
@@ -443,7 +463,7 @@ class Runner:
                     if failure is not None:
                         outcome["hook_error"] = failure
                     else:
-                        self._agent_result(item.rollout.input, llm, outcome)
+                        self._agent_result(item, llm, outcome)
                 finally:
                     failure = self._call_hooks(item, "on_trace_end", self.agent, self, self.tracer, item)
                     if failure is not None:
@@ -452,10 +472,18 @@ class Runner:
             outcome["error"] = traceback.format_exc()
             outcome["exc"] = exc
 
-    def _agent_result(self, task: Any, llm: LLMResource, outcome: dict) -> None:
-        """Call the agent and emit its returned reward, inside the trace context; an exception goes to ``outcome``."""
+    def _agent_result(self, item: AttemptedRollout, llm: LLMResource, outcome: dict) -> None:
+        """Call the agent and emit its returned reward, inside the trace context; an exception goes to ``outcome``.
+
+        An agent with a ``resources`` parameter also gets the rollout's whole resources set (``{name: resource}``,
+        the one pinned at enqueue; its LLM resource is ``llm``, attributed to the attempt), so it can read a
+        :class:`~lightning_nb.types.PromptTemplate` an algorithm tunes.
+        """
         try:
-            result = self.agent(task, llm)
+            if self._wants_resources:
+                result = self.agent(item.rollout.input, llm, resources=self._agent_resources(item.rollout, llm))
+            else:
+                result = self.agent(item.rollout.input, llm)
             if inspect.isawaitable(result):
                 result = asyncio.run(result)
             if result is not None:
@@ -485,3 +513,13 @@ class Runner:
             log.warning("%s: could not record %s for %s: %s", self.worker_id, status, aid, exc)
         self.stats.state, self.stats.current_rollout = "idle", None
         return status
+
+
+def _accepts_resources(agent: Any) -> bool:
+    """Whether ``agent`` takes a ``resources`` keyword (``agent(task, llm, *, resources)``)."""
+    try:
+        params = inspect.signature(agent).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: the plain two-argument call
+        return False
+    param = params.get("resources")
+    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
