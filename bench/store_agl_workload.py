@@ -75,18 +75,26 @@ idle-poll until then):
   or ``span_flush_s`` after a span ended; this agent runs in well under that), then
   ``update_attempt(status="succeeded")``. ``--span-writes each`` writes them one ``add_span`` at a
   time instead, as agent-lightning's runner does (and as ``Tracer(span_flush_s=0)`` would).
+* the ceiling, ``MinimalStore`` (issue 32): only the calls the harness makes, on dicts and a deque
+  behind one lock and a condition, no copies, no checks, no status machine, workers or watchdog,
+  driven by exactly our runner loop and adapter. ``ceiling`` keeps the runners' ``ReadableSpan``
+  objects as they are (agent-lightning's ``check_spans`` reads them); ``ceiling-aglspan`` converts
+  each with agent-lightning's own ``Span.from_opentelemetry`` (what its ``add_otel_span`` does). No
+  store that copies what it is given and hands out copies, as ours must, can reach ``ceiling``; it
+  says how much of a run is the harness's own (its algorithm, ``check_spans``, polls, threads).
 
 Prints per store: seconds, process CPU seconds, the CPU seconds of the algorithm thread / of all
 runner threads (``alg/run``; the runners' includes their idle polling), rollouts/s, spans/s and
-the ratio to agentlightning (targets from issue 12: InMemoryStore >= 10x, SqliteStore FULL >= 2x),
-then ``spans_df()`` seconds on each of our stores after its run. ``--store-cpu`` also sums the CPU time
+the ratio to agentlightning, then ``spans_df()`` seconds on each of our stores after its run, then for
+each of our stores its ratio to agentlightning (targets from issues 12 and 32: InMemoryStore >= 10x,
+SqliteStore FULL >= 2x) and to each ceiling run (ours / ceiling: 1.0 would be a store that costs nothing). ``--store-cpu`` also sums the CPU time
 spent inside the store calls (every thread; ours with the runners' span conversion, which
 agent-lightning's ``add_otel_span`` does inside its store) and prints it per rollout and per call,
 with the ratio to agentlightning's: the store's own work, without the benchmark's algorithm
 (``check_spans``, its polls) and the threads' hand-offs. ``--profile PATH`` profiles every
-thread of our stores' runs (one cProfile per thread, merged) and prints the top 25 by tottime;
-with many runners, time blocked on the store's lock counts as tottime of ``RLock.__enter__``/
-``lock.acquire``, so profile with ``--runners 1`` to see where the CPU goes. The machine's other
+thread of our stores' runs (one cProfile per thread, merged; each on its thread's CPU clock,
+``time.thread_time``, so time blocked on a lock or waiting for the GIL does not count) and prints
+the top 25 by tottime. The machine's other
 load matters: quote numbers with the load they were measured under (Linux's load average also
 counts this script's runnable threads).
 """
@@ -108,6 +116,7 @@ import tempfile
 import threading
 import time
 import types
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -248,6 +257,113 @@ class AglStoreAdapter:
         return self.store.add_span(self.convert(rollout_id, attempt_id, span))
 
 
+# ----- the ceiling: a minimal store -------------------------------------------------------------
+class MinimalStore:
+    """Only what the harness calls, as little as a store can do: the ceiling a store could reach here.
+
+    Not a store: dicts and a deque behind one lock and one condition (a runner's
+    ``dequeue_rollout(timeout=...)`` waits on it as on ours), no copies in or out, no checks, no
+    status machine beyond ``status = <what update_attempt says>``, no workers, no watchdog. Spans
+    are kept as given: ``ReadableSpan`` objects with :func:`minimal_raw` (agent-lightning's
+    ``check_spans`` reads them as they are), or agent-lightning's own ``Span`` with
+    :func:`minimal_agl_span` (the conversion its ``add_otel_span`` does). Driven by the same runner
+    loop and algorithm adapter as ours (:func:`bench_ours`), so the difference to ours is the store.
+    """
+
+    class _Rollout:
+        __slots__ = ("rollout_id", "input", "status", "resources_id")
+
+        def __init__(self, rollout_id: str, input: Any, resources_id: Optional[str]) -> None:
+            self.rollout_id, self.input, self.status, self.resources_id = rollout_id, input, "queuing", resources_id
+
+    class _Item:
+        __slots__ = ("rollout", "attempt", "attempt_id")
+
+        def __init__(self, rollout: Any, attempt_id: str) -> None:
+            self.rollout, self.attempt, self.attempt_id = rollout, self, attempt_id
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queued = threading.Condition(self._lock)
+        self._rollouts: dict[str, Any] = {}
+        self._queue: deque[Any] = deque()
+        self._spans: dict[str, list[Any]] = {}  # attempt_id -> spans as given
+        self._latest: dict[str, str] = {}  # rollout_id -> its attempt_id
+        self._resources: dict[str, Any] = {}
+        self._next = 0
+
+    def add_resources(self, resources: dict[str, Any]) -> Any:
+        with self._lock:
+            rid = f"res-{len(self._resources)}"
+            self._resources[rid] = types.SimpleNamespace(resources_id=rid, resources=resources)
+            return self._resources[rid]
+
+    def get_resources_by_id(self, resources_id: str) -> Any:
+        return self._resources[resources_id]
+
+    def get_latest_resources(self) -> Any:
+        return self._resources[next(reversed(self._resources))] if self._resources else None
+
+    def enqueue_rollout(self, input: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            self._next += 1
+            res = next(reversed(self._resources)) if self._resources else None
+            rollout = self._rollouts[f"ro-{self._next}"] = self._Rollout(f"ro-{self._next}", input, res)
+            self._queue.append(rollout)
+            self._queued.notify()
+            return rollout
+
+    def dequeue_rollout(self, worker_id: Optional[str] = None, timeout: float = 0.0) -> Any:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not self._queue:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._queued.wait(remaining)
+            rollout = self._queue.popleft()
+            rollout.status = "preparing"
+            aid = self._latest[rollout.rollout_id] = f"at-{rollout.rollout_id}"
+            self._spans[aid] = []
+            return self._Item(rollout, aid)
+
+    def update_attempt(self, rollout_id: str, attempt_id: str, *, status: Optional[str] = None, **kwargs: Any) -> None:
+        with self._lock:
+            self._rollouts[rollout_id].status = status
+
+    def add_spans(self, items: list[tuple[str, Any]]) -> None:
+        with self._lock:
+            for attempt_id, span in items:
+                self._spans[attempt_id].append(span)
+
+    def wait_for_rollouts(self, rollout_ids: list[str], timeout: Optional[float] = None) -> list[Any]:
+        with self._lock:  # the harness polls (timeout=0)
+            return [r for r in map(self._rollouts.__getitem__, rollout_ids) if r.status == "succeeded"]
+
+    def query_spans(self, rollout_id: str, attempt_id: Optional[str] = None) -> list[Any]:
+        with self._lock:
+            return self._spans[self._latest[rollout_id]]
+
+    def query_workers(self) -> list[Any]:
+        return []
+
+
+CEILING = "minimal dict store (ceiling)"
+CEILING_AGL_SPAN = "minimal dict store + agl span conversion"
+
+
+def minimal_raw(rollout_id: str, attempt_id: str, span: Any) -> tuple[str, Any]:
+    """:class:`MinimalStore`'s span as the runner has it: the OTel ``ReadableSpan`` itself."""
+    return attempt_id, span
+
+
+def minimal_agl_span(rollout_id: str, attempt_id: str, span: Any) -> tuple[str, Any]:
+    """:class:`MinimalStore`'s span as agent-lightning's ``add_otel_span`` converts it (``Span.from_opentelemetry``)."""
+    from agentlightning.types import Span as AglSpan
+
+    return attempt_id, AglSpan.from_opentelemetry(span, rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=0)
+
+
 # ----- the run ---------------------------------------------------------------------------------
 class Profiles:
     """One cProfile per thread, merged at the end (cProfile sees only the thread that enabled it)."""
@@ -260,7 +376,7 @@ class Profiles:
         if not self.on:
             yield
             return
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.thread_time)  # this thread's CPU: time blocked on a lock does not count
         prof.enable()
         try:
             yield
@@ -301,7 +417,9 @@ class StoreCpu:
     def wrap(self, obj: Any, names: list[str]) -> None:
         """Replace ``obj.<name>`` (sync or async methods) by timed versions, on the instance."""
         for name in names:
-            fn = getattr(obj, name)
+            fn = getattr(obj, name, None)
+            if fn is None:  # the minimal store has only the calls the harness makes
+                continue
             setattr(obj, name, self.timed_async(name, fn) if asyncio.iscoroutinefunction(fn)
                     else self.timed(name, fn))
 
@@ -400,11 +518,13 @@ def bench_agentlightning(bm, spans_for, n, batch_size, runners, runner_poll_s,
 
 
 def bench_ours(bm, store, spans_for, n, batch_size, runners, dequeue_timeout_s, agent_in_loop, profiles,
-               batched: bool = True, store_cpu: Optional[StoreCpu] = None) -> dict:
-    convert = to_span
+               batched: bool = True, store_cpu: Optional[StoreCpu] = None,
+               to_store: Callable[[str, str, Any], Any] = to_span) -> dict:
+    """Our runner loop on ``store`` (ours, or :class:`MinimalStore` with its own ``to_store`` conversion)."""
+    convert = to_store
     if store_cpu is not None:
         store_cpu.wrap(store, _OUR_CALLS)
-        convert = store_cpu.timed("span_from_otel", to_span)
+        convert = store_cpu.timed("span_from_otel" if to_store is to_span else "span conversion", to_store)
     adapter = AglStoreAdapter(store, convert)
 
     def loop(stop: threading.Event) -> int:
@@ -438,9 +558,10 @@ def bench_ours(bm, store, spans_for, n, batch_size, runners, dequeue_timeout_s, 
     result = run_workload(bm, adapter, loop, n, batch_size, runners, profiles)
     if store_cpu is not None:
         result["store_cpu"] = store_cpu
-    t0 = time.perf_counter()
-    df = store.spans_df()
-    result["spans_df_s"], result["spans_df_rows"] = time.perf_counter() - t0, len(df)
+    if hasattr(store, "spans_df"):
+        t0 = time.perf_counter()
+        df = store.spans_df()
+        result["spans_df_s"], result["spans_df_rows"] = time.perf_counter() - t0, len(df)
     return result
 
 
@@ -453,6 +574,33 @@ def print_store_cpu(results: dict[str, dict[str, Any]], n: int) -> None:
         ratio = f" ({base.total() / acc.total():.1f}x)" if base is not None else ""
         calls = ", ".join(f"{name} {cpu / n * 1e6:.0f}" for name, cpu in sorted(acc.cpu.items(), key=lambda x: -x[1]))
         print(f"  {label}: {acc.total() / n * 1e6:.0f}{ratio}; {calls}")
+
+
+_CEILINGS = {"ceiling": (CEILING, minimal_raw), "ceiling-aglspan": (CEILING_AGL_SPAN, minimal_agl_span)}
+
+
+def print_ratios(results: dict[str, dict[str, Any]], n: int) -> None:
+    """Each of our stores against agentlightning (targets of issue 32) and against the minimal store (the ceiling)."""
+    rate = {label: n / r["s"] for label, r in results.items()}
+    theirs = rate.get("agentlightning InMemoryLightningStore")
+    targets = {"lightning-nb InMemoryStore": 10, "lightning-nb SqliteStore FULL": 2}
+    for label in rate:
+        if not label.startswith("lightning-nb"):
+            continue
+        parts = []
+        if theirs:
+            ratio = rate[label] / theirs
+            met = f" (target >= {targets[label]}x: {'met' if ratio >= targets[label] else 'MISSED'})" \
+                if label in targets else ""
+            parts.append(f"/ agentlightning {ratio:.1f}x{met}")
+        for ceiling in (CEILING, CEILING_AGL_SPAN):
+            if ceiling in rate:
+                parts.append(f"/ {ceiling} {rate[label] / rate[ceiling]:.2f}")
+        print(f"{label} " + "; ".join(parts))
+    if theirs:
+        for ceiling in (CEILING, CEILING_AGL_SPAN):
+            if ceiling in rate:
+                print(f"{ceiling} / agentlightning: {rate[ceiling] / theirs:.1f}x")
 
 
 def _runner_poll_default() -> float:
@@ -486,8 +634,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--dequeue-timeout-s", type=float, default=_runner_poll_default(),
                         help="our runners: dequeue_rollout's timeout, a wait woken by the next enqueue (default: "
                         "lightning_nb.runners.runner.Runner's poll_interval_s)")
-    parser.add_argument("--stores", default="agl,memory,sqlite-FULL,sqlite-NORMAL",
-                        help="comma-separated subset of agl, memory, sqlite-FULL, sqlite-NORMAL")
+    parser.add_argument("--stores", default="agl,ceiling,ceiling-aglspan,memory,sqlite-FULL,sqlite-NORMAL",
+                        help="comma-separated subset of agl, ceiling (MinimalStore keeping the ReadableSpans), "
+                        "ceiling-aglspan (MinimalStore with agl's span conversion), memory, sqlite-FULL, "
+                        "sqlite-NORMAL")
     parser.add_argument("--tmp", default=None, help="folder for the SQLite files (default: the system temp folder)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for agl's generator")
     parser.add_argument("--store-cpu", action="store_true",
@@ -546,6 +696,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             label = "agentlightning InMemoryLightningStore"
             results[label] = bench_agentlightning(bm, agl_spans_for, n, b, k, args.runner_poll_s,
                                                   StoreCpu() if args.store_cpu else None)
+        elif name in _CEILINGS:
+            label, convert = _CEILINGS[name]
+            results[label] = bench_ours(bm, MinimalStore(), ours_spans_for, n, b, k, args.dequeue_timeout_s,
+                                        args.agent_in_loop, Profiles(False), args.span_writes == "batch",
+                                        StoreCpu() if args.store_cpu else None, to_store=convert)
         elif name == "memory" or name.startswith("sqlite-"):
             profiles = Profiles(args.profile is not None)
             with contextlib.ExitStack() as stack:
@@ -583,12 +738,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         split = f"{r['alg_cpu_s']:.2f}/{r['runner_cpu_s']:.2f}"
         print(f"{label:40s} {r['s']:8.2f} {r['cpu_s']:7.2f} {split:>11s} {rate:11.1f} "
               f"{total_spans / r['s']:9.0f} {ratio} {sdf}")
-    if theirs:
-        for label, target in (("lightning-nb InMemoryStore", 10), ("lightning-nb SqliteStore FULL", 2)):
-            if label in results:
-                ratio = n / results[label]["s"] / theirs
-                print(f"{label} / agentlightning: {ratio:.1f}x (target >= {target}x: "
-                      f"{'met' if ratio >= target else 'MISSED'})")
+    print_ratios(results, n)
     if args.store_cpu:
         print_store_cpu(results, n)
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")

@@ -63,12 +63,15 @@ backend gets them.
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
+import uuid
 from abc import ABC, abstractmethod
 from typing import Any, Iterable, Optional, Sequence
 
-from lightning_nb.errors import NotFoundError
-from lightning_nb.semconv import REWARD, REWARD_SPAN
+from lightning_nb.errors import ConfigError, InvalidRewardError, NotFoundError
+from lightning_nb.semconv import REWARD, REWARD_NOTE, REWARD_SOURCE, REWARD_SPAN
 from lightning_nb.store.frames import FrameViews
 from lightning_nb.store.rules import component_sums, final_reward
 from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES
@@ -363,6 +366,56 @@ class LightningStore(FrameViews, ABC):
         """Final reward of one rollout (see :meth:`final_rewards`). Raises NotFoundError for an unknown id."""
         return self.final_rewards([rollout_id])[rollout_id]
 
+    def label(self, rollout_id: str, reward: float, *, source: str = "human", note: Optional[str] = None) -> Span:
+        """Give a finished rollout its final reward after the fact: a human's label (or a judge's score).
+
+        Writes a final reward span (:data:`~lightning_nb.semconv.REWARD_SPAN`, ``reward`` = ``reward``,
+        :data:`~lightning_nb.semconv.REWARD_SOURCE` = ``source``, :data:`~lightning_nb.semconv.REWARD_NOTE` = ``note`` when given) on
+        the rollout's latest attempt. The attempt has ended, so the span is a late span (module docstring):
+        stored, moving no status, and counting because its attempt is the latest of a ``succeeded``
+        rollout, where the last reward span is the final reward (:func:`lightning_nb.store.rules.final_reward`).
+        So ``final_reward``, ``rewards_df`` and :class:`~lightning_nb.adapter.TripletAdapter` all see it, and
+        labelling again replaces the earlier label (the earlier span stays stored: the history). The usual
+        case is traffic (``Runner.step(task, reward_required=False)``, the proxy's ``/traffic`` route) that
+        ended without a reward; a rollout that has one (the agent's) gets the label as its new final reward.
+        Built on :meth:`get_rollout_by_id`, :meth:`query_attempts` and :meth:`add_span`, so every backend has it.
+
+        Args:
+            rollout_id: a ``succeeded`` rollout of this store.
+            reward: a finite real number (reward units, e.g. 0.0 / 1.0).
+            source: who gave it (``"human"``; ``"judge"``, ...), a non-empty str.
+            note: optional text kept with the label (why this reward).
+
+        Returns:
+            The stored reward span (its ``sequence_id`` assigned).
+
+        Raises:
+            InvalidRewardError: ``reward`` is not a finite real number (bools are refused).
+            ConfigError: ``source`` is not a non-empty str, ``note`` is not a str; the rollout is not
+                finished yet, is ``failed`` (its final reward is 0.0 by rule, whatever a label says) or
+                ``cancelled`` (no final reward by rule); the message names the status and the fix.
+            NotFoundError: ``rollout_id`` is not in the store.
+            In each case nothing is written.
+        """
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
+            raise InvalidRewardError(f"reward must be a finite real number such as 0.0 or 1.0, got {reward!r} "
+                                     f"({type(reward).__name__}); nothing was labelled")
+        if not isinstance(source, str) or not source:
+            raise ConfigError(f"source must be a non-empty str naming who gave the reward (e.g. 'human'), got "
+                              f"{source!r}; nothing was labelled")
+        if note is not None and not isinstance(note, str):
+            raise ConfigError(f"note must be a str or None, got {type(note).__name__}; nothing was labelled")
+        rollout = self.get_rollout_by_id(rollout_id)
+        _check_labellable(rollout)
+        attempts = self.query_attempts(rollout_id)
+        now = time.time()
+        attributes: dict[str, Any] = {REWARD: float(reward), REWARD_SOURCE: source}
+        if note is not None:
+            attributes[REWARD_NOTE] = note
+        return self.add_span(Span(rollout_id=rollout_id, attempt_id=attempts[-1].attempt_id,
+                                  trace_id=uuid.uuid4().hex, span_id=uuid.uuid4().hex[:16], name=REWARD_SPAN,
+                                  start_time=now, end_time=now, status="ok", attributes=attributes))
+
     def completed_since(self, after_end_time: float) -> list[Rollout]:
         """Terminal rollouts (succeeded, failed, cancelled) whose ``end_time`` is after ``after_end_time``.
 
@@ -395,6 +448,24 @@ class LightningStore(FrameViews, ABC):
 
     def _repr_html_(self) -> Optional[str]:
         return html_view(self)
+
+
+def _check_labellable(rollout: Rollout) -> None:
+    """Raise ConfigError (naming the status and the fix) unless ``rollout`` can take a label: it ``succeeded``."""
+    rid, status = rollout.rollout_id, rollout.status
+    if status == "succeeded":
+        return
+    if status == "failed":
+        why = ("its final reward is 0.0 by rule (lightning_nb.store.rules.final_reward: a failed rollout scores 0 "
+               "whatever reward span it has), so a label would not count; look at its error in "
+               f"store.attempts_df(), or run it again (store.start_attempt({rid!r}) or a new rollout) and label "
+               "that one")
+    elif status == "cancelled":
+        why = "a cancelled rollout has no final reward by rule, so a label would not count; label a succeeded one"
+    else:
+        why = (f"it has not finished; wait for it (store.wait_for_rollouts([{rid!r}])) and label it once it "
+               "succeeded")
+    raise ConfigError(f"cannot label rollout_id {rid!r}: its status is {status!r}; {why}. Nothing was labelled")
 
 
 def span_summary(span: Span) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import pandas as pd
 from lightning_nb.errors import ConfigError
 from lightning_nb.semconv import COMPLETION, LLM_SPAN, REWARD
 from lightning_nb.slices import slice_labels
-from lightning_nb.store.rules import reward_component
+from lightning_nb.store.rules import counted_reward_spans, reward_component
 from lightning_nb.store.spanframe import Flatten, check_flatten, frame_from_spans
 from lightning_nb.types import ROLLOUT_TERMINAL, Attempt, Rollout, RolloutMode, Worker
 
@@ -232,14 +232,31 @@ class FrameViews:
     def rewards_df(self) -> pd.DataFrame:
         """One row per reward span, the final reward and every named reward component.
 
-        Columns: rollout_id, attempt_id, mode, ``component`` (``"final"`` for the episode's
-        reward span, the one that counts: :func:`~lightning_nb.store.rules.final_reward`; for an
-        intermediate reward (:func:`lightning_nb.emit_intermediate_reward`, a shaping term) its
-        ``reward.name``, e.g. ``"calc_uses_all_numbers"``), reward (float), time (datetime).
-        ``df[df.component == "final"]`` gives the final rewards alone;
-        ``df.pivot_table("reward", "rollout_id", "component", aggfunc="sum")`` one column per component.
+        Columns: rollout_id, attempt_id, mode, ``component``, reward (float), time (datetime). ``component`` is
+        :func:`~lightning_nb.store.rules.reward_component`'s:
+
+        * ``"final"``: the reward span that counts, at most one per rollout
+          (:func:`~lightning_nb.store.rules.counted_reward_spans`: the last one of the latest attempt of a rollout
+          that did not fail and was not cancelled; :func:`~lightning_nb.store.rules.final_reward`);
+        * a final reward span that does not count (a later one replaced it, e.g. a group judge's score replacing the
+          agent's, or its attempt was retried, or its rollout failed): who gave it, ``"agent"``, ``"group_judge"``,
+          ``"human"`` (:data:`~lightning_nb.semconv.REWARD_SOURCE`);
+        * an intermediate reward (:func:`lightning_nb.emit_intermediate_reward`, a shaping term): its
+          ``reward.name``, e.g. ``"calc_uses_all_numbers"``;
+        * an LLM judge's score (:mod:`lightning_nb.rewards`): its ``reward.name``, ``"judge"`` by default.
+
+        ``df[df.component == "final"]`` gives the rewards that count alone (a failed rollout's 0 has no row);
+        ``df.pivot_table("reward", "rollout_id", "component", aggfunc="sum")`` one column per component, the
+        hand-written and the judge's reward side by side.
         """
-        modes = {r.rollout_id: r.mode for r in self.query_rollouts()}
+        rollouts = self.query_rollouts()
+        modes = {r.rollout_id: r.mode for r in rollouts}
+        status = {r.rollout_id: r.status for r in rollouts}
+        latest: dict[str, str] = {}
+        for a in self.query_attempts():
+            latest[a.rollout_id] = a.attempt_id  # oldest first: the last one seen is the latest
+        spans = self.query_spans()
+        counted = counted_reward_spans(spans, latest, status)
         rows = [
             {
                 "rollout_id": s.rollout_id,
@@ -249,8 +266,8 @@ class FrameViews:
                 "reward": s.attributes.get(REWARD),
                 "time": pd.to_datetime(s.end_time, unit="s"),
             }
-            for s in self.query_spans()
-            if (component := reward_component(s)) is not None
+            for s in spans
+            if (component := reward_component(s, (s.attempt_id, s.span_id) in counted)) is not None
         ]
         return pd.DataFrame(rows, columns=["rollout_id", "attempt_id", "mode", "component", "reward", "time"])
 

@@ -7,17 +7,16 @@ stored, the memory policy that spills or evicts them, the fast span views) are i
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from pydantic import BaseModel
-
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundError
 from lightning_nb.store.base import LightningStore
+from lightning_nb.store.copies import construct, deepen, snapshot
+from lightning_nb.store.copies import deep_copy as _deep_copy
 from lightning_nb.store.memory_spans import InMemorySpans
 from lightning_nb.store.rules import (
     ACTIVE, DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, check_manual_attempt, coerce_resources,
@@ -165,7 +164,8 @@ class InMemoryStore(InMemorySpans, LightningStore):
             self._add_rollout(rollout)
             self._queue.append(rollout.rollout_id)
             self._queued.notify()
-            return _deep_copy(rollout)
+            copy = snapshot(rollout)  # its own fields now; its input, config and metadata copied after the lock
+        return deepen(copy)
 
     def start_rollout(
         self,
@@ -180,28 +180,35 @@ class InMemoryStore(InMemorySpans, LightningStore):
         rollout = _own_rollout(input, mode=mode, resources_id=resources_id, config=config, metadata=metadata)
         with self._lock:
             self._add_rollout(rollout)  # never put in self._queue
-            return self._start_attempt(rollout, worker_id)
+            item = self._start_attempt(rollout, worker_id)
+        return _deepened(item)
 
     def dequeue_rollout(self, worker_id: Optional[str] = None, timeout: float = 0.0) -> Optional[AttemptedRollout]:
         deadline = time.monotonic() + max(timeout, 0.0)
         with self._lock:
-            while True:
-                while self._queue:
-                    rollout = self._rollouts[self._queue.popleft()]
-                    if rollout.status not in ("queuing", "requeuing"):
-                        continue  # cancelled while queued
-                    return self._start_attempt(rollout, worker_id)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                self._queued.wait(min(remaining, self._clock.interval_s))
-                if self._clock.due():
-                    self._sweep()
+            item = self._dequeue(worker_id, deadline)
+        return None if item is None else _deepened(item)
+
+    def _dequeue(self, worker_id: Optional[str], deadline: float) -> Optional[AttemptedRollout]:
+        """``dequeue_rollout`` with the lock held, waiting on the queue's condition until ``deadline``."""
+        while True:
+            while self._queue:
+                rollout = self._rollouts[self._queue.popleft()]
+                if rollout.status not in ("queuing", "requeuing"):
+                    continue  # cancelled while queued
+                return self._start_attempt(rollout, worker_id)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            self._queued.wait(min(remaining, self._clock.interval_s))
+            if self._clock.due():
+                self._sweep()
 
     def get_rollout_by_id(self, rollout_id: str) -> Rollout:
         with self._lock:
             self._poll_sweep()
-            return _deep_copy(self._rollout(rollout_id))
+            copy = snapshot(self._rollout(rollout_id))
+        return deepen(copy)
 
     def query_rollouts(
         self, *, status: Optional[Sequence[str]] = None, rollout_ids: Optional[Sequence[str]] = None
@@ -212,7 +219,8 @@ class InMemoryStore(InMemorySpans, LightningStore):
                 items = [self._rollout(rid) for rid in rollout_ids]
             else:
                 items = list(self._rollouts.values())
-            return [_deep_copy(r) for r in items if status is None or r.status in status]
+            copies = [snapshot(r) for r in items if status is None or r.status in status]
+        return [deepen(r) for r in copies]
 
     def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None,
                           progress: bool = False) -> list[Rollout]:
@@ -223,17 +231,17 @@ class InMemoryStore(InMemorySpans, LightningStore):
             for rid in rollout_ids:
                 self._rollout(rid)
             while True:
-                done = [self._rollouts[rid] for rid in rollout_ids if self._rollouts[rid].status in ROLLOUT_TERMINAL]
-                if len(done) == len(rollout_ids):
-                    return [_deep_copy(r) for r in done]
+                done = [r for r in map(self._rollouts.__getitem__, rollout_ids) if r.status in ROLLOUT_TERMINAL]
                 remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return [_deep_copy(r) for r in done]
+                if len(done) == len(rollout_ids) or (remaining is not None and remaining <= 0):
+                    copies = [snapshot(r) for r in done]
+                    break
                 # wake up periodically so a KeyboardInterrupt in a notebook is honoured promptly
                 wake = min(0.5, self._clock.interval_s)
                 self._changed.wait(wake if remaining is None else min(remaining, wake))
                 if self._clock.due():
                     self._sweep()
+        return [deepen(r) for r in copies]
 
     def cancel_rollout(self, rollout_id: str) -> Rollout:
         with self._lock:
@@ -312,7 +320,8 @@ class InMemoryStore(InMemorySpans, LightningStore):
             attempts = self._attempts[rollout_id]
             check_manual_attempt(rollout, attempts[-1] if attempts else None)
             rollout.end_time = None  # a finished rollout runs again; a queued one is skipped by dequeue from now on
-            return self._start_attempt(rollout, worker_id)
+            item = self._start_attempt(rollout, worker_id)
+        return _deepened(item)
 
     def sweep_attempts(self) -> list[Attempt]:
         with self._lock:
@@ -378,11 +387,11 @@ class InMemoryStore(InMemorySpans, LightningStore):
             return _deep_copy(next(reversed(self._resources.values())))
 
     def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate:
-        with self._lock:
-            return _deep_copy(self._resources_by_id(resources_id))
+        # no lock: one dict read, and a stored set is never changed in place (add_resources stores a new one)
+        return _deep_copy(self._resources_by_id(resources_id))
 
     def _resources_by_id(self, resources_id: str) -> ResourcesUpdate:
-        """The stored set (lock held); NotFoundError naming the id."""
+        """The stored set (no copy; the lock need not be held: one dict read); NotFoundError naming the id."""
         try:
             return self._resources[resources_id]
         except KeyError:
@@ -403,7 +412,8 @@ class InMemoryStore(InMemorySpans, LightningStore):
         self._rank[rollout.rollout_id] = len(self._rank)
 
     def _start_attempt(self, rollout: Rollout, worker_id: Optional[str]) -> AttemptedRollout:
-        """Move the rollout to ``preparing`` with a fresh attempt and hand out copies."""
+        """Move the rollout to ``preparing`` with a fresh attempt; copies to hand out, :func:`_deepened` after
+        releasing the lock."""
         now = time.time()
         attempt = start_attempt(rollout, worker_id, now)
         self._attempts[rollout.rollout_id].append(attempt)
@@ -412,7 +422,7 @@ class InMemoryStore(InMemorySpans, LightningStore):
             self._workers[worker_id] = worker_on_dequeue(self._workers.get(worker_id), attempt, now)
         self._span_counts[attempt.attempt_id] = 0
         self._span_ids[attempt.attempt_id] = {}
-        return AttemptedRollout(rollout=_deep_copy(rollout), attempt=_deep_copy(attempt))
+        return construct(AttemptedRollout, {"rollout": snapshot(rollout), "attempt": snapshot(attempt)})
 
     def _rollout(self, rollout_id: str) -> Rollout:
         """The stored rollout (not a copy); raise NotFoundError naming the id."""
@@ -430,35 +440,15 @@ class InMemoryStore(InMemorySpans, LightningStore):
         raise NotFoundError(f"attempt_id {attempt_id!r} is not an attempt of rollout {rollout_id!r}")
 
 
+def _deepened(item: AttemptedRollout) -> AttemptedRollout:
+    """:meth:`InMemoryStore._start_attempt`'s copies made whole (after releasing the lock)."""
+    deepen(item.rollout)
+    deepen(item.attempt)
+    return item
+
+
 def _own_rollout(input: Any, *, mode: RolloutMode, resources_id: Optional[str], config: Optional[RolloutConfig],
                  metadata: Optional[dict[str, Any]]) -> Rollout:
     """``new_rollout`` holding deep copies of the caller's input, config and metadata."""
     return new_rollout(_deep_copy(input), mode=mode, resources_id=resources_id,
                        config=None if config is None else _deep_copy(config), metadata=_deep_copy(metadata))
-
-
-_ATOMIC = frozenset({str, int, float, bool, type(None)})
-
-
-def _deep_copy(value: Any) -> Any:
-    """A deep copy of stored data, a few times faster than ``copy.deepcopy`` / ``model_copy(deep=True)``.
-
-    Plain dicts and lists (JSON-like data: inputs, metadata, stats) are copied by hand, a
-    pydantic model field by field (its mutable fields copied the same way), anything else
-    with ``copy.deepcopy``; immutable scalars are shared.
-    """
-    kind = type(value)
-    if kind in _ATOMIC:
-        return value
-    if kind is dict:
-        return {k: _deep_copy(v) for k, v in value.items()}
-    if kind is list:
-        return [_deep_copy(v) for v in value]
-    if isinstance(value, BaseModel):
-        new = value.model_copy()  # shallow: its own __dict__, whose mutable values are replaced below
-        fields = new.__dict__
-        for key, field in fields.items():
-            if type(field) not in _ATOMIC:
-                fields[key] = _deep_copy(field)
-        return new
-    return copy.deepcopy(value)

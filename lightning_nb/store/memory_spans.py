@@ -26,7 +26,7 @@ from lightning_nb.errors import ConfigError, NotFoundError
 from lightning_nb.semconv import REWARD, REWARD_SPAN
 from lightning_nb.store.rules import check_span_types, same_span, span_beats, span_sequence_id
 from lightning_nb.store.spanframe import Flatten, check_flatten, frame_from_spans, spans_frame
-from lightning_nb.store.spantable import SpanTable, span_from_raw
+from lightning_nb.store.spantable import SpanTable, spans_from_raws
 from lightning_nb.types import ROLLOUT_TERMINAL, Attempt, Rollout, Span, span_with_sequence_id
 
 __all__ = ["InMemorySpans"]
@@ -48,19 +48,20 @@ class InMemorySpans:
             if self._spill is not None:
                 self._spill.check_open()  # it may have to spill: refuse before storing anything
             plan = self._plan_spans(spans, one)  # raises before anything is stored
-            table, now = self._table, time.time()
+            now = time.time()
+            run: list[tuple[Span, int, Any]] = []  # consecutive new spans of one attempt: stored together
+            run_attempt: Optional[Attempt] = None
             for span, prep, (attempt, seq, repeat) in zip(spans, prepared, plan):
                 if repeat is not None:
                     continue
-                aid, rid = attempt.attempt_id, attempt.rollout_id
-                table.append(span, rid, aid, self._rank[rid], attempt.sequence_id, seq, prep)
-                self._span_counts[aid] = max(self._span_counts[aid], seq)
-                self._span_ids[aid][span.span_id] = seq
-                self._span_rollouts[rid] = None
-                if span_beats(attempt.status, attempt.last_heartbeat_time, now):  # a sign of life: -> running, beat
-                    self._update(self._rollouts[rid], attempt, status="running", worker_id=None,
-                                 error=None, heartbeat=True, now=now)
-            if self.max_spans is not None and len(table) > self.max_spans:
+                if attempt is not run_attempt and run:
+                    self._store_run(run_attempt, run, now)  # type: ignore[arg-type]
+                    run = []
+                run_attempt = attempt
+                run.append((span, seq, prep))
+            if run:
+                self._store_run(run_attempt, run, now)  # type: ignore[arg-type]
+            if self.max_spans is not None and len(self._table) > self.max_spans:
                 self._shed()
             # no notify: nobody waits for spans (a status change above notified already)
         # each new span as the caller gave it, with its sequence id (its attributes are the caller's own;
@@ -68,41 +69,82 @@ class InMemorySpans:
         return [span_with_sequence_id(span, seq) if repeat is None else repeat
                 for span, (_, seq, repeat) in zip(spans, plan)]
 
+    def _store_run(self, attempt: Attempt, run: list[tuple[Span, int, Any]], now: float) -> None:
+        """Store new spans of one attempt, ``(span, sequence id, SpanTable.prepare(span))`` each (lock held);
+        they are a sign of life of the attempt (rules.span_beats: one check per run, as the first span's)."""
+        aid, rid = attempt.attempt_id, attempt.rollout_id
+        self._table.extend(run, rid, aid, self._rank[rid], attempt.sequence_id)
+        ids = self._span_ids[aid]
+        for span, seq, _ in run:
+            ids[span.span_id] = seq
+        self._span_counts[aid] = max(self._span_counts[aid], max(seq for _, seq, _ in run))
+        self._span_rollouts[rid] = None
+        if span_beats(attempt.status, attempt.last_heartbeat_time, now):  # a sign of life: -> running, beat
+            self._update(self._rollouts[rid], attempt, status="running", worker_id=None, error=None,
+                         heartbeat=True, now=now)
+
     def _plan_spans(self, spans: list[Span], one: bool) -> list[tuple[Attempt, int, Optional[Span]]]:
         """Check a batch of spans without storing any (lock held): per span ``(attempt, sequence id,
         the stored span when it repeats one)``. Raises as ``add_span``, naming the index for a batch."""
-        plan: list[tuple[Attempt, int, Optional[Span]]] = []
+        plan = self._plan_one_attempt(spans)
+        if plan is not None:
+            return plan
+        plan = []
         batch: dict[tuple[str, str], tuple[int, Span]] = {}  # (attempt, span_id) -> planned (seq, span)
         last_of: dict[str, int] = {}  # attempt -> highest sequence id, this batch's included
-        seqs_of: dict[str, set[int]] = {}  # attempt -> this batch's sequence ids
+        found: dict[tuple[str, str], Attempt] = {}  # (rollout_id, attempt_id) -> its attempt
         for i, span in enumerate(spans):
+            fields = span.__dict__
+            span_id = fields["span_id"]
             try:
-                attempt = self._attempt(span.rollout_id, span.attempt_id)
+                key = (fields["rollout_id"], fields["attempt_id"])
+                attempt = found.get(key)
+                if attempt is None:
+                    attempt = found[key] = self._attempt(*key)
                 aid = attempt.attempt_id
                 ids = self._span_ids[aid]
-                planned = batch.get((aid, span.span_id))
+                planned = batch.get((aid, span_id))
                 if planned is not None:  # repeated within the batch
                     seq = planned[0]
                     same_span(span, span_with_sequence_id(planned[1], seq))
                     plan.append((attempt, seq, span_with_sequence_id(span, seq)))
                     continue
-                if span.span_id in ids:
-                    plan.append((attempt, ids[span.span_id], self._repeated_span(span, attempt, ids[span.span_id])))
+                if span_id in ids:
+                    plan.append((attempt, ids[span_id], self._repeated_span(span, attempt, ids[span_id])))
                     continue
                 last = last_of.get(aid, self._span_counts[aid])
-                want = span.sequence_id
-                taken = 0 < want and (want in seqs_of.get(aid, ()) or (want <= self._span_counts[aid]
-                                                                      and want in ids.values()))
-                seq = span_sequence_id(span, last, taken)
+                want = fields["sequence_id"]
+                if want == 0:  # the common case: the store assigns the next id
+                    seq = last + 1
+                else:
+                    taken = want > 0 and (any(a == aid and s == want for (a, _), (s, _) in batch.items())
+                                          or (want <= self._span_counts[aid] and want in ids.values()))
+                    seq = span_sequence_id(span, last, taken)
                 last_of[aid] = max(last, seq)
-                seqs_of.setdefault(aid, set()).add(seq)
-                batch[(aid, span.span_id)] = (seq, span)
+                batch[(aid, span_id)] = (seq, span)
                 plan.append((attempt, seq, None))
             except (NotFoundError, ConfigError) as exc:
                 if one:
                     raise
                 raise type(exc)(f"spans[{i}]: {exc}") from None
         return plan
+
+    def _plan_one_attempt(self, spans: list[Span]) -> Optional[list[tuple[Attempt, int, Optional[Span]]]]:
+        """:meth:`_plan_spans` for the usual batch (lock held): new spans of one known attempt, distinct span ids,
+        every ``sequence_id`` 0 (the store numbers them). None for any other batch (the general plan decides)."""
+        if not spans:
+            return []
+        fields = [span.__dict__ for span in spans]
+        rid, aid = fields[0]["rollout_id"], fields[0]["attempt_id"]
+        if not all(f["rollout_id"] == rid and f["attempt_id"] == aid and f["sequence_id"] == 0 for f in fields):
+            return None
+        attempts = self._attempts.get(rid)
+        attempt = next((a for a in reversed(attempts) if a.attempt_id == aid), None) if attempts else None
+        span_ids = [f["span_id"] for f in fields]
+        if attempt is None or len(set(span_ids)) < len(span_ids) or not self._span_ids[aid].keys().isdisjoint(span_ids):
+            return None  # the general plan raises or handles repeats
+        last = self._span_counts[aid]
+        return [(attempt, last + k, None) for k in range(1, len(spans) + 1)]
 
     def _repeated_span(self, span: Span, attempt: Attempt, seq: int) -> Span:
         """``add_span`` of a span id the attempt already has (lock held): the stored span, or ConfigError."""
@@ -170,7 +212,8 @@ class InMemorySpans:
                 if rollout.status in ROLLOUT_TERMINAL:
                     self._read_finished.add(rollout_id)  # read after it finished: may leave memory now
             table = self._table
-            raws = [(table.keys(r), table.raw(r)) for r in table.rows(a.attempt_id for a in attempts)]
+            rows = table.rows(a.attempt_id for a in attempts)
+            keys, raws = [table.keys(r) for r in rows], table.raws(rows)
             if self._spilled_rollouts and (rollout_id is None or rollout_id in self._spilled_rollouts):
                 wanted = {a.attempt_id for a in attempts}
                 spilled = [((rank, aseq, s.sequence_id), s) for rank, aseq, s in self._spill.read(rollout_id)
@@ -178,9 +221,14 @@ class InMemorySpans:
             else:
                 spilled = []
         # the copies are made after releasing the lock (the table never changes a stored attribute dict)
-        spans = [(k, span_from_raw(raw)) for k, raw in raws] + spilled
-        spans.sort(key=lambda item: item[0])
-        return [s for _, s in spans]
+        spans = spans_from_raws(raws)
+        if spilled:
+            items = list(zip(keys, spans)) + spilled
+            items.sort(key=lambda item: item[0])
+            return [s for _, s in items]
+        if any(a > b for a, b in zip(keys, keys[1:])):  # rows are in write order; explicit sequence ids may differ
+            return [s for _, s in sorted(zip(keys, spans), key=lambda item: item[0])]
+        return spans
 
     # ----- fast views -----------------------------------------------------------------
     def spans_df(self, rollout_id: Optional[str] = None, *, flatten: Flatten = None) -> pd.DataFrame:

@@ -11,7 +11,8 @@ import time
 from typing import Any, Optional, Sequence
 
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundError
-from lightning_nb.semconv import INTERMEDIATE_REWARD_SPAN, REWARD, REWARD_NAME, REWARD_SPAN
+from lightning_nb.semconv import INTERMEDIATE_REWARD_SPAN, JUDGE_SPAN, REWARD, REWARD_NAME, REWARD_SOURCE, REWARD_SPAN
+from lightning_nb.store.copies import construct, deep_copy, put
 from lightning_nb.types import (
     ATTEMPT_TERMINAL, ROLLOUT_TERMINAL, Attempt, LLMResource, PromptTemplate, ResourcesUpdate, Rollout, RolloutConfig,
     RolloutMode, Span, Worker, new_id,
@@ -23,10 +24,14 @@ __all__ = ["ATTEMPT_NEXT", "ACTIVE", "new_rollout", "start_attempt", "apply_atte
            "worker_on_attempt", "DEFAULT_WATCHDOG_INTERVAL_S", "final_reward", "reward_or_zero",
            "updated_rollout", "check_manual_attempt", "span_beats", "span_sequence_id", "same_span",
            "resources_not_found",
-           "next_resources", "SPAN_BEAT_MIN_S", "reward_component",
+           "next_resources", "SPAN_BEAT_MIN_S", "reward_component", "counted_reward_spans", "AGENT_REWARD",
            "component_sums"]
 
 ACTIVE = ("preparing", "running")  # attempt statuses the watchdog looks at
+_MODES = ("train", "val", "test")
+_DEFAULT_CONFIG = RolloutConfig()
+_ROLLOUT_GIVEN = {"rollout_id", "input", "mode", "resources_id", "config", "metadata"}  # what new_rollout passes
+_ATTEMPT_GIVEN = {"rollout_id", "attempt_id", "sequence_id", "worker_id"}  # what start_attempt passes
 DEFAULT_WATCHDOG_INTERVAL_S = 0.5
 SPAN_BEAT_MIN_S = 0.25  # a span re-stamps a running attempt's heartbeat at most this often (seconds)
 _SETTABLE_STATUSES = ("queuing", "cancelled")  # what update_rollout(status=...) accepts
@@ -39,9 +44,21 @@ ATTEMPT_NEXT: dict[str, set[str]] = {
 
 def new_rollout(input: Any, *, mode: RolloutMode, resources_id: Optional[str], config: Optional[RolloutConfig],
                 metadata: Optional[dict[str, Any]]) -> Rollout:
-    """A fresh rollout in ``queuing`` (``enqueue_rollout`` / ``start_rollout`` arguments)."""
+    """A fresh rollout in ``queuing`` (``enqueue_rollout`` / ``start_rollout`` arguments).
+
+    Raises pydantic's ``ValidationError`` (a ValueError) naming the field for a bad ``mode``,
+    ``resources_id``, ``config`` or ``metadata``.
+    """
+    metadata = dict(metadata or {})
+    if mode in _MODES and (resources_id is None or type(resources_id) is str) and \
+            (config is None or type(config) is RolloutConfig) and all(type(k) is str for k in metadata):
+        # what Rollout(...) would validate is valid already: build it without pydantic's validation
+        return construct(Rollout, {"rollout_id": new_id("ro"), "input": input, "mode": mode, "status": "queuing",
+                                   "resources_id": resources_id, "config": config or deep_copy(_DEFAULT_CONFIG),
+                                   "metadata": metadata, "enqueue_time": time.time(), "start_time": None,
+                                   "end_time": None, "num_attempts": 0}, _ROLLOUT_GIVEN.copy())
     return Rollout(rollout_id=new_id("ro"), input=input, mode=mode, resources_id=resources_id,
-                   config=config or RolloutConfig(), metadata=dict(metadata or {}))
+                   config=config or RolloutConfig(), metadata=metadata)
 
 
 def start_attempt(rollout: Rollout, worker_id: Optional[str], now: float) -> Attempt:
@@ -49,11 +66,16 @@ def start_attempt(rollout: Rollout, worker_id: Optional[str], now: float) -> Att
 
     Shared by ``dequeue_rollout`` and ``start_rollout``; the caller stores both.
     """
-    rollout.num_attempts += 1
-    rollout.status = "preparing"
-    rollout.start_time = rollout.start_time or now
-    return Attempt(rollout_id=rollout.rollout_id, attempt_id=new_id("at"), sequence_id=rollout.num_attempts,
-                   worker_id=worker_id)
+    if worker_id is not None and type(worker_id) is not str:  # pydantic's error names the field
+        Attempt(rollout_id=rollout.rollout_id, attempt_id="at-", sequence_id=1, worker_id=worker_id)
+    put(rollout, "num_attempts", rollout.num_attempts + 1)
+    put(rollout, "status", "preparing")
+    put(rollout, "start_time", rollout.start_time or now)
+    # the store's own values (already valid): no validation; every field given, as Attempt(...) would fill them
+    return construct(Attempt, {"rollout_id": rollout.rollout_id, "attempt_id": new_id("at"),
+                               "sequence_id": rollout.num_attempts, "status": "preparing", "worker_id": worker_id,
+                               "start_time": time.time(), "end_time": None, "last_heartbeat_time": None,
+                               "error": None}, _ATTEMPT_GIVEN.copy())
 
 
 def apply_attempt_update(attempt: Attempt, *, status: Optional[str], worker_id: Optional[str],
@@ -72,16 +94,16 @@ def apply_attempt_update(attempt: Attempt, *, status: Optional[str], worker_id: 
             f"attempt {attempt.attempt_id} cannot move from {attempt.status!r} to {status!r}; "
             f"allowed: {allowed or 'none (terminal)'}"
         )
-    if worker_id is not None:
-        attempt.worker_id = worker_id
+    if worker_id is not None and worker_id != attempt.worker_id:
+        attempt.worker_id = worker_id  # the caller's value: validated
     if error is not None:
         attempt.error = error
     if heartbeat:
-        attempt.last_heartbeat_time = now
+        put(attempt, "last_heartbeat_time", now)
     if changed:
-        attempt.status = status  # type: ignore[assignment]
+        put(attempt, "status", status)  # checked against ATTEMPT_NEXT above
         if status in ATTEMPT_TERMINAL:
-            attempt.end_time = now
+            put(attempt, "end_time", now)
     return changed
 
 
@@ -94,14 +116,16 @@ def follow_attempt(rollout: Rollout, status: str, now: float) -> bool:
     if rollout.status in ROLLOUT_TERMINAL:
         return False
     if status == "running":
-        rollout.status = "running"
+        put(rollout, "status", "running")
     elif status == "succeeded":
-        rollout.status, rollout.end_time = "succeeded", now
+        put(rollout, "status", "succeeded")
+        put(rollout, "end_time", now)
     elif status in ("failed", "timeout", "unresponsive"):
         if status in rollout.config.retry_condition and rollout.num_attempts < rollout.config.max_attempts:
-            rollout.status = "requeuing"
+            put(rollout, "status", "requeuing")
             return True
-        rollout.status, rollout.end_time = "failed", now
+        put(rollout, "status", "failed")
+        put(rollout, "end_time", now)
     return False
 
 
@@ -286,7 +310,10 @@ def coerce_resources(resources: dict[str, Any]) -> dict[str, LLMResource | Promp
         if isinstance(value, (LLMResource, PromptTemplate)):
             out[name] = value
         elif isinstance(value, dict) and value.get("kind") == "prompt_template":
-            out[name] = PromptTemplate(**value)
+            try:
+                out[name] = PromptTemplate(**value)
+            except ConfigError as exc:
+                raise ConfigError(f"resources[{name!r}]: {exc}") from None
         elif isinstance(value, dict):
             out[name] = LLMResource(**value)
         else:
@@ -352,12 +379,13 @@ def worker_update(worker: Optional[Worker], worker_id: str, now: float, *, statu
         raise ConfigError(f"worker_id must be a non-empty string, got {worker_id!r}")
     if status is not None and status not in ("idle", "busy", "stopped", "unresponsive"):
         raise ConfigError(f"status={status!r} is not a worker status; use 'idle', 'busy' or 'stopped'")
-    worker = worker.model_copy() if worker is not None else Worker(worker_id=worker_id, first_seen_time=now)
-    worker.last_heartbeat_time = now
+    worker = _shallow_copy(worker) if worker is not None else Worker(worker_id=worker_id, first_seen_time=now)
+    put(worker, "last_heartbeat_time", now)
     if status is not None:
-        worker.status = status  # type: ignore[assignment]
+        put(worker, "status", status)  # checked above
         if status in ("idle", "stopped"):
-            worker.current_rollout_id = worker.current_attempt_id = None
+            put(worker, "current_rollout_id", None)
+            put(worker, "current_attempt_id", None)
     if heartbeat_stats is not None:
         worker.heartbeat_stats = dict(heartbeat_stats)
     return worker
@@ -366,8 +394,9 @@ def worker_update(worker: Optional[Worker], worker_id: str, now: float, *, statu
 def worker_on_dequeue(worker: Optional[Worker], attempt: Attempt, now: float) -> Worker:
     """The worker took ``attempt`` (``dequeue_rollout`` / ``start_rollout``): busy with it."""
     worker = worker_update(worker, attempt.worker_id or "", now, status="busy")
-    worker.current_rollout_id, worker.current_attempt_id = attempt.rollout_id, attempt.attempt_id
-    worker.last_dequeue_time = now
+    put(worker, "current_rollout_id", attempt.rollout_id)
+    put(worker, "current_attempt_id", attempt.attempt_id)
+    put(worker, "last_dequeue_time", now)
     return worker
 
 
@@ -381,29 +410,66 @@ def worker_on_attempt(worker: Optional[Worker], attempt: Attempt, now: float, *,
         return None
     is_current = worker is not None and worker.current_attempt_id == attempt.attempt_id
     if attempt.status in ATTEMPT_TERMINAL and is_current:
-        worker = worker.model_copy()  # type: ignore[union-attr]
-        worker.status = "unresponsive" if attempt.status == "unresponsive" else "idle"
-        worker.current_rollout_id = worker.current_attempt_id = None
+        worker = _shallow_copy(worker)  # type: ignore[arg-type]
+        put(worker, "status", "unresponsive" if attempt.status == "unresponsive" else "idle")
+        put(worker, "current_rollout_id", None)
+        put(worker, "current_attempt_id", None)
         if heartbeat:
-            worker.last_heartbeat_time = now
+            put(worker, "last_heartbeat_time", now)
         return worker
     if heartbeat and attempt.status not in ATTEMPT_TERMINAL:
         worker = worker_update(worker, attempt.worker_id, now)
-        worker.status = "busy"
-        worker.current_rollout_id, worker.current_attempt_id = attempt.rollout_id, attempt.attempt_id
+        put(worker, "status", "busy")
+        put(worker, "current_rollout_id", attempt.rollout_id)
+        put(worker, "current_attempt_id", attempt.attempt_id)
         return worker
     return None
 
 
-def reward_component(span: Span) -> Optional[str]:
-    """The reward component a span records: ``"final"`` for a final reward span
-    (:data:`~lightning_nb.semconv.REWARD_SPAN`), the :data:`~lightning_nb.semconv.REWARD_NAME` of an intermediate
-    reward (``"intermediate"`` when unnamed), None for any other span."""
+def _shallow_copy(worker: Worker) -> Worker:
+    """``worker.model_copy()``: a new record to change (its ``heartbeat_stats`` dict shared, as that does)."""
+    return construct(Worker, dict(worker.__dict__), set(worker.__pydantic_fields_set__))
+
+
+#: ``rewards_df``'s component of a final-reward span that does not count and has no
+#: :data:`~lightning_nb.semconv.REWARD_SOURCE`: the agent's own reward (e.g. one a judge's later reward replaced).
+AGENT_REWARD = "agent"
+
+
+def reward_component(span: Span, counts: bool = True) -> Optional[str]:
+    """The reward component a span records, None for a span that records none:
+
+    * a final reward span (:data:`~lightning_nb.semconv.REWARD_SPAN`): ``"final"`` when it is the one that counts
+      (``counts``, see :func:`counted_reward_spans`); otherwise who gave it: its
+      :data:`~lightning_nb.semconv.REWARD_SOURCE` (``"group_judge"``, ``"human"``...) or :data:`AGENT_REWARD`;
+    * an intermediate reward: its :data:`~lightning_nb.semconv.REWARD_NAME` (``"intermediate"`` when unnamed);
+    * an LLM judge's span (:data:`~lightning_nb.semconv.JUDGE_SPAN`) with a score: its
+      :data:`~lightning_nb.semconv.REWARD_NAME` (``"judge"`` when unnamed); without a score (an unparsable
+      verdict) None.
+    """
     if span.name == REWARD_SPAN:
-        return "final"
+        return "final" if counts else str(span.attributes.get(REWARD_SOURCE, AGENT_REWARD))
     if span.name == INTERMEDIATE_REWARD_SPAN:
         return str(span.attributes.get(REWARD_NAME, "intermediate"))
+    if span.name == JUDGE_SPAN and span.attributes.get(REWARD) is not None:
+        return str(span.attributes.get(REWARD_NAME, JUDGE_SPAN))
     return None
+
+
+def counted_reward_spans(spans: Sequence[Span], latest_attempt: dict[str, str],
+                         rollout_status: dict[str, str]) -> set[tuple[str, str]]:
+    """``(attempt_id, span_id)`` of each rollout's reward span that counts, among ``spans`` (in store order).
+
+    :func:`final_reward`'s rule: the last final-reward span with a ``reward`` of the rollout's latest attempt
+    (``latest_attempt``: rollout id -> attempt id), unless the rollout failed (its reward is 0) or was cancelled
+    (none); of a rollout still running, the last one so far. Every other reward span is superseded.
+    """
+    last: dict[str, tuple[str, str]] = {}
+    for s in spans:
+        if s.name == REWARD_SPAN and s.attributes.get(REWARD) is not None \
+                and latest_attempt.get(s.rollout_id) == s.attempt_id:
+            last[s.rollout_id] = (s.attempt_id, s.span_id)
+    return {key for rid, key in last.items() if rollout_status.get(rid) not in ("failed", "cancelled")}
 
 
 def component_sums(spans: Sequence[Span]) -> dict[str, float]:

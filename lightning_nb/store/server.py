@@ -12,13 +12,16 @@ Security defaults:
 * request bodies are capped at ``max_body_bytes`` (4 MiB by default; 413 beyond it,
   411 for chunked bodies without a ``Content-Length``);
 * blocking calls (``dequeue``, ``wait``) wait at most ``max_wait_s`` (30 s) per request
-  and run in worker threads, so they never block the event loop;
+  and run in worker threads, so they never block the event loop (short calls of an
+  ``InMemoryStore``, and a first look of ``dequeue``/``wait`` without waiting, run on the
+  loop itself: cheaper than a thread hand-off);
 * errors never leak a traceback: the body is ``{"error": {"type", "message", "field"}}``
   with NotFoundError -> 404, InvalidStatusTransition -> 409, ConfigError and invalid
   requests -> 400 (``field`` is the pydantic ``loc`` path), anything else -> 500.
 
 JSON on the wire allows Python's ``NaN``/``Infinity`` extension so float span
-attributes round-trip exactly between Python peers.
+attributes round-trip exactly between Python peers. Responses are serialized by
+pydantic's (Rust) JSON serializer.
 """
 
 from __future__ import annotations
@@ -35,15 +38,21 @@ import anyio
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic_core import to_jsonable_python
+from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticSerializationError, to_json, to_jsonable_python
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lightning_nb._net import ThreadedServer, is_loopback
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
+from lightning_nb.store.memory import InMemoryStore
 from lightning_nb.store.rules import DEFAULT_WATCHDOG_INTERVAL_S
-from lightning_nb.types import AttemptedRollout, AttemptStatus, RolloutConfig, RolloutMode, Span
+# the request bodies are module level there, so FastAPI resolves the routes' postponed annotations
+from lightning_nb.store.server_bodies import (
+    AddResourcesRequest, DequeueRequest, EnqueueRequest, QueryRolloutsRequest, StartAttemptRequest, StartRequest,
+    UpdateAttemptRequest, UpdateRolloutRequest, UpdateWorkerRequest, WaitRequest,
+)
+from lightning_nb.types import AttemptedRollout, Span
 
 __all__ = ["StoreServer", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_WAIT_S"]
 
@@ -51,71 +60,12 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_WAIT_S = 30.0
 _SLICE_S = 0.5  # blocking waits are cut into slices to notice disconnects and shutdown
+_INLINE_STORES = (InMemoryStore,)  # exact types whose short calls run on the event loop (_runs_inline)
+_INLINE_CALLS = frozenset({
+    "enqueue_rollout", "start_rollout", "get_rollout_by_id", "cancel_rollout", "update_rollout", "start_attempt",
+    "update_attempt", "update_worker", "add_span", "add_spans", "add_resources", "get_latest_resources",
+    "get_resources_by_id"})
 _ID_FIELD = re.compile(r"\b(rollout_id|attempt_id|resources_id|resources|worker_id|status|input|timeout)\b")
-
-
-# ----- request bodies (module level so FastAPI can resolve the postponed annotations) -------
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class EnqueueRequest(_Body):
-    input: Any
-    mode: RolloutMode = "train"
-    resources_id: Optional[str] = None
-    config: Optional[RolloutConfig] = None
-    metadata: Optional[dict[str, Any]] = None
-
-
-class StartRequest(EnqueueRequest):
-    worker_id: Optional[str] = None
-
-
-class DequeueRequest(_Body):
-    worker_id: Optional[str] = None
-    timeout: float = Field(0.0, allow_inf_nan=False, description="seconds; capped at the server's max_wait_s")
-
-
-class QueryRolloutsRequest(_Body):
-    status: Optional[list[str]] = None
-    rollout_ids: Optional[list[str]] = None
-
-
-class WaitRequest(_Body):
-    rollout_ids: list[str]
-    timeout: Optional[float] = Field(None, allow_inf_nan=False, description="None or above max_wait_s: max_wait_s")
-
-
-class UpdateRolloutRequest(_Body):
-    """``update_rollout`` arguments; null leaves a field as it is. The store validates them."""
-
-    input: Any = None
-    mode: Optional[str] = None
-    resources_id: Optional[str] = None
-    config: Optional[dict[str, Any]] = None
-    metadata: Optional[Any] = None
-    status: Optional[str] = None
-
-
-class StartAttemptRequest(_Body):
-    worker_id: Optional[str] = None
-
-
-class UpdateAttemptRequest(_Body):
-    status: Optional[AttemptStatus] = None
-    worker_id: Optional[str] = None
-    error: Optional[str] = None
-    heartbeat: bool = False
-
-
-class UpdateWorkerRequest(_Body):
-    status: Optional[str] = None
-    heartbeat_stats: Optional[dict[str, Any]] = None
-
-
-class AddResourcesRequest(_Body):
-    resources: Any = Field(description="name -> LLMResource | PromptTemplate (as JSON); the store validates it")
-    resources_id: Optional[str] = None
 
 
 # ----- responses ------------------------------------------------------------------------
@@ -128,8 +78,11 @@ def _fallback(obj: Any) -> Any:
 
 class _JSON(JSONResponse):
     def render(self, content: Any) -> bytes:
-        # ensure_ascii keeps lone surrogates representable; allow_nan keeps float attributes exact
-        return json.dumps(content, allow_nan=True, default=_fallback, separators=(",", ":")).encode("ascii")
+        try:  # pydantic's serializer (Rust): NaN and infinities as constants, so float attributes stay exact
+            return to_json(content)
+        except PydanticSerializationError:  # a lone surrogate, or something JSON cannot carry
+            # ensure_ascii keeps lone surrogates representable; allow_nan keeps float attributes exact
+            return json.dumps(content, allow_nan=True, default=_fallback, separators=(",", ":")).encode("ascii")
 
 
 def _plain(result: Any) -> Any:
@@ -304,6 +257,10 @@ class StoreServer:
             self._wait_limiter = anyio.CapacityLimiter(256)
         deadline = time.monotonic() + min(max(budget, 0.0), self.max_wait_s)
         try:
+            if type(self.store) in _INLINE_STORES:  # a first look without waiting needs no thread
+                result = attempt(0.0)
+                if done(result) or budget <= 0:
+                    return await self._answer(request, result, done, abandon)
             while True:
                 remaining = max(0.0, deadline - time.monotonic())
                 result = await anyio.to_thread.run_sync(attempt, min(remaining, _SLICE_S), limiter=self._wait_limiter)
@@ -316,6 +273,14 @@ class StoreServer:
                     return _JSON(_plain(result))
         except Exception as exc:
             return _exception_response(exc)
+
+    async def _answer(self, request: Request, result: Any, done: Callable[[Any], bool],
+                      abandon: Optional[Callable[[Any], Any]]) -> _JSON:
+        """The response to a wait that ended with ``result`` (undone by ``abandon`` if the client left)."""
+        if done(result) and abandon is not None and await request.is_disconnected():
+            await anyio.to_thread.run_sync(abandon, result)
+            return _JSON(None)
+        return _JSON(_plain(result))
 
     # ----- HTTP app -------------------------------------------------------------------
     def app(self) -> Any:
@@ -367,12 +332,28 @@ def _store_app(server: StoreServer) -> Any:
 
 
 async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> _JSON:
-    """Run a store call in a worker thread and turn its result or error into JSON."""
+    """Run a store call and turn its result or error into JSON: in a worker thread, or right here when the
+    store never blocks (:func:`_runs_inline`)."""
     try:
-        result = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+        if _runs_inline(fn, args):
+            result = fn(*args, **kwargs)
+        else:
+            result = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
     except Exception as exc:
         return _exception_response(exc)
     return _JSON(_plain(result))
+
+
+def _runs_inline(fn: Callable[..., Any], args: tuple) -> bool:
+    """True for a short call of an :class:`InMemoryStore` (one object, one rollout's spans, a body-sized
+    batch): it holds the store's lock for microseconds and never waits for I/O, so running it on the event
+    loop costs less than the two thread hand-offs of a worker thread. Listings of the whole store stay in
+    threads (other requests go on meanwhile), as do all calls of other stores (a SqliteStore call may wait
+    for an fsync)."""
+    if type(getattr(fn, "__self__", None)) not in _INLINE_STORES:
+        return False
+    name = fn.__name__
+    return name in _INLINE_CALLS or (name == "query_spans" and bool(args) and args[0] is not None)
 
 
 def _server(request: Request) -> StoreServer:
@@ -510,3 +491,5 @@ async def _resources_by_query(request: Request, resources_id: Optional[str] = No
 
 async def _resources_by_id(resources_id: str, request: Request) -> _JSON:
     return await _call(_store(request).get_resources_by_id, resources_id)
+
+

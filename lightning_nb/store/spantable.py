@@ -29,12 +29,22 @@ from lightning_nb.store.spanframe import CATEGORY_COLUMNS as _CODED
 from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES, NUMBER_COLUMNS, copy_lists, holds_list, known_cells
 from lightning_nb.types import Span, span_construct
 
-__all__ = ["SpanTable", "SpanSpill", "span_from_raw"]
+__all__ = ["SpanTable", "SpanSpill", "span_from_raw", "spans_from_raws"]
+_KNOWN_KEYS = frozenset(KNOWN_ATTRIBUTES.values())
+_NO_CELLS = known_cells({})  # the KNOWN_ATTRIBUTES cells of a span that has none of them
+
 
 def span_from_raw(raw: tuple[Any, ...]) -> Span:
     """A :class:`Span` from :meth:`SpanTable.raw`, with its own copy of the attributes."""
     *fields, attrs, has_list = raw
     return span_construct(*fields, copy_lists(dict(attrs), has_list))
+
+
+def spans_from_raws(raws: list[tuple[Any, ...]]) -> list[Span]:
+    """:func:`span_from_raw` of each of ``raws`` (:meth:`SpanTable.raws`)."""
+    return [span_construct(rid, aid, seq, trace, span_id, parent, name, start, end, status,
+                           copy_lists(attrs.copy(), True) if has_list else attrs.copy())
+            for rid, aid, seq, trace, span_id, parent, name, start, end, status, attrs, has_list in raws]
 
 
 class SpanTable:
@@ -62,47 +72,65 @@ class SpanTable:
 
     @staticmethod
     def prepare(span: Span) -> tuple[dict[str, Any], int, tuple[Any, ...]]:
-        """The part of :meth:`append` that needs no lock: a copy of the attributes and their derived cells."""
-        has_list = holds_list(span.attributes)
-        attrs = copy_lists(dict(span.attributes), has_list)
-        return attrs, has_list, known_cells(attrs)
+        """The part of :meth:`extend` that needs no lock: a copy of the attributes and their derived cells."""
+        attrs = span.attributes
+        has_list = holds_list(attrs)
+        attrs = copy_lists(attrs.copy(), has_list) if type(attrs) is dict else copy_lists(dict(attrs), has_list)
+        # a span without any well-known attribute (most of them: tool calls, agent steps) has the cells of {}
+        return attrs, has_list, _NO_CELLS if attrs.keys().isdisjoint(_KNOWN_KEYS) else known_cells(attrs)
 
-    def append(self, span: Span, rollout_id: str, attempt_id: str, rank: int, aseq: int, seq: int,
-               prepared: Optional[tuple[dict[str, Any], int, tuple[Any, ...]]] = None) -> None:
-        """Add one span with sequence id ``seq``; ids are the store's own strings.
+    def extend(self, rows: list[tuple[Span, int, tuple[dict[str, Any], int, tuple[Any, ...]]]], rollout_id: str,
+               attempt_id: str, rank: int, aseq: int) -> None:
+        """Add spans of one attempt: ``rows`` of ``(span, sequence id, prepare(span))``; ids are the store's own
+        strings, ``rank``/``aseq`` the sort keys of the rollout and the attempt."""
+        n, first = len(rows), len(self.attrs)
+        fields = [span.__dict__ for span, _, _ in rows]
+        codes = self.codes
+        codes["rollout_id"].extend([self._code_of("rollout_id", rollout_id)] * n)
+        codes["attempt_id"].extend([self._code_of("attempt_id", attempt_id)] * n)
+        for col in ("name", "status", "trace_id", "parent_id"):
+            self._code_many(col, [f[col] for f in fields])
+        self.span_ids.extend([f["span_id"] for f in fields])
+        self.start.extend([f["start_time"] for f in fields])
+        self.end.extend([f["end_time"] for f in fields])
+        self.rank.extend([rank] * n)
+        self.aseq.extend([aseq] * n)
+        self.seq.extend([seq for _, seq, _ in rows])
+        self.by_attempt.setdefault(attempt_id, []).extend(range(first, first + n))
+        self.attrs.extend([prep[0] for _, _, prep in rows])
+        self.has_list.extend([prep[1] for _, _, prep in rows])
+        for col, cells in zip(self.known, zip(*[prep[2] for _, _, prep in rows])):
+            col.extend(cells)
 
-        ``prepared`` is :meth:`prepare`'s result for ``span``, made before taking the store's lock.
-        """
-        attrs, has_list, cells = prepared if prepared is not None else self.prepare(span)
-        code = self._code
-        code("rollout_id", rollout_id)
-        code("attempt_id", attempt_id)
-        code("name", span.name)
-        code("status", span.status)
-        code("trace_id", span.trace_id)
-        code("parent_id", span.parent_id)
-        self.span_ids.append(span.span_id)
-        self.start.append(span.start_time)
-        self.end.append(span.end_time)
-        self.rank.append(rank)
-        self.aseq.append(aseq)
-        self.seq.append(seq)
-        self.by_attempt.setdefault(attempt_id, []).append(len(self.attrs))
-        self.attrs.append(attrs)
-        self.has_list.append(has_list)
-        for col, cell in zip(self.known, cells):
-            col.append(cell)
-
-    def _code(self, col: str, value: Optional[str]) -> None:
-        if value is None:
-            self.codes[col].append(-1)
-            return
+    def _code_of(self, col: str, value: str) -> int:
+        """The code of ``value`` in a dictionary-encoded column, added if new."""
         lookup = self._lookup[col]
         c = lookup.get(value)
         if c is None:
             c = lookup[value] = len(self.cats[col])
             self.cats[col].append(value)
-        self.codes[col].append(c)
+        return c
+
+    def _code_many(self, col: str, values: list[Optional[str]]) -> None:
+        """Append the codes of ``values`` (None: -1) to a dictionary-encoded column."""
+        if values.count(values[0]) == len(values):  # one value (a batch's trace id, name or status)
+            self.codes[col].extend([-1 if values[0] is None else self._code_of(col, values[0])] * len(values))
+            return
+        lookup, cats = self._lookup[col], self.cats[col]
+        found = list(map(lookup.get, values))
+        if None in found:  # a new value (span ids as parent ids are new) or a None
+            for i, c in enumerate(found):
+                if c is None:
+                    value = values[i]
+                    if value is None:
+                        found[i] = -1
+                        continue
+                    c = lookup.get(value)
+                    if c is None:
+                        c = lookup[value] = len(cats)
+                        cats.append(value)
+                    found[i] = c
+        self.codes[col].extend(found)
 
     def value(self, col: str, row: int) -> Optional[str]:
         """The value of a dictionary-encoded column (``rollout_id``, ``name``, ...) at ``row``."""
@@ -127,6 +155,18 @@ class SpanTable:
         return (v("rollout_id", row), v("attempt_id", row), self.seq[row], v("trace_id", row), self.span_ids[row],
                 v("parent_id", row), v("name", row), self.start[row], self.end[row], v("status", row),
                 self.attrs[row], self.has_list[row])
+
+    def raws(self, rows: list[int]) -> list[tuple[Any, ...]]:
+        """:meth:`raw` of each of ``rows``, a column at a time."""
+        ids = [self._values(c, rows) for c in ("rollout_id", "attempt_id", "trace_id", "parent_id", "name", "status")]
+        seq, span_ids, start, end, attrs, has_list = self.seq, self.span_ids, self.start, self.end, self.attrs, \
+            self.has_list
+        return [(rid, aid, seq[r], trace, span_ids[r], parent, name, start[r], end[r], status, attrs[r], has_list[r])
+                for r, rid, aid, trace, parent, name, status in zip(rows, *ids)]
+
+    def _values(self, col: str, rows: list[int]) -> list[Optional[str]]:
+        codes, cats = self.codes[col], self.cats[col]
+        return [cats[c] if c >= 0 else None for c in map(codes.__getitem__, rows)]
 
     def rows(self, attempt_ids: Iterable[str]) -> list[int]:
         return [r for aid in attempt_ids for r in self.by_attempt.get(aid, ())]

@@ -105,7 +105,7 @@ class SqliteStore(SqliteSpans, LightningStore):
         lock = threading.RLock()
         self._cond, self._queued = threading.Condition(lock), threading.Condition(lock)
         # group commit (FULL): _commits counts COMMITs, _synced how many of them the last WAL fsync covered
-        self._commits = self._synced = 0
+        self._commits = self._synced = self._resources_commit = 0
         self._sync_lock = threading.Lock()
         self._wal_fd: Optional[int] = None
         self._db: Optional[sqlite3.Connection] = None
@@ -414,20 +414,21 @@ class SqliteStore(SqliteSpans, LightningStore):
             self._rows("DELETE FROM resources WHERE resources_id = ?", update.resources_id)
             self._rows("INSERT INTO resources (resources_id, data) VALUES (?, ?)",
                        update.resources_id, update.model_dump_json())
+            self._resources_commit = self._commits + 1  # this transaction's commit: resources reads wait for it
             return update.model_copy()
 
     def query_resources(self) -> list[ResourcesUpdate]:
-        with self._locked():
+        with self._locked(resources_only=True):
             return [ResourcesUpdate.model_validate_json(d) for (d,) in self._rows(
                 "SELECT data FROM resources ORDER BY seq")]
 
     def get_latest_resources(self) -> Optional[ResourcesUpdate]:
-        with self._locked():
+        with self._locked(resources_only=True):
             rows = self._rows("SELECT data FROM resources ORDER BY seq DESC LIMIT 1")
             return ResourcesUpdate.model_validate_json(rows[0][0]) if rows else None
 
     def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate:
-        with self._locked():
+        with self._locked(resources_only=True):
             rows = self._rows("SELECT data FROM resources WHERE resources_id = ?", resources_id)
             if not rows:
                 self._check_resources(resources_id)
@@ -497,10 +498,12 @@ class SqliteStore(SqliteSpans, LightningStore):
         self._commits += 1
 
     @contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self, resources_only: bool = False) -> Iterator[None]:
         """Hold the lock; once it is released, wait until every commit seen under it is on disk (FULL).
 
         The fsync runs outside the lock, so threads that committed meanwhile share it (group commit).
+        ``resources_only``: the call reads only the resources table, so it waits only for the commit of the
+        last ``add_resources`` (a runner's resources lookup does not wait for other runners' span writes).
         """
         seen = 0
         try:
@@ -508,7 +511,7 @@ class SqliteStore(SqliteSpans, LightningStore):
                 try:
                     yield
                 finally:
-                    seen = self._commits
+                    seen = min(self._commits, self._resources_commit) if resources_only else self._commits
         finally:
             if self._wal_fd is not None and seen > self._synced:
                 self._sync_wal(seen)

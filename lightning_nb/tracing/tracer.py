@@ -49,7 +49,7 @@ from lightning_nb.store.base import LightningStore
 from lightning_nb.types import Span, span_construct
 
 __all__ = ["Tracer", "StoreSpanProcessor", "SpanLedger", "AttemptSpans", "emit_reward", "emit_intermediate_reward",
-           "tool_span", "span_from_otel"]
+           "tool_span", "attempt_span", "span_from_otel"]
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +136,16 @@ def span_from_otel(span: ReadableSpan, rollout_id: str, attempt_id: str) -> Span
     ctx = span.get_span_context()
     raw = span.attributes  # a read-only proxy of the span's BoundedAttributes (or a plain dict)
     # .copy() of either is a plain dict copy: iterating the Mapping itself costs several times more per key
-    attrs = raw.copy() if isinstance(raw, (BoundedAttributes, MappingProxyType, dict)) else dict(raw or {})
+    attrs = raw.copy() if type(raw) is MappingProxyType or isinstance(raw, (BoundedAttributes, dict)) \
+        else dict(raw or {})
     for key in _OUR_KEYS:
-        attrs.pop(key, None)
+        if key in attrs:
+            del attrs[key]
     if tuple in map(type, attrs.values()):  # a C-speed scan; most spans hold no sequence value
         attrs = {k: list(v) if type(v) is tuple else v for k, v in attrs.items()}
     parent = span.parent
-    return span_construct(rollout_id, attempt_id, 0, format(ctx.trace_id, "032x"), format(ctx.span_id, "016x"),
-                          format(parent.span_id, "016x") if parent else None, span.name,
+    return span_construct(rollout_id, attempt_id, 0, "%032x" % ctx.trace_id, "%016x" % ctx.span_id,
+                          "%016x" % parent.span_id if parent else None, span.name,
                           (span.start_time or 0) / 1e9, (span.end_time or 0) / 1e9,
                           _STATUS.get(span.status.status_code, "unset"), attrs)
 
@@ -512,6 +514,21 @@ def emit_intermediate_reward(value: float, name: str = "tool_error", **attribute
         for k, v in attributes.items():
             span.set_attribute(k, v if isinstance(v, (str, bool, int, float)) else json.dumps(v, default=str))
     return reward
+
+
+@contextlib.contextmanager
+def attempt_span(name: str) -> Iterator[Optional[OtelSpan]]:
+    """A span named ``name`` in the current attempt (a child of the span open there); yields None outside a rollout.
+
+    For spans that are neither tools nor rewards, e.g. an LLM judge's call (:data:`~lightning_nb.semconv.JUDGE_SPAN`);
+    set attributes with ``span.set_attribute(key, value)`` using :mod:`lightning_nb.semconv` keys.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        yield None
+        return
+    with active.tracer.otel.start_as_current_span(name) as span:
+        yield span
 
 
 @contextlib.contextmanager
