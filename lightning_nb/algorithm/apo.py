@@ -1,0 +1,529 @@
+"""APO: Automatic Prompt Optimisation, an algorithm that tunes a PromptTemplate resource instead of weights.
+
+The algorithm of ProTeGi (Pryzant et al. 2023, "Automatic Prompt Optimization with 'Gradient Descent' and Beam
+Search", EMNLP), as Agent Lightning's APO runs it on rollouts. Each round (:meth:`APO.step`):
+
+1. draw ``batch_size`` training tasks and run every prompt of the beam on them (each prompt in a resources set
+   of its own, id ``apo:<run>:<candidate>``, to which its rollouts are pinned);
+2. for each prompt of the beam, show a *critic* LLM the episodes it failed (the task, the model's replies from
+   the LLM spans, the reward) and ask why (the textual gradient), then ask an *editor* LLM for
+   ``branch_factor`` new prompts from the prompt and the critique (:mod:`~lightning_nb.algorithm.apo_prompts`);
+3. run every new prompt on the same tasks and keep the ``beam_width`` prompts with the highest mean reward.
+
+When :meth:`APO.run` ends, the winner (the top of the beam) is evaluated on ``val_tasks`` (its held-out score,
+:meth:`APO.best`) and published: ``store.add_resources`` writes the target resources set again (its id,
+``resources_id``: by default the store's latest set when APO was built) with the winner in place of the prompt,
+so its ``version`` goes up by one and rollouts enqueued from then on run with it.
+
+Where this departs from the paper: no bandit selection (every candidate runs on every task of the round's
+batch, so all are compared on the same tasks); no Monte-Carlo paraphrase step; a prompt is run at most once per
+task (its reward on a task is reused in later rounds: decoding is greedy by default); the proposer's
+prompts are shortened for small models.
+
+Notebook verbs as :class:`~lightning_nb.algorithm.lightning_rl.LightningRL`'s (a round is a step):
+``start(rounds)`` runs :meth:`APO.run` in the background; ``pause()`` parks it at the next round boundary
+(``before round``, ``before propose``, ``before evaluate candidates``), ``resume()``, ``stop()``, ``wait()``,
+``progress``; :meth:`APO.save` / :meth:`APO.load` write and read a JSON file of the beam and its history.
+
+Side effect to know: ``add_resources`` makes each candidate's set the store's latest while APO evaluates it,
+so a rollout enqueued *without* ``resources_id`` meanwhile runs with the candidate added last; publishing the
+winner makes the target set the latest again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from lightning_nb import semconv
+from lightning_nb.algorithm.apo_config import APOConfig, BestPrompt, Candidate
+from lightning_nb.algorithm.apo_prompts import candidate_text, failures_text
+from lightning_nb.algorithm.control import BackgroundLoop, TrainerStopped
+from lightning_nb.algorithm.lightning_rl import task_key
+from lightning_nb.errors import ConfigError, LightningNbError, NotFoundError
+from lightning_nb.store.base import LightningStore
+from lightning_nb.store.rules import reward_or_zero
+from lightning_nb.types import LLMResource, PromptTemplate, ResourcesUpdate, RolloutConfig, new_id
+
+__all__ = ["APO", "APOConfig", "BestPrompt", "Candidate"]
+
+log = logging.getLogger(__name__)
+_FORMAT = "lightning_nb.apo/1"  # the save file's format tag
+
+
+class APO(BackgroundLoop):
+    """Tune the PromptTemplate ``config.prompt_name`` of a resources set by beam search over LLM-edited prompts.
+
+    Runners must be consuming ``store`` (:func:`~lightning_nb.runners.start_runners`) with an agent that reads
+    that template from its resources (``agent(task, llm, *, resources)``, e.g.
+    :func:`~lightning_nb.tasks.calc.calc_agent` with :func:`~lightning_nb.tasks.calc.agent.calc_resources`).
+
+    Args:
+        store: the store the runners read.
+        train_tasks: the tasks rounds draw from; val_tasks: the held-out tasks of :meth:`best`.
+        config: :class:`APOConfig`.
+        critic, editor: the OpenAI-compatible endpoints (``LLMResource``: endpoint, model, api_key) of the
+            critic and the editor. Default: the target set's ``config.llm_name`` resource, i.e. the proxy's
+            plain base URL, whose calls are served but not recorded as spans (never trained on). The
+            resource's own ``sampling_parameters`` are sent too, under ``config.proposer_temperature`` and
+            ``proposer_max_tokens``. Their calls are APO's own records (:meth:`calls_df`).
+        resources_id: the set holding the prompt, that the winner is published to. Default: the store's latest.
+        id_key: the task field that names a task (:func:`~lightning_nb.algorithm.lightning_rl.task_key`).
+
+    Raises:
+        ConfigError: no train tasks; no resources in the store, or (without ``resources_id``) its latest set is
+            a candidate set of an earlier APO run; the set has no PromptTemplate named ``config.prompt_name``;
+            a critic/editor is not an LLMResource or is an attempt's URL; a bad config.
+        NotFoundError: ``resources_id`` is not in the store.
+    """
+
+    def __init__(self, store: LightningStore, train_tasks: Sequence[Any], val_tasks: Sequence[Any] = (),
+                 *, config: Optional[APOConfig] = None, critic: Optional[LLMResource] = None,
+                 editor: Optional[LLMResource] = None, resources_id: Optional[str] = None,
+                 id_key: str = "id") -> None:
+        if not train_tasks:
+            raise ConfigError("train_tasks is empty; load some with lightning_nb.tasks.calc.load_tasks('train')")
+        self.store, self.config, self.id_key = store, config or APOConfig(), id_key
+        self.train_tasks, self.val_tasks = list(train_tasks), list(val_tasks)
+        target = self._target(resources_id)
+        self.resources_id = target.resources_id
+        start = target.resources.get(self.config.prompt_name)
+        if not isinstance(start, PromptTemplate):
+            raise ConfigError(
+                f"APO tunes the PromptTemplate named {self.config.prompt_name!r} (APOConfig.prompt_name), and "
+                f"resources {self.resources_id!r} has {sorted(target.resources)}; publish one, e.g. "
+                "store.add_resources(calc_resources(proxy.as_resource()))")
+        default = target.resources.get(self.config.llm_name)
+        self.critic = _proposer(critic, default, "critic", self.config.llm_name)
+        self.editor = _proposer(editor, default, "editor", self.config.llm_name)
+        self.run_id = new_id("apo").split("-", 1)[1]
+        self.candidates: dict[str, Candidate] = {"c0": Candidate("c0", start)}
+        self.beam: list[str] = ["c0"]
+        self.round = 0
+        self.rows: list[dict[str, Any]] = []   # beam_df
+        self.calls: list[dict[str, Any]] = []  # calls_df: every critic and editor call
+        self.published: list[dict[str, Any]] = []
+        self._rng = random.Random(self.config.seed)
+        self._init_loop()
+
+    def _target(self, resources_id: Optional[str]) -> ResourcesUpdate:
+        if resources_id is not None:
+            return self.store.get_resources_by_id(resources_id)
+        latest = self.store.get_latest_resources()
+        if latest is None:
+            raise ConfigError("the store has no resources; publish the agent's set first, e.g. "
+                              "store.add_resources(calc_resources(proxy.as_resource()))")
+        if latest.resources_id.startswith("apo:"):
+            raise ConfigError(f"the store's latest resources {latest.resources_id!r} are a candidate set of an "
+                              "earlier APO run (stopped before it published); pass resources_id= the set your "
+                              "runners use (store.resources_df())")
+        return latest
+
+    # ----- the loop's verbs (a round is a step) ----------------------------------------------
+    def start(self, rounds: Optional[int] = None) -> "APO":
+        """Run :meth:`run` (``rounds``, default ``config.rounds``) in a background thread; returns at once.
+
+        Raises:
+            LightningNbError: this APO's loop is still running.
+        """
+        n = self.config.rounds if rounds is None else rounds
+        self._start_loop(lambda: self.run(rounds), self.round, self.round + n)
+        return self
+
+    def _steps_done(self) -> int:
+        return self.round
+
+    def _rollout_share(self) -> float:
+        return 0.5
+
+    def _check_before_resume(self) -> None:
+        self.config.validate()
+
+    def run(self, rounds: Optional[int] = None) -> None:
+        """Run ``rounds`` rounds (default ``config.rounds``), then evaluate the winner on ``val_tasks`` (when
+        given) and, with ``config.publish``, publish it (:meth:`publish`). Ends early when stopped.
+        """
+        for _ in range(self.config.rounds if rounds is None else rounds):
+            if self.stop_requested:
+                raise TrainerStopped(f"stopped after round {self.round}")
+            self.step()
+        self.at_boundary("before held-out evaluation")
+        if self.val_tasks:
+            self.best()
+        if self.config.publish:
+            self.publish()
+
+    def step(self) -> list[dict[str, Any]]:
+        """One round (see the module docstring); returns its rows of :meth:`beam_df`."""
+        r = self.round + 1
+        self.report_progress("rollouts", 0, 0, unit="rollouts", step=r)
+        self.at_boundary("before round")
+        self.config.validate()
+        tasks = self._rng.sample(self.train_tasks, min(self.config.batch_size, len(self.train_tasks)))
+        keys = [task_key(t, self.id_key) for t in tasks]
+        parents = [self.candidates[c] for c in self.beam]
+        self._run_rollouts(parents, tasks, r)
+        self.at_boundary("before propose")
+        children: list[Candidate] = []
+        for k, parent in enumerate(parents):
+            self.report_progress("propose", k, len(parents), unit="prompts", step=r)
+            children += self._propose(parent, keys, r)
+        self.at_boundary("before evaluate candidates")
+        self._run_rollouts(children, tasks, r)
+        rows = self._select(parents + children, keys, r, {c.id for c in children})
+        self.round = r
+        return rows
+
+    def _select(self, pool: list[Candidate], keys: list[str], r: int, new: set[str]) -> list[dict[str, Any]]:
+        """Rank ``pool`` by mean reward on ``keys`` (ties: the older candidate first), keep ``beam_width``."""
+        scored = [(c, *c.score(keys)) for c in pool]
+        ranked = sorted(scored, key=lambda s: -s[1] if not math.isnan(s[1]) else math.inf)  # stable
+        self.beam = [c.id for c, *_ in ranked[:self.config.beam_width]]
+        rows = [{"round": r, "candidate_id": c.id, "rank": i + 1, "score": score, "n": n,
+                 "kept": c.id in self.beam, "new": c.id in new, "parent": c.parent, "text": c.template.template,
+                 "critique": c.critique} for i, (c, score, n) in enumerate(ranked)]
+        self.rows += rows
+        return rows
+
+    # ----- rollouts --------------------------------------------------------------------------
+    def _resources_for(self, cand: Candidate) -> str:
+        """The id of ``cand``'s resources set (the target's resources with ``cand`` as the prompt), added once."""
+        if cand.resources_id is not None:
+            try:
+                self.store.get_resources_by_id(cand.resources_id)
+                return cand.resources_id
+            except NotFoundError:  # a loaded APO on another store
+                pass
+        base = self.store.get_resources_by_id(self.resources_id).resources
+        cand.resources_id = self.store.add_resources({**base, self.config.prompt_name: cand.template},
+                                                     resources_id=f"apo:{self.run_id}:{cand.id}").resources_id
+        return cand.resources_id
+
+    def _run_rollouts(self, cands: Sequence[Candidate], tasks: Sequence[Any], r: int, held_out: bool = False) -> None:
+        """Run each candidate on each task it has no reward for yet and record the final rewards (failed: 0)."""
+        cfg = self.config
+        sampling = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
+        todo: list[tuple[Candidate, str, str]] = []
+        for cand in cands:
+            done = set(cand.held_out if held_out else cand.rewards)
+            for task in tasks:
+                key = task_key(task, self.id_key)
+                if key in done:
+                    continue
+                done.add(key)
+                rollout = self.store.enqueue_rollout(
+                    task, mode="val" if held_out else "train", resources_id=self._resources_for(cand),
+                    config=RolloutConfig(timeout_seconds=cfg.rollout_timeout_s),
+                    metadata={"sampling_parameters": sampling, "apo": {"run": self.run_id, "round": r,
+                                                                       "candidate": cand.id}})
+                todo.append((cand, key, rollout.rollout_id))
+        ids = [rid for *_, rid in todo]
+        self._wait(ids, "evaluate" if held_out else "rollouts", r)
+        rewards = self.store.final_rewards(ids)
+        status = {ro.rollout_id: ro.status for ro in self.store.query_rollouts(rollout_ids=ids)}
+        for cand, key, rid in todo:
+            if status[rid] in ("succeeded", "failed"):  # cancelled ones are left out
+                (cand.held_out if held_out else cand.rewards)[key] = reward_or_zero(rewards[rid])
+                if not held_out:
+                    cand.rollouts[key] = rid
+
+    def _wait(self, ids: list[str], phase: str, r: int) -> None:
+        """Wait until every rollout of ``ids`` is terminal, reporting ``phase`` progress.
+
+        Raises:
+            TrainerStopped: :meth:`stop` was called (the rollouts are cancelled).
+            LightningNbError: none left the queue within ``config.start_timeout_s`` (no runners; cancelled).
+        """
+        t0 = time.monotonic()
+        while True:
+            done = self.store.wait_for_rollouts(ids, timeout=1.0)
+            self.report_progress(phase, len(done), len(ids), unit="rollouts", step=r)
+            if len(done) == len(ids):
+                return
+            idle = time.monotonic() - t0 > self.config.start_timeout_s and all(
+                ro.status == "queuing" for ro in self.store.query_rollouts(rollout_ids=ids))
+            if self.stop_requested or idle:
+                for rid in ids:
+                    try:
+                        self.store.cancel_rollout(rid)
+                    except LightningNbError:
+                        pass  # already terminal
+                if self.stop_requested:
+                    raise TrainerStopped("stopped while waiting for rollouts")
+                raise LightningNbError(f"no APO rollout left the queue in {self.config.start_timeout_s:g} s: no "
+                                       "runner consumes this store; start_runners(agent, store) first")
+
+    # ----- the proposer ----------------------------------------------------------------------
+    def _failures(self, cand: Candidate, keys: list[str]) -> list[dict[str, Any]]:
+        """``cand``'s failed episodes on ``keys`` (at most ``config.max_failures``), read from the store."""
+        out = []
+        for key in keys:
+            if len(out) >= self.config.max_failures:
+                break
+            rid = cand.rollouts.get(key)
+            if rid is None or cand.rewards.get(key, 1.0) >= self.config.failure_below:
+                continue
+            try:
+                rollout = self.store.get_rollout_by_id(rid)
+            except NotFoundError:  # rewards loaded from a save of another store: the episode is not here
+                log.info("APO: rollout %s of %s is not in this store; the critic does not see it", rid, cand.id)
+                continue
+            spans = self.store.query_spans(rid, attempt_id="latest")
+            attempts = self.store.query_attempts(rid)
+            out.append({"rollout_id": rid, "input": _task_text(rollout.input), "reward": cand.rewards[key],
+                        "replies": [str(s.attributes.get(semconv.COMPLETION, "")) for s in spans
+                                    if s.name == semconv.LLM_SPAN],
+                        "error": attempts[-1].error if attempts else None})
+        return out
+
+    def _propose(self, parent: Candidate, keys: list[str], r: int) -> list[Candidate]:
+        """Critic then editor on ``parent``'s failures; returns the new, valid, distinct candidates.
+
+        A parent without failures is not edited; an editor reply with no candidate, an invalid template or a
+        duplicate adds none. Each is recorded in :meth:`calls_df` (``error``) and logged.
+        """
+        failures = self._failures(parent, keys)
+        if not failures:
+            self._record(r, "critic", parent.id, None, [], 0.0, error="no failed episode: nothing to criticise")
+            return []
+        fields = {"prompt": parent.template.template, "failures": failures_text(failures)}
+        critique = self._call(r, "critic", parent.id, self.critic,
+                              PromptTemplate(template=self.config.critic_prompt).format(**fields), 1)[0]
+        fields["critique"] = critique
+        replies = self._call(r, "editor", parent.id, self.editor,
+                             PromptTemplate(template=self.config.editor_prompt).format(**fields),
+                             self.config.branch_factor)
+        made = []
+        for k, reply in enumerate(replies):
+            cand, error = self._candidate(reply, parent, critique, r)
+            self.calls[-1]["candidates"].append(cand.id if cand else None)
+            if error:
+                self.calls[-1]["errors"].append(f"choice {k}: {error}")
+                log.warning("APO round %d, editor of %s, choice %d: %s", r, parent.id, k, error)
+            if cand is not None:
+                made.append(cand)
+        return made
+
+    def _candidate(self, reply: str, parent: Candidate, critique: str,
+                   r: int) -> tuple[Optional[Candidate], Optional[str]]:
+        """``(new candidate, None)`` from one editor reply, or ``(None, why not)``."""
+        text = candidate_text(reply)
+        if text is None:
+            return None, "the editor's reply holds no candidate prompt (empty, or empty between <prompt> tags)"
+        try:
+            template = PromptTemplate(template=text, engine=parent.template.engine)
+        except ConfigError as exc:
+            return None, f"not a valid template: {exc}"
+        allowed = set(self.config.variables if self.config.variables is not None
+                      else self.candidates["c0"].template.variables)
+        if not template.variables <= allowed:
+            return None, f"uses {sorted(template.variables - allowed)}; the agent fills only {sorted(allowed)}"
+        same = [c.id for c in self.candidates.values() if c.template == template]
+        if same:
+            return None, f"the same prompt as {same[0]}"
+        cand = Candidate(f"c{len(self.candidates)}", template, parent=parent.id, critique=critique, round=r)
+        self.candidates[cand.id] = cand
+        return cand, None
+
+    def _call(self, r: int, role: str, parent: str, llm: LLMResource, content: str, n: int) -> list[str]:
+        """One chat call of the critic or editor (``n`` choices), recorded; returns the choices' texts.
+
+        Raises:
+            LightningNbError: the endpoint failed (recorded first, with its error).
+        """
+        import openai
+
+        messages = [{"role": "user", "content": content}]
+        sampling = {**llm.sampling_parameters, "temperature": self.config.proposer_temperature,
+                    "max_tokens": self.config.proposer_max_tokens}
+        t0 = time.perf_counter()
+        client = openai.OpenAI(base_url=llm.endpoint, api_key=llm.api_key, max_retries=0,
+                               timeout=self.config.proposer_timeout_s)
+        try:
+            reply = client.chat.completions.create(model=llm.model, messages=messages, n=n, **sampling)
+            texts = [c.message.content or "" for c in sorted(reply.choices, key=lambda c: c.index)]
+        except openai.OpenAIError as exc:
+            self._record(r, role, parent, llm, messages, time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}")
+            raise LightningNbError(f"APO's {role} at {llm.endpoint} (model {llm.model!r}) failed in round {r}: "
+                                   f"{exc}") from exc
+        finally:
+            client.close()
+        self._record(r, role, parent, llm, messages, time.perf_counter() - t0, replies=texts)
+        return texts
+
+    def _record(self, r: int, role: str, parent: str, llm: Optional[LLMResource], messages: list, seconds: float,
+                replies: Sequence[str] = (), error: Optional[str] = None) -> None:
+        self.calls.append({"round": r, "role": role, "parent": parent, "model": llm.model if llm else None,
+                           "endpoint": llm.endpoint if llm else None, "seconds": seconds,
+                           "prompt": messages[-1]["content"] if messages else None, "replies": list(replies),
+                           "candidates": [], "errors": [error] if error else []})
+
+    # ----- results ---------------------------------------------------------------------------
+    def winner(self) -> Candidate:
+        """The top of the beam (the starting prompt before any round)."""
+        return self.candidates[self.beam[0]]
+
+    def evaluate(self, prompt: Optional[PromptTemplate | str] = None, tasks: Optional[Sequence[Any]] = None) -> float:
+        """Mean final reward of ``prompt`` on ``tasks`` (default ``val_tasks``), each task run once with
+        ``config.temperature``; failed rollouts count 0, cancelled ones are left out (NaN if none finished).
+
+        ``prompt``: a PromptTemplate, a template text (the starting prompt's engine), a candidate id
+        (``"c0"``), or None (the winner). Rewards are kept per candidate and task, so asking again costs
+        nothing. A prompt APO has not tried becomes a candidate of its own (a new resources set).
+
+        Raises:
+            ConfigError: no tasks (no ``val_tasks`` and none given); ``prompt`` is an unknown candidate id.
+            TrainerStopped: the loop was stopped meanwhile (the rollouts are cancelled).
+        """
+        tasks = list(self.val_tasks if tasks is None else tasks)
+        if not tasks:
+            raise ConfigError("no tasks to evaluate: pass val_tasks to APO or tasks to evaluate()")
+        cand = self._as_candidate(prompt)
+        self._run_rollouts([cand], tasks, self.round, held_out=True)
+        got = [cand.held_out[k] for k in (task_key(t, self.id_key) for t in tasks) if k in cand.held_out]
+        return sum(got) / len(got) if got else math.nan
+
+    def _as_candidate(self, prompt: Optional[PromptTemplate | str]) -> Candidate:
+        if prompt is None:
+            return self.winner()
+        if isinstance(prompt, str) and prompt in self.candidates:
+            return self.candidates[prompt]
+        if isinstance(prompt, str) and prompt[:1] == "c" and prompt[1:].isdigit():
+            raise ConfigError(f"{prompt!r} is not a candidate of this APO; candidates: {sorted(self.candidates)}")
+        template = prompt if isinstance(prompt, PromptTemplate) else PromptTemplate(
+            template=prompt, engine=self.candidates["c0"].template.engine)
+        for cand in self.candidates.values():
+            if cand.template == template:
+                return cand
+        cand = self.candidates[f"c{len(self.candidates)}"] = Candidate(f"c{len(self.candidates)}", template,
+                                                                       round=self.round)
+        return cand
+
+    def best(self) -> BestPrompt:
+        """The winning template (the top of the beam) and its held-out score: its mean final reward on
+        ``val_tasks`` (:meth:`evaluate`; run once, then kept).
+
+        The winner is chosen on training tasks only, so the score is an unbiased held-out estimate.
+
+        Raises:
+            ConfigError: APO was built without ``val_tasks``.
+        """
+        if not self.val_tasks:
+            raise ConfigError("best() scores the winner on val_tasks, and this APO has none: "
+                              "APO(store, train_tasks, val_tasks, ...)")
+        return BestPrompt(self.winner().template, self.evaluate(self.winner().id))
+
+    def publish(self, prompt: Optional[PromptTemplate | str] = None) -> ResourcesUpdate:
+        """Write the target resources set again with ``prompt`` (default: the winner) as ``config.prompt_name``,
+        keeping its other resources (the LLM); its ``version`` goes up by one and it becomes the store's latest,
+        so rollouts enqueued from now on run with it. Recorded in :attr:`published`. Returns the stored update.
+        """
+        cand = self._as_candidate(prompt)
+        current = self.store.get_resources_by_id(self.resources_id).resources
+        update = self.store.add_resources({**current, self.config.prompt_name: cand.template},
+                                          resources_id=self.resources_id)
+        self.published.append({"round": self.round, "candidate_id": cand.id, "resources_id": update.resources_id,
+                               "version": update.version, "time": update.update_time})
+        return update
+
+    def beam_df(self) -> Any:
+        """One row per candidate and round, best first within a round: round, candidate_id, rank, score (mean
+        final reward on the round's tasks), n (its finished rollouts there), kept (in the beam after the
+        round), new (proposed this round), parent, text, critique (the critic's reply that produced it)."""
+        import pandas as pd
+
+        columns = ["round", "candidate_id", "rank", "score", "n", "kept", "new", "parent", "text", "critique"]
+        return pd.DataFrame(list(self.rows), columns=columns)
+
+    def calls_df(self) -> Any:
+        """One row per critic or editor call: round, role, parent, model, endpoint, seconds, prompt, replies,
+        candidates (the ids each editor choice gave, None where it gave none), errors (why a call or choice
+        gave nothing: no failure to criticise, no candidate in the reply, an invalid or duplicate prompt)."""
+        import pandas as pd
+
+        columns = ["round", "role", "parent", "model", "endpoint", "seconds", "prompt", "replies", "candidates",
+                   "errors"]
+        return pd.DataFrame(list(self.calls), columns=columns)
+
+    # ----- save / load -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything :meth:`load` restores, as JSON-ready values (the config is saved but not restored)."""
+        return {"format": _FORMAT, "run_id": self.run_id, "resources_id": self.resources_id, "round": self.round,
+                "beam": list(self.beam), "candidates": [_candidate_json(c) for c in self.candidates.values()],
+                "rows": list(self.rows), "calls": list(self.calls), "published": list(self.published),
+                "rng": _json_rng(self._rng.getstate()), "config": asdict(self.config)}
+
+    def save(self, path: str | Path) -> Path:
+        """Write :meth:`state_dict` to ``path`` as JSON (atomically); call it at a round boundary (paused, or
+        after ``wait()``). Returns the path."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.state_dict(), indent=1, default=_json_default))
+        tmp.replace(path)
+        return path
+
+    def load(self, path: str | Path) -> None:
+        """Restore a :meth:`save` file: the beam, every candidate with its rewards, the history and the task
+        sampler. The config is this APO's (edits are yours); ``resources_id`` stays this APO's target. Loaded
+        into another store, candidates get their resources sets again when next run, and episodes of the old
+        store are not shown to the critic (their rewards still count).
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            ConfigError: not an APO save file; the loop is running.
+        """
+        if self.running:
+            raise ConfigError("APO.load(): the loop is running; stop() or wait() first")
+        state = json.loads(Path(path).read_text())
+        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            raise ConfigError(f"{path} is not an APO save file (format {_FORMAT!r})")
+        self.run_id, self.round, self.beam = state["run_id"], int(state["round"]), list(state["beam"])
+        self.candidates = {c["id"]: _candidate_from_json(c) for c in state["candidates"]}
+        self.rows, self.calls, self.published = state["rows"], state["calls"], state["published"]
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+
+    def __repr__(self) -> str:
+        return (f"APO(round={self.round}, state={self.state!r}, beam={self.beam}, candidates={len(self.candidates)}, "
+                f"resources_id={self.resources_id!r})")
+
+
+def _proposer(given: Optional[LLMResource], default: Any, role: str, llm_name: str) -> LLMResource:
+    """The critic's or editor's endpoint: ``given``, else the target set's LLM resource; never an attempt URL."""
+    llm = given if given is not None else default
+    if not isinstance(llm, LLMResource):
+        raise ConfigError(f"APO's {role} must be an LLMResource (endpoint, model, api_key), got "
+                          f"{type(given).__name__}" if given is not None else
+                          f"APO's {role} defaults to the resources' {llm_name!r} LLMResource, and there is none; "
+                          f"pass {role}=LLMResource(endpoint=..., model=...)")
+    if "/rollout/" in llm.endpoint and "/attempt/" in llm.endpoint:
+        raise ConfigError(f"APO's {role} endpoint {llm.endpoint} is an attempt's URL: its calls would be recorded "
+                          "as that attempt's trainable spans; use the proxy's plain base URL (proxy.endpoint())")
+    return llm
+
+
+def _task_text(task: Any) -> str:
+    return json.dumps(task, default=repr) if not isinstance(task, str) else task
+
+
+def _candidate_json(c: Candidate) -> dict[str, Any]:
+    return {**asdict(c), "template": c.template.model_dump()}
+
+
+def _candidate_from_json(d: dict[str, Any]) -> Candidate:
+    return Candidate(**{**d, "template": PromptTemplate(**d["template"])})
+
+
+def _json_rng(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _json_default(value: Any) -> Any:
+    return repr(value)

@@ -1,0 +1,361 @@
+"""Learning from the traffic users already send: an algorithm that trains on rollouts it did not start.
+
+Reference doc 000's last section (online / continuous learning): people use the agent through
+``Runner.step(task, reward_required=False)`` or the LLM proxy's ``/traffic`` route, every call is
+already in the store, and some of those rollouts get a reward later (from the agent itself, a judge,
+or a person in a notebook cell: ``store.label(rollout_id, reward)``). :class:`TrafficLearner` polls
+the store for them, waits until ``min_labelled`` are labelled, groups them, asks the trainer to update
+the weights (which the engine serves at once, so users get the new policy while they keep working),
+and records exactly which rollouts each update used (:meth:`TrafficLearner.updates_df`), with a
+checkpoint of the weights before it, so an update can be audited and undone (:meth:`TrafficLearner.undo`).
+
+Groups and the baseline (GRPO, Shao et al. 2024, §4.1.2, needs a group to compare against):
+
+* rollouts with an equal input (:func:`~lightning_nb.algorithm.lightning_rl.task_key`: the task's
+  ``id`` field, else a hash of its content; for the proxy route, the request's messages) form one
+  GRPO group when at least two of them are in the batch: group-relative advantage, as LightningRL;
+* every other rollout of the batch (a singleton: its input seen once) joins one pooled group,
+  ``"<update>:pool"``, so its baseline is the **mean reward of the pooled singletons of the batch**
+  (and the scale their standard deviation): REINFORCE with a batch-mean baseline (Williams 1992) in
+  GRPO's normalised form. The trainer gives a group of one no baseline (it drops groups under
+  ``min_group_size``), so a lone singleton is never sent alone: it waits for the next update;
+* a group whose rewards are all equal has advantage 0 (nothing to learn relative to its baseline):
+  it is held back, not used, and waits for more labelled rollouts of its kind (a later batch where
+  its rewards differ). An update runs only when some group carries signal
+  (``trainer.signal_groups``), so advantages are never silently zero.
+
+Rules: an unlabelled rollout (final reward None) is never trained on; a rollout is used by at most one
+update (also after :meth:`TrafficLearner.undo`, which restores weights but keeps the record); only
+``succeeded`` rollouts are candidates (a failed one's reward is 0 by rule, and it has no triplets).
+A labelled rollout the adapter cannot use (no LLM call, no token IDs) is set aside once and counted.
+The trainer also drops episodes sampled more than its ``max_staleness`` weight versions ago
+(``stale_episodes_dropped`` in :meth:`TrafficLearner.updates_df`): label traffic soon after it is sent.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from lightning_nb.adapter import TripletAdapter
+from lightning_nb.algorithm.checkpoint import RunCheckpoint
+from lightning_nb.algorithm.control import BackgroundLoop, TrainerStopped
+from lightning_nb.algorithm.lightning_rl import task_key
+from lightning_nb.errors import ConfigError
+from lightning_nb.store.base import LightningStore
+from lightning_nb.trainers.base import Trainer
+from lightning_nb.trainers.checkpoint import restore_checkpoint
+from lightning_nb.types import TRAFFIC_KEY, Rollout, Triplet
+
+__all__ = ["TrafficConfig", "TrafficLearner", "is_traffic", "TRAFFIC_KEY"]
+
+UPDATE_COLUMNS = ["update", "time", "rollout_ids", "n", "groups", "pooled", "reward_mean", "weight_version_before",
+                  "weight_version_after", "trainer_step", "checkpoint", "stale_episodes_dropped", "undone"]
+
+
+def is_traffic(rollout: Rollout) -> bool:
+    """The default selection of :class:`TrafficLearner`: whether ``rollout`` is traffic a user started.
+
+    True when its metadata has :data:`~lightning_nb.types.TRAFFIC_KEY`: the proxy's ``/traffic`` route and
+    ``Runner.step(task)`` set it; rollouts an algorithm enqueues never do. Pass ``TrafficLearner(select=...)``
+    to choose otherwise.
+    """
+    return TRAFFIC_KEY in rollout.metadata
+
+
+@dataclass
+class TrafficConfig:
+    """When and on what :class:`TrafficLearner` updates. Validated on construction and before each poll."""
+
+    min_labelled: int = field(default=8, metadata={
+        "help": "Labelled, unused rollouts needed before an update (>= 2: a baseline needs two rewards)."})
+    max_batch: int = field(default=64, metadata={
+        "help": "Most labelled rollouts one update takes, oldest finished first (>= min_labelled)."})
+    poll_s: float = field(default=1.0, metadata={"help": "Seconds between polls of the store while waiting (> 0)."})
+    keep_checkpoints: int = field(default=3, metadata={
+        "help": "Checkpoints (the weights before an update) kept on disk; older ones are deleted, and undo() "
+                "past them is refused (>= 1). A GRPOTrainer checkpoint of SmolLM2-135M is ~0.5-1.6 GB."})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first field out of range."""
+        if isinstance(self.min_labelled, bool) or not isinstance(self.min_labelled, int) or self.min_labelled < 2:
+            raise ConfigError(f"TrafficConfig.min_labelled must be an int >= 2 (a group-relative baseline needs two "
+                              f"rewards), got {self.min_labelled!r}")
+        if not isinstance(self.max_batch, int) or self.max_batch < self.min_labelled:
+            raise ConfigError(f"TrafficConfig.max_batch must be an int >= min_labelled ({self.min_labelled}), "
+                              f"got {self.max_batch!r}")
+        if not isinstance(self.poll_s, (int, float)) or not math.isfinite(self.poll_s) or self.poll_s <= 0:
+            raise ConfigError(f"TrafficConfig.poll_s must be a number of seconds > 0, got {self.poll_s!r}")
+        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
+            raise ConfigError(f"TrafficConfig.keep_checkpoints must be an int >= 1, got {self.keep_checkpoints!r}")
+
+
+class TrafficLearner(BackgroundLoop, RunCheckpoint):
+    """Train ``trainer`` on labelled traffic from ``store`` while users keep sending it (see the module docstring).
+
+    The notebook verbs are LightningRL's (:class:`~lightning_nb.algorithm.control.BackgroundLoop`):
+    ``start(updates)`` returns at once and polls in a background thread (``updates`` None: until
+    stopped), ``pause()`` parks it at an update boundary, ``resume()``, ``stop()``, ``wait(until_step=k)``
+    (the trainer's step). :meth:`step` runs one poll (and an update when one is due) from a cell instead.
+    :meth:`save` / :meth:`load` checkpoint the run (trainer state, this learner's record).
+
+    Args:
+        store: where the traffic is.
+        trainer: updates the weights of the engine that serves the traffic (e.g. ``GRPOTrainer(engine)``).
+        config: :class:`TrafficConfig`.
+        select: ``rollout -> bool``, which finished rollouts are traffic (default :func:`is_traffic`).
+        since: only rollouts that ended after this time (float seconds since the epoch; 0: all in the store).
+        checkpoint_dir: where the checkpoint before each update goes (``before_update_<k>.pt``);
+            None: a new temporary folder (:attr:`checkpoint_dir`), removed by :meth:`close`.
+        adapter: spans to triplets (default ``TripletAdapter()``).
+        id_key: the task field naming a task's group (:func:`task_key`).
+
+    Raises:
+        ConfigError: ``select`` is not callable; ``since`` is not a finite number; a bad ``config``.
+    """
+
+    def __init__(self, store: LightningStore, trainer: Trainer, config: Optional[TrafficConfig] = None, *,
+                 select: Optional[Callable[[Rollout], bool]] = None, since: float = 0.0,
+                 checkpoint_dir: Optional[str | Path] = None, adapter: Optional[TripletAdapter] = None,
+                 id_key: str = "id") -> None:
+        if select is not None and not callable(select):
+            raise ConfigError(f"select must be a function rollout -> bool, got {type(select).__name__}")
+        if isinstance(since, bool) or not isinstance(since, (int, float)) or not math.isfinite(since):
+            raise ConfigError(f"since must be float seconds since the epoch (0.0: every rollout), got {since!r}")
+        self.store, self.trainer = store, trainer
+        self.config = config or TrafficConfig()
+        self.select = select or is_traffic
+        self.adapter = adapter or TripletAdapter()
+        self.id_key = id_key
+        self._own_dir = checkpoint_dir is None
+        self.checkpoint_dir = Path(tempfile.mkdtemp(prefix="lightning_nb_traffic_") if checkpoint_dir is None
+                                   else checkpoint_dir)
+        self._since = float(since)
+        self._seen: set[str] = set()
+        self.pending: dict[str, float] = {}  # traffic rollout id -> end_time, not yet used
+        self.used: set[str] = set()
+        self.unusable: set[str] = set()  # labelled, but the adapter made no triplet of it
+        self.updates: list[dict[str, Any]] = []
+        self.last_poll: dict[str, Any] = {}
+        self._poll_lock = threading.RLock()  # a cell's poll()/labelled() beside the loop's
+        self._step_start = None  # (RunCheckpoint) a checkpoint is always of the last finished update
+        self._init_loop()
+        trainer.attach(self)
+
+    # ----- polling -------------------------------------------------------------------------
+    def poll(self) -> dict[str, Any]:
+        """Read new finished traffic from the store; returns (and keeps as :attr:`last_poll`) the counts.
+
+        ``{"pending": unused traffic, "labelled": of those, with a final reward, "unlabelled": without,
+        "ready": labelled ones an update may take (at most max_batch)}``. Safe beside the running loop.
+        """
+        with self._poll_lock:
+            return self._poll()
+
+    def _poll(self) -> dict[str, Any]:
+        self.config.validate()
+        for r in self.store.completed_since(self._since - 1.0):  # 1 s back: rollouts that ended at the same time
+            if r.rollout_id in self._seen:
+                continue
+            self._seen.add(r.rollout_id)
+            self._since = max(self._since, r.end_time or 0.0)
+            if r.status == "succeeded" and self.select(r):
+                self.pending[r.rollout_id] = r.end_time or 0.0
+        ids = [rid for rid, _ in sorted(self.pending.items(), key=lambda kv: kv[1])]
+        rewards = self.store.final_rewards(ids) if ids else {}
+        labelled = [rid for rid in ids if rewards[rid] is not None]
+        self.last_poll = {"pending": len(ids), "labelled": len(labelled), "unlabelled": len(ids) - len(labelled),
+                          "ready": labelled[:self.config.max_batch]}
+        return self.last_poll
+
+    def labelled(self) -> list[str]:
+        """Ids of the labelled traffic rollouts no update has used yet, oldest first (polls the store)."""
+        return list(self.poll()["ready"])
+
+    # ----- one update ------------------------------------------------------------------------
+    def step(self) -> Optional[dict[str, Any]]:
+        """Poll, and run one update if ``min_labelled`` labelled rollouts with signal are waiting.
+
+        Returns the update's row of :meth:`updates_df` (a dict), or None when it is not due yet
+        (:attr:`last_poll` says how many are labelled; ``last_poll["waiting_for"]`` why). Before the
+        update the trainer's state is checkpointed to ``checkpoint_dir`` (:meth:`undo` loads it).
+
+        Raises:
+            ConfigError: called from a cell while the background loop runs (it would use rollouts twice).
+        """
+        if self.running and threading.current_thread() is not self._thread:
+            raise ConfigError("the learner's background loop is running and updates by itself; stop() it before "
+                              "calling step() from a cell, or read poll() / updates_df()")
+        with self._poll_lock:
+            poll = self._poll()
+            ready = poll["ready"]
+            self.report_progress("waiting", len(ready), self.config.min_labelled, unit="labelled",
+                                 step=self.trainer.step + 1)
+            if len(ready) < self.config.min_labelled:
+                poll["waiting_for"] = f"{self.config.min_labelled - len(ready)} more labelled rollouts"
+                return None
+            triplets, pooled = self._batch(ready)
+            if not triplets:
+                poll["waiting_for"] = "a group whose rewards differ (all groups have equal rewards)"
+                return None
+        self.at_boundary("before update")
+        k = len(self.updates) + 1
+        checkpoint = self._checkpoint(k)
+        rollout_ids = list(dict.fromkeys(t.rollout_id for t in triplets))
+        rewards = self.store.final_rewards(rollout_ids)
+        version_before = self.trainer.engine.weight_version
+        metrics = self.trainer.update(triplets, on_progress=self._update_reporter())
+        with self._poll_lock:
+            self.used.update(rollout_ids)
+            for rid in rollout_ids:
+                self.pending.pop(rid, None)
+        row = {"update": k, "time": time.time(), "rollout_ids": rollout_ids, "n": len(rollout_ids),
+               "groups": len({t.group_id for t in triplets}), "pooled": pooled,
+               "reward_mean": sum(rewards.values()) / len(rewards), "weight_version_before": version_before,
+               "weight_version_after": self.trainer.engine.weight_version, "trainer_step": metrics["step"],
+               "checkpoint": str(checkpoint), "stale_episodes_dropped": metrics.get("stale_episodes_dropped", 0),
+               "undone": False}
+        self.updates.append(row)
+        self._prune_checkpoints()
+        return row
+
+    def _batch(self, ready: Sequence[str]) -> tuple[list[Triplet], int]:
+        """``(triplets with their update's group ids, rollouts in the pool)`` of the groups with signal among ``ready``.
+
+        Groups by :func:`task_key`; singletons pooled (module docstring). A lone singleton, and groups
+        without signal, are left out (they stay pending). Rollouts the adapter cannot use are set aside.
+        """
+        k = len(self.updates) + 1
+        triplets = self.adapter.adapt(self.store, ready)
+        adapted = set(t.rollout_id for t in triplets)
+        for rid in ready:
+            if rid not in adapted:  # labelled, but nothing to train (no LLM call, no token IDs)
+                self.unusable.add(rid)
+                self.pending.pop(rid, None)
+        inputs = {r.rollout_id: r.input for r in self.store.query_rollouts(rollout_ids=sorted(adapted))}
+        keys = {rid: task_key(inputs[rid], self.id_key) for rid in adapted}
+        sizes: dict[str, int] = {}
+        for key in keys.values():
+            sizes[key] = sizes.get(key, 0) + 1
+        group = {rid: f"{k}:task:{key}" if sizes[key] >= 2 else f"{k}:pool" for rid, key in keys.items()}
+        pool = [rid for rid, g in group.items() if g.endswith(":pool")]
+        regrouped = [t.model_copy(update={"group_id": group[t.rollout_id]}) for t in triplets
+                     if len(pool) >= 2 or not group[t.rollout_id].endswith(":pool")]
+        with_signal = self.trainer.signal_groups(regrouped) if regrouped else set()
+        chosen = [t for t in regrouped if t.group_id in with_signal]
+        return chosen, sum(1 for rid in {t.rollout_id for t in chosen} if group[rid].endswith(":pool"))
+
+    def _update_reporter(self) -> Callable[[int, int, str], None]:
+        step = self.trainer.step + 1
+
+        def report(done: int, total: int, unit: str) -> None:
+            self.report_progress("update", done, total, unit=unit, step=step)
+
+        return report
+
+    # ----- the loop ----------------------------------------------------------------------------
+    def run(self, steps: Optional[int] = None) -> None:
+        """Poll and update until ``steps`` updates ran (None: until :meth:`stop`); waits ``poll_s`` between polls."""
+        done = 0
+        while steps is None or done < steps:
+            self.at_boundary("before poll")
+            if self.step() is not None:
+                done += 1
+            elif self._stop.wait(self.config.poll_s):
+                raise TrainerStopped("stopped while waiting for labelled traffic")
+
+    # ----- audit and undo ------------------------------------------------------------------------
+    def updates_df(self) -> Any:
+        """One row per update: ``update`` (1-based), ``time`` (epoch s), ``rollout_ids`` (the rollouts it
+        trained on), ``n``, ``groups``, ``pooled`` (rollouts in the singleton pool), ``reward_mean`` (their
+        final rewards), ``weight_version_before`` / ``_after``, ``trainer_step``, ``checkpoint`` (the weights
+        before it; None once deleted, see ``keep_checkpoints``), ``stale_episodes_dropped`` (by the trainer),
+        ``undone`` (its weights were rolled back by :meth:`undo` / :meth:`load_checkpoint`)."""
+        import pandas as pd
+
+        return pd.DataFrame([dict(r) for r in self.updates], columns=UPDATE_COLUMNS)
+
+    def _checkpoint(self, update: int) -> Path:
+        """Save the run (trainer state: the weights before ``update``) to ``checkpoint_dir``; returns the path."""
+        return self.save(self.checkpoint_dir / f"before_update_{update}.pt")
+
+    def _prune_checkpoints(self) -> None:
+        """Delete the checkpoints older than the last ``keep_checkpoints`` (their rows' ``checkpoint`` becomes None)."""
+        for row in self.updates[:-self.config.keep_checkpoints]:
+            if row["checkpoint"] is not None:
+                path = Path(row["checkpoint"])
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+                row["checkpoint"] = None
+
+    def load_checkpoint(self, update: int) -> dict[str, Any]:
+        """Restore the trainer (weights, optimizer, step) to what it was just before update ``update``.
+
+        That update and every later one are marked ``undone`` in :meth:`updates_df`; their rollouts stay
+        used (the record is kept). The engine serves the restored weights at once, with the weight version
+        of that moment. Call it while no update runs: the loop paused, stopped or never started.
+
+        Returns:
+            The row of ``update``.
+
+        Raises:
+            ConfigError: no such update; its checkpoint was deleted (``keep_checkpoints``); the loop is
+                running (``pause()`` first).
+        """
+        if not 1 <= update <= len(self.updates):
+            raise ConfigError(f"update must be in 1..{len(self.updates)} (the rows of updates_df()), got {update!r}")
+        if self.running and self.state != "paused":
+            raise ConfigError("load_checkpoint()/undo() while the learner's loop is running: call pause() (or stop()) "
+                              "first, then undo, then resume()")
+        row = self.updates[update - 1]
+        if row["checkpoint"] is None:
+            raise ConfigError(f"the checkpoint before update {update} was deleted (TrafficConfig.keep_checkpoints="
+                              f"{self.config.keep_checkpoints} keeps the last ones); raise keep_checkpoints for "
+                              "later runs")
+        restore_checkpoint(self.trainer, row["checkpoint"])
+        for later in self.updates[update - 1:]:
+            later["undone"] = True
+        return row
+
+    def undo(self) -> dict[str, Any]:
+        """Undo the last update not yet undone (:meth:`load_checkpoint` of it); returns its row.
+
+        Raises:
+            ConfigError: nothing to undo; as :meth:`load_checkpoint`.
+        """
+        live = [r for r in self.updates if not r["undone"]]
+        if not live:
+            raise ConfigError("no update to undo: updates_df() has no update that is not undone yet")
+        return self.load_checkpoint(live[-1]["update"])
+
+    # ----- the run's checkpoint (RunCheckpoint) -----------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This learner's record: the updates, the used and unusable rollout ids, the poll position, the config."""
+        return {"updates": [dict(r) for r in self.updates], "used": sorted(self.used),
+                "unusable": sorted(self.unusable), "since": self._since, "config": asdict(self.config)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the config is not changed); pending traffic is read again at the next poll."""
+        self.updates = [dict(r) for r in state["updates"]]
+        self.used, self.unusable = set(state["used"]), set(state["unusable"])
+        self._seen = set(self.used) | set(self.unusable)
+        self._since, self.pending = 0.0, {}
+        self._step_start = None
+
+    def close(self) -> None:
+        """Delete the temporary ``checkpoint_dir`` made when none was given (undo is refused afterwards)."""
+        if self._own_dir:
+            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
+            for row in self.updates:
+                row["checkpoint"] = None

@@ -1,0 +1,277 @@
+"""An LLM judge usable inside an agent: :class:`Judge` and :func:`judge_reward`.
+
+The judge asks any OpenAI-compatible endpoint (the openai SDK) to grade one response against a rubric, with the
+few-shot prompt of :mod:`lightning_nb.rewards.prompts`, and parses the last ``SCORE: <number>`` line of its reply.
+Called inside an attempt (an agent run by a runner), it records one :data:`~lightning_nb.semconv.JUDGE_SPAN` span
+on that attempt with the prompt, the verdict, the model, the parsed score as :data:`~lightning_nb.semconv.REWARD`
+and the component name as :data:`~lightning_nb.semconv.REWARD_NAME`, so ``store.spans_df()`` shows the call and
+``store.rewards_df()`` lists the score as a reward component beside the agent's ``"final"`` reward.
+
+The judge never calls an attempt's URL: given the agent's ``llm`` resource it calls the same server's plain URL
+(``{proxy}/v1``), where :class:`~lightning_nb.proxy.LLMProxy` serves the call without recording an LLM span, so
+no trainer ever trains on the judge's tokens (the judge span is not an LLM span either: the adapter ignores it).
+
+Unparsable verdicts: :class:`JudgeError` (a ``ValueError``) naming the field, with the verdict text. Inside an
+agent it propagates, so the attempt fails with that error (its spans, the judge span with the verdict and the
+error included, stay stored); catch it in the agent to fall back to a hand-written reward instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+from lightning_nb import semconv
+from lightning_nb.errors import ConfigError, LightningNbError
+from lightning_nb.rewards.prompts import (DEFAULT_RUBRIC, JUDGE_EXAMPLES, JUDGE_SYSTEM_PROMPT, JUDGE_USER_TEMPLATE,
+                                          fmt_score, judge_messages)
+from lightning_nb.tracing.tracer import attempt_span
+from lightning_nb.types import LLMResource
+
+__all__ = ["Judge", "JudgeError", "JudgeVerdict", "judge_reward", "parse_score", "plain_endpoint", "task_text",
+           "JUDGE_SOURCE"]
+
+#: :data:`~lightning_nb.semconv.REWARD_SOURCE` of a final reward a single judge gave.
+JUDGE_SOURCE = "judge"
+_SCORE = re.compile(r"SCORE\s*[:=]\s*\**\s*([-+]?\d+(?:\.\d+)?)", re.IGNORECASE)
+_ATTRIBUTED = re.compile(r"^(?P<base>https?://.+?)/rollout/[^/]+/attempt/[^/]+(?P<v1>/v1)/?$")
+
+
+class JudgeError(LightningNbError, ValueError):
+    """A judge's reply gives no usable score; ``field`` names what is missing or wrong, ``verdict`` is the reply."""
+
+    def __init__(self, message: str, *, field: str, verdict: str) -> None:
+        super().__init__(message)
+        self.field, self.verdict = field, verdict
+
+    def __reduce__(self) -> Any:  # picklable (Ray runners send errors back)
+        return (_rebuild_judge_error, (str(self), self.field, self.verdict))
+
+
+def _rebuild_judge_error(message: str, field_: str, verdict: str) -> "JudgeError":
+    return JudgeError(message, field=field_, verdict=verdict)
+
+
+def check_scale(scale: Any, owner: str) -> tuple[float, float]:
+    """``scale`` as ``(lo, hi)`` floats with lo < hi. Raises ConfigError naming ``owner``'s ``scale``."""
+    try:
+        lo, hi = (float(x) for x in scale)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{owner}(scale={scale!r}) must be two numbers (lo, hi), e.g. (0, 1)") from None
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise ConfigError(f"{owner}(scale={scale!r}) must be finite with lo < hi, e.g. (0, 1) or (0, 10)")
+    return lo, hi
+
+
+def _clip_text(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def parse_score(verdict: str, scale: tuple[float, float] = (0.0, 1.0)) -> float:
+    """The score of a single judge's reply: the number on its last ``SCORE: <number>`` line (case-insensitive).
+
+    Raises:
+        JudgeError: no such line (``field="score"``), or a number outside ``scale`` (an error, never clipped: a
+            judge that writes 7 on a 0..1 scale did not follow the rubric). The message quotes the verdict.
+    """
+    found = _SCORE.findall(verdict or "")
+    if not found:
+        raise JudgeError(f"judge verdict has no 'SCORE: <number>' line (field 'score'); it wrote: "
+                         f"{_clip_text(verdict)!r}. A small judge model often ignores the format: use a larger "
+                         "judge, or give it more examples (Judge(examples=...))", field="score", verdict=verdict)
+    score = float(found[-1])
+    lo, hi = scale
+    if not lo <= score <= hi:
+        raise JudgeError(f"judge score {fmt_score(score)} (field 'score') is outside the scale "
+                         f"[{fmt_score(lo)}, {fmt_score(hi)}]; it wrote: {_clip_text(verdict)!r}",
+                         field="score", verdict=verdict)
+    return score
+
+
+def plain_endpoint(endpoint: str) -> str:
+    """The server's plain base URL for an attempt's URL (``{proxy}/rollout/{r}/attempt/{a}/v1`` -> ``{proxy}/v1``);
+    any other URL unchanged."""
+    m = _ATTRIBUTED.match(endpoint.rstrip("/"))
+    return f"{m.group('base')}{m.group('v1')}" if m else endpoint.rstrip("/")
+
+
+def resolve_endpoint(endpoint: Union[str, LLMResource, None], model: Optional[str], api_key: Optional[str],
+                     owner: str) -> tuple[str, str, str]:
+    """``(base_url, model, api_key)`` of a judge: an LLMResource's server at its plain URL (and its model and key
+    unless given), or a URL string with ``model``.
+
+    Raises:
+        ConfigError: no endpoint, a URL without ``model``, or an attempt's URL given as a string (the proxy would
+            record the judge's calls as LLM spans of that attempt, and a trainer would train on them).
+    """
+    if isinstance(endpoint, LLMResource):
+        return plain_endpoint(endpoint.endpoint), model or endpoint.model, api_key or endpoint.api_key
+    if not isinstance(endpoint, str) or not endpoint:
+        raise ConfigError(f"{owner}(endpoint=...) is required: pass the agent's llm resource (its server's plain URL "
+                          "is used) or an OpenAI-compatible base URL such as proxy.endpoint() with model=...")
+    if _ATTRIBUTED.match(endpoint.rstrip("/")):
+        raise ConfigError(f"{owner}(endpoint={endpoint!r}) is an attempt's URL: the proxy would record the judge's "
+                          f"calls as LLM spans of that attempt and train on them; pass {plain_endpoint(endpoint)!r} "
+                          "(or the llm resource itself)")
+    if not model:
+        raise ConfigError(f"{owner}(model=...) is required with a URL endpoint: the model name the server serves")
+    return endpoint.rstrip("/"), model, api_key or "not-needed"
+
+
+def task_text(task: Any) -> str:
+    """A task as the judge reads it: a str as is; a dict's ``question``, ``prompt`` or ``task`` field; else JSON."""
+    if task is None:
+        return "(not given)"
+    if isinstance(task, str):
+        return task
+    if isinstance(task, dict):
+        for key in ("question", "prompt", "task"):
+            if isinstance(task.get(key), str):
+                return task[key]
+    return json.dumps(task, default=str)
+
+
+@dataclass
+class JudgeVerdict:
+    """One judge call: ``score`` (in the judge's scale), the reply ``text``, the ``messages`` sent, the ``model``."""
+
+    score: float
+    text: str
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    model: str = ""
+
+
+def check_common(max_tokens: Any, temperature: Any, owner: str) -> None:
+    """Raise ConfigError naming ``max_tokens`` (an int >= 1) or ``temperature`` (0..5) when out of range."""
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ConfigError(f"{owner}(max_tokens={max_tokens!r}) must be an int >= 1 (tokens of the judge's reply)")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 5:
+        raise ConfigError(f"{owner}(temperature={temperature!r}) must be a number in [0, 5] (0: greedy)")
+
+
+def chat(base_url: str, api_key: str, model: str, messages: list[dict[str, Any]], *, max_tokens: int,
+         temperature: float, timeout_s: float, stop: Optional[list[str]] = None) -> str:
+    """One chat completion through the openai SDK; the reply's text."""
+    import openai
+
+    extra = {"stop": stop} if stop else {}
+    with openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s) as client:
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                               temperature=temperature, **extra)
+    return reply.choices[0].message.content or ""
+
+
+class Judge:
+    """An LLM judge that grades one response against a rubric (inside an agent, or anywhere).
+
+    LLM-as-a-judge, pointwise (Zheng et al. 2023, "Judging LLM-as-a-Judge with MT-Bench and Chatbot Arena"): a
+    short verdict, then a score on the rubric's scale; :class:`~lightning_nb.rewards.GroupJudge` is the relative one.
+
+    Args:
+        endpoint: the agent's ``llm`` resource (the judge calls its server's plain URL, so the proxy records no LLM
+            span: the judge's tokens are never trained on), or an OpenAI-compatible base URL (then ``model`` too).
+        model: the judge model's name (default: the resource's model: the policy itself).
+        rubric: what a good response is; ``{lo}``/``{hi}`` are filled with the scale.
+        scale: ``(lo, hi)``, the range of the score; a score outside it is a :class:`JudgeError`.
+        name: the reward component name of the judge's score (:data:`~lightning_nb.semconv.REWARD_NAME`, the
+            ``component`` in ``store.rewards_df()``); default ``"judge"``.
+        max_tokens, temperature: of the judge's reply (default 64 tokens, greedy).
+        api_key: default the resource's (or ``"not-needed"``).
+        timeout_s: seconds per judge call.
+        system_prompt, user_template, examples: the prompt (:mod:`lightning_nb.rewards.prompts`).
+
+    Raises:
+        ConfigError: a missing or attempt endpoint, a bad scale, max_tokens or temperature, or a ``{field}`` in the
+            rubric or system prompt other than ``{lo}``/``{hi}``/``{rubric}`` (naming the field).
+    """
+
+    def __init__(self, endpoint: Union[str, LLMResource, None] = None, model: Optional[str] = None, *,
+                 rubric: str = DEFAULT_RUBRIC, scale: Sequence[float] = (0.0, 1.0), name: str = semconv.JUDGE_SPAN,
+                 max_tokens: int = 64, temperature: float = 0.0, api_key: Optional[str] = None,
+                 timeout_s: float = 300.0, system_prompt: str = JUDGE_SYSTEM_PROMPT,
+                 user_template: str = JUDGE_USER_TEMPLATE,
+                 examples: Sequence[tuple[str, str, str, bool]] = JUDGE_EXAMPLES) -> None:
+        self.base_url, self.model, self.api_key = resolve_endpoint(endpoint, model, api_key, "Judge")
+        self.scale = check_scale(scale, "Judge")
+        check_common(max_tokens, temperature, "Judge")
+        self.rubric, self.name = rubric, str(name)
+        self.max_tokens, self.temperature, self.timeout_s = max_tokens, float(temperature), float(timeout_s)
+        self.system_prompt, self.user_template, self.examples = system_prompt, user_template, tuple(examples)
+        self.messages("")  # a rubric or prompt with an unknown {field} fails here, not at the first call
+
+    def __repr__(self) -> str:
+        return f"Judge({self.base_url!r}, model={self.model!r}, scale={self.scale}, name={self.name!r})"
+
+    def messages(self, response: str, *, task: Any = None, rubric: Optional[str] = None) -> list[dict[str, Any]]:
+        """The chat messages the judge is sent for ``response`` (``task``: text, or a task dict, see :func:`task_text`)."""
+        return judge_messages(task_text(task), str(response), rubric=rubric or self.rubric, scale=self.scale,
+                              system_prompt=self.system_prompt, user_template=self.user_template,
+                              examples=self.examples)
+
+    def verdict(self, response: str, *, task: Any = None, rubric: Optional[str] = None) -> JudgeVerdict:
+        """Ask the judge and parse its score; records nothing.
+
+        Raises:
+            JudgeError: the reply has no usable score (:func:`parse_score`).
+            openai.APIError: the endpoint failed or is unreachable.
+        """
+        messages = self.messages(response, task=task, rubric=rubric)
+        text = chat(self.base_url, self.api_key, self.model, messages, max_tokens=self.max_tokens,
+                    temperature=self.temperature, timeout_s=self.timeout_s)
+        return JudgeVerdict(parse_score(text, self.scale), text, messages, self.model)
+
+    def score(self, response: str, *, task: Any = None, rubric: Optional[str] = None) -> float:
+        """The judge's score of ``response`` (a float in ``scale``).
+
+        Inside an attempt (an agent run by a runner) it records a :data:`~lightning_nb.semconv.JUDGE_SPAN` span:
+        prompt, verdict, model, score (as ``reward``, component ``name``); on a :class:`JudgeError` the span keeps
+        the verdict and the error (and no score), then the error propagates. Outside a rollout nothing is recorded.
+
+        Raises:
+            JudgeError: the reply has no usable score.
+            openai.APIError: the endpoint failed or is unreachable.
+        """
+        messages = self.messages(response, task=task, rubric=rubric)
+        with attempt_span(semconv.JUDGE_SPAN) as span:
+            if span is not None:
+                span.set_attribute(semconv.JUDGE_MODEL, self.model)
+                span.set_attribute(semconv.JUDGE_PROMPT, json.dumps(messages))
+            text = chat(self.base_url, self.api_key, self.model, messages, max_tokens=self.max_tokens,
+                        temperature=self.temperature, timeout_s=self.timeout_s)
+            if span is not None:
+                span.set_attribute(semconv.JUDGE_VERDICT, text)
+            try:
+                value = parse_score(text, self.scale)
+            except JudgeError as exc:
+                if span is not None:
+                    span.set_attribute(semconv.ERROR, str(exc)[:2000])
+                raise
+            if span is not None:
+                span.set_attributes({semconv.JUDGE_SCORE: value, semconv.REWARD: value,
+                                     semconv.REWARD_NAME: self.name})
+        return value
+
+
+def judge_reward(response: str, rubric: Optional[str] = None, *, task: Any = None,
+                 llm: Optional[LLMResource] = None, judge: Optional[Judge] = None) -> float:
+    """Score ``response`` with an LLM judge inside an agent and record the judge span; returns the score.
+
+    ``judge`` (a :class:`Judge`) or ``llm`` (the agent's resource: a default :class:`Judge` on its server's plain
+    URL and model) must be given. ``rubric`` replaces the judge's own for this call (None: the judge's,
+    :data:`~lightning_nb.rewards.prompts.DEFAULT_RUBRIC` by default). The agent then returns its
+    final reward: the judge's score, or a hand-written one (both appear in ``store.rewards_df()``: ``"final"`` and
+    the judge's component, ``"judge"`` by default).
+
+    Raises:
+        ConfigError: neither ``judge`` nor ``llm`` given.
+        JudgeError: the judge's reply has no usable score (the attempt fails with it unless the agent catches it).
+    """
+    if judge is None:
+        if llm is None:
+            raise ConfigError("judge_reward needs judge=Judge(...) or llm=<the agent's llm resource> (the judge then "
+                              "calls the same server's plain URL with its model)")
+        judge = Judge(llm)
+    return judge.score(response, task=task, rubric=rubric)

@@ -1,0 +1,146 @@
+"""Learning from traffic: ``store.label`` on every backend, the proxy's opt-in ``/traffic`` route, and a
+TrafficLearner session on the real model, proxy and GRPO trainer (update, audit, undo)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from lightning_nb import semconv
+from lightning_nb.algorithm.traffic import TrafficConfig, TrafficLearner, is_traffic
+from lightning_nb.errors import ConfigError, InvalidRewardError, NotFoundError
+from lightning_nb.runners import Runner
+from lightning_nb.store.memory import InMemoryStore
+from lightning_nb.tracing import Tracer
+from lightning_nb.types import LLMResource
+
+LLM = LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")
+
+
+def _stored(store):
+    return len(store.query_rollouts()), len(store.query_spans()), store.final_rewards()
+
+
+def test_label_gives_an_unlabelled_rollout_its_final_reward_and_refuses_bad_input_on_every_backend(store):
+    store.add_resources({"main_llm": LLM})
+    runner = Runner(lambda task, llm: None, store, Tracer(store))
+    traffic = runner.step({"q": 1}, reward_required=False).rollout_id
+    with pytest.warns(RuntimeWarning, match="ZeroDivisionError"):
+        failed = Runner(lambda task, llm: 1 / 0, store, Tracer(store)).step({"q": 2}).rollout_id
+    queued = store.enqueue_rollout({"q": 3}).rollout_id
+    assert store.final_reward(traffic) is None
+    before = _stored(store)
+    with pytest.raises(NotFoundError, match="rollout_id 'nope'"):
+        store.label("nope", 1.0)
+    for bad in (float("nan"), float("inf"), "1.0", True, None):
+        with pytest.raises(InvalidRewardError, match="reward must be a finite real number"):
+            store.label(traffic, bad)
+    with pytest.raises(ConfigError, match=r"status is 'failed'.*0\.0 by rule"):
+        store.label(failed, 1.0)
+    with pytest.raises(ConfigError, match=r"status is 'queuing'.*wait_for_rollouts"):
+        store.label(queued, 1.0)
+    with pytest.raises(ConfigError, match="source must be a non-empty str"):
+        store.label(traffic, 1.0, source="")
+    assert _stored(store) == before  # nothing written, nothing lost
+
+    span = store.label(traffic, 0.75, note="good answer")
+    assert span.name == semconv.REWARD_SPAN and span.sequence_id > 0
+    assert span.attributes[semconv.REWARD_SOURCE] == "human" and span.attributes[semconv.REWARD_NOTE] == "good answer"
+    assert store.final_reward(traffic) == 0.75
+    store.label(traffic, 0.0, source="judge")  # a later label replaces the earlier one
+    assert store.final_reward(traffic) == 0.0
+    labels = [s for s in store.query_spans(traffic, "latest") if s.name == semconv.REWARD_SPAN]
+    assert [s.attributes[semconv.REWARD_SOURCE] for s in labels] == ["human", "judge"]
+    assert store.final_reward(failed) == 0.0 and store.query_rollouts(rollout_ids=[queued])[0].status == "queuing"
+
+
+def test_the_traffic_route_records_one_rollout_per_request_and_the_plain_url_records_none(proxied):
+    store, proxy = proxied
+    client = OpenAI(base_url=proxy.traffic_endpoint(), api_key="x", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model=proxy.served_models[0], messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0.7)
+    rid = raw.headers["X-Rollout-Id"]
+    reply = raw.parse().choices[0].message.content
+    rollout = store.get_rollout_by_id(rid)
+    assert rollout.status == "succeeded" and rollout.metadata == {"traffic": "proxy"} and is_traffic(rollout)
+    assert rollout.input == [{"role": "user", "content": "Say hi."}]
+    (call,) = [s for s in store.query_spans(rid) if s.name == semconv.LLM_SPAN]
+    assert call.attributes[semconv.COMPLETION] == reply and call.attributes[semconv.COMPLETION_TOKEN_IDS]
+    assert store.final_reward(rid) is None  # unlabelled until store.label
+
+    OpenAI(base_url=proxy.endpoint(), api_key="x", max_retries=0).chat.completions.create(
+        model=proxy.served_models[0], messages=[{"role": "user", "content": "Say hi."}], max_tokens=2)
+    bad = httpx.post(f"{proxy.traffic_endpoint()}/chat/completions", json={
+        "model": proxy.served_models[0], "messages": [{"role": "user", "content": "hi"}], "n": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
+    assert [r.rollout_id for r in store.query_rollouts()] == [rid]  # neither the plain URL nor a 400 stored one
+
+
+def test_a_traffic_session_updates_on_exactly_the_labelled_rollouts_and_undo_restores_the_weights(
+        pristine, tmp_path):
+    from lightning_nb.proxy.proxy import LLMProxy
+    from lightning_nb.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    engine = pristine
+    store = InMemoryStore()
+    with LLMProxy(engine, store) as proxy:
+        store.add_resources({"main_llm": proxy.as_resource(temperature=1.0, max_tokens=6)})
+
+        def agent(task, llm):  # a user's agent: answers, gives no reward (nobody knows it yet)
+            OpenAI(base_url=llm.endpoint, api_key="x", max_retries=0).chat.completions.create(
+                model=llm.model, messages=[{"role": "user", "content": task["q"]}], **llm.sampling_parameters)
+
+        runner = Runner(agent, store, Tracer(store))
+        same = [runner.step({"q": "What is 2 + 3?"}, reward_required=False).rollout_id for _ in range(2)]
+        lone_unlabelled = runner.step({"q": "Name a colour."}, reward_required=False).rollout_id
+        client = OpenAI(base_url=proxy.traffic_endpoint(), api_key="x", max_retries=0)
+        sent = [client.chat.completions.with_raw_response.create(
+            model=llm_model(store), messages=[{"role": "user", "content": f"Say a word about {w}."}],
+            max_tokens=6, temperature=1.0).headers["X-Rollout-Id"] for w in ("cats", "rain", "tea")]
+        trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False, micro_batch_size=8))
+        algo = TrafficLearner(store, trainer, TrafficConfig(min_labelled=4, poll_s=0.2), checkpoint_dir=tmp_path)
+        assert algo.step() is None and algo.last_poll["labelled"] == 0  # nothing labelled: no update
+        name = next(iter(engine.model.state_dict()))  # the embedding, a parameter every update moves
+        before = engine.model.state_dict()[name].detach().clone()
+        algo.start()  # polls in the background until stopped, while users keep working
+        assert algo.pause(timeout=30) and algo.state == "paused" and trainer.step == 0
+        # a human labels a few replies in a cell: one task seen twice, two singletons
+        for rid, reward in zip([*same, *sent[:2]], (1.0, 0.0, 1.0, 0.0)):
+            store.label(rid, reward)
+        algo.resume()
+        assert algo.wait(timeout=120, until_step=1)
+        assert algo.stop(timeout=60) and algo.state == "stopped" and trainer.step == 1
+        after = engine.model.state_dict()[name].detach().clone()
+        assert not after.equal(before)
+
+    df = algo.updates_df()
+    assert len(df) == 1 and df.loc[0, "n"] == 4 and df.loc[0, "pooled"] == 2 and df.loc[0, "groups"] == 2
+    assert sorted(df.loc[0, "rollout_ids"]) == sorted([*same, *sent[:2]])
+    assert df.loc[0, "reward_mean"] == 0.5 and df.loc[0, "weight_version_after"] > df.loc[0, "weight_version_before"]
+    assert algo.used == set(df.loc[0, "rollout_ids"])
+    assert {lone_unlabelled, sent[2]} <= set(algo.pending) and not {lone_unlabelled, sent[2]} & algo.used
+    assert algo.step() is None  # the used ones are never used again; the unlabelled ones wait
+    version = engine.weight_version
+    row = algo.undo()
+    assert row["update"] == 1 and algo.updates_df().loc[0, "undone"]
+    assert engine.model.state_dict()[name].equal(before) and engine.weight_version < version
+    with pytest.raises(ConfigError, match="no update to undo"):
+        algo.undo()
+    resumed = TrafficLearner(store, trainer, TrafficConfig(min_labelled=2), checkpoint_dir=tmp_path)
+    resumed.load_state_dict(algo.state_dict())  # what trainer.save()/load() carry for the learner
+    assert resumed.used == algo.used and resumed.updates_df()["undone"].tolist() == [True]
+    assert resumed.labelled() == []  # a restored learner does not train on the used rollouts again
+
+
+def llm_model(store):
+    return store.get_latest_resources().resources["main_llm"].model
+
+
+def test_traffic_config_refuses_what_it_cannot_do():
+    with pytest.raises(ConfigError, match="min_labelled must be an int >= 2"):
+        TrafficConfig(min_labelled=1)
+    with pytest.raises(ConfigError, match="max_batch must be an int >= min_labelled"):
+        TrafficConfig(min_labelled=8, max_batch=4)
+    with pytest.raises(ConfigError, match="poll_s"):
+        TrafficConfig(poll_s=0)
