@@ -1,10 +1,11 @@
 """lightning-nb: train AI agents with reinforcement learning from a Jupyter notebook."""
 
 from lightning_nb.adapter import TripletAdapter
-from lightning_nb.algorithm import AlgorithmConfig, LightningRL, SliceReport
+from lightning_nb.algorithm import APO, AlgorithmConfig, APOConfig, LightningRL, SliceReport, TrafficConfig, TrafficLearner
 from lightning_nb.engines import Engine, OpenAIEndpoint, TransformersEngine, VLLMEngine, load_default_model
 from lightning_nb.errors import LightningNbError
 from lightning_nb.proxy import LLMProxy
+from lightning_nb.rewards import GroupJudge, Judge, JudgeError, judge_reward
 from lightning_nb.runners import Hook, start_runners
 # lightning_nb.store already imports every backend (and the tracer module is imported above through the
 # runner), so exporting them here costs nothing at import time; torch is still imported lazily.
@@ -34,6 +35,7 @@ def _register_views() -> None:
 _register_views()
 
 __all__ = [
+    "APO", "APOConfig", "GroupJudge", "Judge", "JudgeError", "TrafficConfig", "TrafficLearner", "judge_reward",
     "AlgorithmConfig", "Engine", "GRPOConfig", "GRPOTrainer", "Hook", "InMemoryStore", "LightningNbError", "LightningRL",
     "LightningStore", "LLMProxy", "LLMResource", "OpenAIEndpoint", "PromptTemplate", "Rollout", "RolloutConfig",
     "SliceReport", "Span", "SqliteStore", "StoreClient", "StoreServer", "Tracer", "TransformersEngine", "Triplet",

@@ -22,7 +22,7 @@ __all__ = [
     "TOKEN_IDS_MISSING", "SAMPLING_NOT_APPLIED", "WEIGHTS_CHANGED_DURING_CALL", "REQUEST_RESPONSE_MASK", "PROMPT_SPLICED",
     "TOOL_CHOICE_RESAMPLED", "ASSISTANT_TURNS_AS_SAMPLED", "ASSISTANT_TURNS_REWRITTEN", "APPLIED_TEMPERATURE",
     "APPLIED_TOP_P", "APPLIED_MAX_TOKENS", "APPLIED_STOP", "APPLIED_SEED", "APPLIED_SAMPLING",
-    "REWARD", "REWARD_NAME", "REWARD_SOURCE", "JUDGE_SPAN", "JUDGE_MODEL", "JUDGE_PROMPT", "JUDGE_VERDICT",
+    "REWARD", "REWARD_NAME", "REWARD_SOURCE", "REWARD_NOTE", "JUDGE_SPAN", "JUDGE_MODEL", "JUDGE_PROMPT", "JUDGE_VERDICT",
     "JUDGE_SCORE", "JUDGE_GROUP", "TOOL_NAME", "TOOL_INPUT", "TOOL_OUTPUT", "ERROR",
     "SEQUENCE_ID", "SPAN_KIND", "SERVICE_NAME", "HOOK", "EXCEPTION_TYPE", "EXCEPTION_MESSAGE", "EXCEPTION_STACKTRACE",
 ]
@@ -175,6 +175,8 @@ REWARD_NAME = "reward.name"
 #: Who gave a final reward (text): absent when the agent returned or emitted it; ``"human"`` for
 #: ``store.label(...)``, ``"judge"`` / ``"group_judge"`` for an LLM judge's score used as the reward.
 REWARD_SOURCE = "reward.source"
+#: A note given with a label (``store.label(..., note=...)``), e.g. why a human gave that reward (text).
+REWARD_NOTE = "reward.note"
 #: The judge's model name (text).
 JUDGE_MODEL = "lightning_nb.judge.model"
 #: The judge's prompt (JSON text of the chat messages sent to the judge).

@@ -34,6 +34,10 @@ EXPECTED = {
     "05_any_agent.ipynb": ["shapes on one store:",  # the spans of the four agent shapes in one DataFrame
                            "'langgraph'", "'gym'", "'remote'", "'function'",  # each shape made spans
                            "training step 1:", "'turn_forks'"],  # one GRPO step on all four
+    "06_prompts_judges_traffic.ipynb": ["held-out reward: start",  # APO's best() against the starting prompt
+                                        "versions of 'calc'",  # the winner published as a new resources version
+                                        "judge spans: 3",  # judge_reward recorded one judge span per summary
+                                        "'undone': True"],  # the traffic update, then undo()
 }
 # notebooks written by a script: notebooks/make_<notebook name>.py writes notebooks/<notebook name>.ipynb (its OUT)
 GENERATORS = sorted((ROOT / "notebooks").glob("make_*.py"))

@@ -137,6 +137,10 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
             ``val_reward``. Checked against ``val_tasks`` here: raises ConfigError as
             :meth:`evaluate` does for a bad ``by``. Not used by ``evaluate()`` without ``by``.
             ``config.slice_weights`` weighs the training tasks by these labels.
+        group_judge: a :class:`~lightning_nb.rewards.GroupJudge` (RULER-style): after each sample round's rollouts
+            finish and before the adapter reads their rewards, it scores each group in one judge call
+            (:meth:`~lightning_nb.rewards.GroupJudge.judge_rollouts`); a group whose reply does not parse keeps
+            the agent's rewards (a warning), counted in the step's ``judge_groups_failed``. Not used by ``evaluate()``.
 
     Raises:
         ConfigError: ``train_tasks`` is empty, ``slice_by`` fails on a val task, or
@@ -148,7 +152,8 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
                  val_tasks: Sequence[Any] = (), config: Optional[AlgorithmConfig] = None, *,
                  adapter: Optional[TripletAdapter] = None, id_key: str = "id",
                  on_step: Optional[Callable[[dict], None]] = None,
-                 loggers: Sequence[Union[MetricLogger, str]] = (), slice_by: Optional[Slicer] = None) -> None:
+                 loggers: Sequence[Union[MetricLogger, str]] = (), slice_by: Optional[Slicer] = None,
+                 group_judge: Any = None) -> None:
         if not train_tasks:
             raise ConfigError("train_tasks is empty; load some with lightning_nb.tasks.calc.load_tasks('train')")
         if slice_by is not None:
@@ -161,6 +166,7 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         self.adapter = adapter or TripletAdapter()
         self.id_key = id_key
         self.on_step = on_step
+        self.group_judge, self.last_judge = group_judge, {}  # last_judge: the step's judge counts
         self._rng = random.Random(self.config.seed)
         # (state_dict(), global RNG states) at the start of the step in progress, kept until its update
         # begins: what a checkpoint saved inside the step holds (checkpoint_state)
@@ -292,13 +298,16 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         ids: list[str] = []
         with_signal = 0
         skipped: dict[str, int] = {}
-        self.last_sample_rounds = 0
+        self.last_sample_rounds, self.last_judge = 0, {}
         for round_ in range(cfg.max_sample_rounds if cfg.dynamic_sampling else 1):
             if round_ > 0:
                 self.at_boundary("between sample rounds")
             new_ids = self._enqueue_groups(cfg.tasks_per_step - with_signal, round_)
             self.wait_for(new_ids, on_progress=self._reporter("rollouts", self.trainer.step + 1, len(new_ids),
                                                               before=len(ids)))
+            if self.group_judge is not None:  # the judge's rewards replace the agent's before the adapter reads them
+                for k, v in self.group_judge.judge_rollouts(self.store, new_ids).items():
+                    self.last_judge[k] = self.last_judge.get(k, 0) + v
             new = self.adapter.adapt(self.store, new_ids)
             for k, v in self.adapter.last_skipped.items():
                 skipped[k] = skipped.get(k, 0) + v
@@ -415,7 +424,8 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         shaping term such as ``reward/calc_uses_all_numbers``: its mean sum per finished rollout of the step,
         0 for a rollout without it; the final reward is not in it), ``val_reward`` when evaluated (with
         ``slice_by``, also ``val_reward/<slice>`` per slice, :meth:`SliceReport.metrics`), and
-        ``config_changes`` (edits of either config applied at this step).
+        ``config_changes`` (edits of either config applied at this step); with ``group_judge``, ``judge_groups``,
+        ``judge_groups_failed`` and ``judge_groups_skipped`` (:meth:`~lightning_nb.rewards.GroupJudge.judge_rollouts`).
 
         While it runs, ``trainer.progress`` (:class:`~lightning_nb.algorithm.control.LoopProgress`) says where it is:
         phase ``"rollouts"`` (the step's rollouts finished of those enqueued, every sample round), then
@@ -448,7 +458,7 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
             "rollouts_failed": sum(1 for r in rollouts if r.status != "succeeded"), "rollouts": len(ids),
             "sample_rounds": self.last_sample_rounds,
             **{f"skipped_{k}": v for k, v in self.last_skipped.items()},
-            **self._component_means(list(finished)),
+            **self._component_means(list(finished)), **self.last_judge,
         }
         if edits:
             extra["config_changes"] = "; ".join(filter(None, [metrics.get("config_changes", ""), *edits]))

@@ -2,6 +2,8 @@
 
 Routes: ``GET /health``; ``GET /v1/models``; ``POST /v1/chat/completions`` (not recorded) and
 ``POST /rollout/{rollout_id}/attempt/{attempt_id}/v1/chat/completions`` (recorded for that attempt);
+``POST /traffic/v1/chat/completions`` (opt-in traffic: each request becomes a one-call rollout, unlabelled,
+its id in the ``X-Rollout-Id`` response header: ``LLMProxy.serve_traffic``);
 ``/v1/responses`` is a 404 that says how to use Chat Completions instead.
 """
 
@@ -17,7 +19,10 @@ from lightning_nb import semconv
 from lightning_nb.proxy.request import ProxyHTTPError
 from lightning_nb.proxy.response import sse_events
 
-__all__ = ["proxy_app", "error_response"]
+__all__ = ["proxy_app", "error_response", "ROLLOUT_ID_HEADER"]
+
+#: Response header of the ``/traffic`` route: the id of the rollout that recorded the call (``store.label`` it).
+ROLLOUT_ID_HEADER = "X-Rollout-Id"
 
 
 class _BearerAuth:
@@ -54,11 +59,12 @@ def proxy_app(proxy: Any) -> Any:
     if proxy.api_key:
         app.add_middleware(_BearerAuth, token=proxy.api_key)
     app.get("/health")(_health)
-    for prefix in ("", "/rollout/{rollout_id}/attempt/{attempt_id}"):
+    for prefix in ("", "/rollout/{rollout_id}/attempt/{attempt_id}", "/traffic"):
         app.get(f"{prefix}/v1/models")(_models)
         app.post(f"{prefix}/v1/responses")(_responses_api)
     app.post("/v1/chat/completions")(_chat)
     app.post("/rollout/{rollout_id}/attempt/{attempt_id}/v1/chat/completions")(_chat_attributed)
+    app.post("/traffic/v1/chat/completions")(_chat_traffic)
     return app
 
 
@@ -90,21 +96,34 @@ async def _chat_attributed(rollout_id: str, attempt_id: str, request: Request) -
     return await _handle(request, rollout_id, attempt_id)
 
 
-async def _handle(request: Request, rollout_id: Optional[str], attempt_id: Optional[str]) -> Any:
-    """One chat completion request: validated, routed, completed, recorded; errors in the OpenAI shape."""
+async def _chat_traffic(request: Request) -> Any:
+    return await _handle(request, None, None, traffic=True)
+
+
+async def _handle(request: Request, rollout_id: Optional[str], attempt_id: Optional[str], *,
+                  traffic: bool = False) -> Any:
+    """One chat completion request: validated, routed, completed, recorded; errors in the OpenAI shape.
+
+    ``traffic``: the ``/traffic`` route (``proxy.serve_traffic``); the rollout id goes in the
+    ``X-Rollout-Id`` response header."""
     proxy = request.app.state.proxy
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         return error_response(400, "request body is not valid JSON; send a JSON chat completion request")
+    agent_name = request.headers.get(semconv.AGENT_NAME_HEADER)
+    headers: dict[str, str] = {}
     try:
-        req, completion = await proxy.serve_chat(body, rollout_id, attempt_id,
-                                                 agent_name=request.headers.get(semconv.AGENT_NAME_HEADER))
+        if traffic:
+            rid, req, completion = await proxy.serve_traffic(body, agent_name=agent_name)
+            headers[ROLLOUT_ID_HEADER] = rid
+        else:
+            req, completion = await proxy.serve_chat(body, rollout_id, attempt_id, agent_name=agent_name)
     except ProxyHTTPError as exc:
         return error_response(exc.status, exc.message, exc.param)
     if req.stream:
-        return StreamingResponse(sse_events(completion, req), media_type="text/event-stream")
+        return StreamingResponse(sse_events(completion, req), media_type="text/event-stream", headers=headers)
     for c in completion["choices"]:
         del c["_pieces"]
     # already JSON-safe: skip FastAPI's jsonable_encoder walk over every token ID
-    return Response(json.dumps(completion), media_type="application/json")
+    return Response(json.dumps(completion), media_type="application/json", headers=headers)

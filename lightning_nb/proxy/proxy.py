@@ -43,7 +43,7 @@ from lightning_nb.engines import Engine
 from lightning_nb import semconv
 from lightning_nb.engines.chat_format import count_sampled_turns, render_tools, sampled_turn_key
 from lightning_nb.errors import ConfigError, LightningNbError, NotFoundError
-from lightning_nb.proxy.app import proxy_app
+from lightning_nb.proxy.app import ROLLOUT_ID_HEADER, proxy_app
 from lightning_nb.proxy.request import (ChatCompletionRequest, ProxyHTTPError, applied_sampling, check_supported,
                                         validate_request)
 from lightning_nb.proxy.response import Choice, openai_response, parse_choices
@@ -52,9 +52,9 @@ from lightning_nb.proxy.splice import (ServedCall, can_submit_tokens, generation
                                        submit_kwargs)
 from lightning_nb.store.base import LightningStore
 from lightning_nb.tracing.tracer import Tracer
-from lightning_nb.types import LLMResource
+from lightning_nb.types import TRAFFIC_KEY, LLMResource
 
-__all__ = ["LLMProxy", "ChatCompletionRequest"]
+__all__ = ["LLMProxy", "ChatCompletionRequest", "TRAFFIC_KEY", "ROLLOUT_ID_HEADER"]
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the cost map at import
 
@@ -241,6 +241,12 @@ class LLMProxy:
             return f"{self.url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
         return f"{self.url}/v1"
 
+    def traffic_endpoint(self) -> str:
+        """Base URL (ending in /v1) of the opt-in traffic route: every chat completion sent there becomes a one-call
+        rollout for learning from traffic, its id in the ``X-Rollout-Id`` response header (:meth:`serve_traffic`).
+        The plain :meth:`endpoint` records nothing."""
+        return f"{self.url}/traffic/v1"
+
     def as_resource(self, **sampling_parameters: Any) -> LLMResource:
         """This proxy as the ``main_llm`` resource agents receive (its model: the first engine's)."""
         return LLMResource(endpoint=self.endpoint(), model=self._model_names[0],
@@ -269,6 +275,43 @@ class LLMProxy:
         enforced = await self._rollout_sampling(rollout_id, attempt_id)
         completion = await self._complete(req, engine, rollout_id, attempt_id, enforced, agent_name=agent_name)
         return req, completion
+
+    async def serve_traffic(self, body: Any, *, agent_name: Optional[str] = None
+                            ) -> tuple[str, ChatCompletionRequest, dict[str, Any]]:
+        """Serve one request of the ``/traffic`` route: a one-call rollout per request, for learning from traffic.
+
+        The request is checked first (nothing is stored for a 400/404). Then the store gets a rollout
+        (``store.start_rollout``: input the request's messages, ``metadata={TRAFFIC_KEY: "proxy"}``), the call is
+        completed and recorded on its attempt exactly as on an attempt's URL (with the request's own sampling),
+        and the attempt ends ``succeeded`` with no reward: the rollout is unlabelled until
+        ``store.label(rollout_id, reward)`` (or a judge) gives it one. An engine error ends it ``failed``.
+
+        Returns:
+            ``(rollout_id, request, completion)``, as :meth:`serve_chat` plus the rollout id.
+
+        Raises:
+            ProxyHTTPError: as :meth:`serve_chat`; also 400 for ``n`` > 1 (one rollout records one reply).
+        """
+        req = validate_request(body)
+        if req.response_mask is not None:
+            raise ProxyHTTPError(400, "response_mask is checked against an attempt's earlier calls; a /traffic request "
+                                      "starts a new rollout, so it has none: drop response_mask", "response_mask")
+        if (req.n or 1) > 1:
+            raise ProxyHTTPError(400, f"n={req.n}: a /traffic request records one reply as one rollout, so a label "
+                                      "rewards one reply; send n=1 (or several requests)", "n")
+        engine = self._engine_for(req)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        item = await asyncio.to_thread(self.store.start_rollout, messages, metadata={TRAFFIC_KEY: "proxy"},
+                                       worker_id=None)
+        rid, aid = item.rollout.rollout_id, item.attempt.attempt_id
+        try:
+            completion = await self._complete(req, engine, rid, aid, {}, agent_name=agent_name)
+        except BaseException as exc:
+            await asyncio.to_thread(self.store.update_attempt, rid, aid, status="failed",
+                                    error=f"{type(exc).__name__}: {exc}")
+            raise
+        await asyncio.to_thread(self.store.update_attempt, rid, aid, status="succeeded")
+        return rid, req, completion
 
     def _engine_for(self, req: ChatCompletionRequest) -> Engine:
         """The engine serving ``req.model`` (taking turns), after checking it honours every parameter set."""

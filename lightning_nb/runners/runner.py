@@ -89,7 +89,7 @@ from lightning_nb.runners.live import LIVE
 from lightning_nb.semconv import REWARD_SPAN
 from lightning_nb.store.base import LightningStore
 from lightning_nb.tracing.tracer import AttemptSpans, Tracer, emit_reward
-from lightning_nb.types import ATTEMPT_TERMINAL, AttemptedRollout, LLMResource, Rollout
+from lightning_nb.types import ATTEMPT_TERMINAL, TRAFFIC_KEY, AttemptedRollout, LLMResource, Rollout
 
 if TYPE_CHECKING:
     from lightning_nb.runners.group import RunnerGroup
@@ -251,7 +251,8 @@ class Runner:
 
         The runner's thread need not be started: ``Runner(agent, store, Tracer(store)).step(task)``.
         The rollout is created with :meth:`LightningStore.start_rollout` (never queued, so
-        no other runner takes it), then run like a dequeued one (:meth:`run_attempt`):
+        no other runner takes it; its metadata ``{"traffic": "runner"}``, :data:`~lightning_nb.types.TRAFFIC_KEY`,
+        marks it as traffic a user started), then run like a dequeued one (:meth:`run_attempt`):
         spans and rewards land in the store while the agent runs; the agent runs in a
         helper thread that copies the caller's ``contextvars`` and is bounded by
         ``default_timeout_s``. The rollout has one attempt (``max_attempts=1``).
@@ -277,7 +278,8 @@ class Runner:
             raise ConfigError(f"resources must be a dict of name -> LLMResource | PromptTemplate or None "
                               f"(latest), got {type(resources).__name__}")
         resources_id = self.store.add_resources(resources).resources_id if resources is not None else None
-        item = self.store.start_rollout(task, resources_id=resources_id, worker_id=self.worker_id)
+        item = self.store.start_rollout(task, resources_id=resources_id, worker_id=self.worker_id,
+                                        metadata={TRAFFIC_KEY: "runner"})
         if not reward_required:
             self._reward_optional.add(item.attempt.attempt_id)
         try:

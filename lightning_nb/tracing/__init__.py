@@ -1,5 +1,5 @@
 """Tracing: OpenTelemetry spans of each attempt into the store (tracer), and their export (parquet, OTLP)."""
 
-from lightning_nb.tracing.tracer import Tracer, emit_intermediate_reward, emit_reward, tool_span
+from lightning_nb.tracing.tracer import Tracer, attempt_span, emit_intermediate_reward, emit_reward, tool_span
 
-__all__ = ["Tracer", "emit_intermediate_reward", "emit_reward", "tool_span"]
+__all__ = ["Tracer", "attempt_span", "emit_intermediate_reward", "emit_reward", "tool_span"]

@@ -209,7 +209,7 @@ def _span_kind(name: str, attributes: Any) -> str:
         return "LLM"
     if name.startswith(semconv.TOOL_SPAN_PREFIX):
         return "TOOL"
-    return "EVALUATOR" if name == semconv.REWARD_SPAN else "CHAIN"
+    return "EVALUATOR" if name in (semconv.REWARD_SPAN, semconv.JUDGE_SPAN) else "CHAIN"
 
 
 # an attribute whose name has one of these words (between ., _, - or the ends) holds a credential

@@ -11,6 +11,12 @@ those of no task in ``datasets/calc``, so it does not give away an answer's patt
 * ``CALC: <expression>`` asks the calculator; the agent replies ``RESULT: <value>``;
 * ``ANSWER: <number>`` ends the episode. Without ``ANSWER:``, the last number counts.
 
+The system prompt is :data:`SYSTEM_PROMPT` unless the rollout's resources set holds a
+:class:`~lightning_nb.types.PromptTemplate` named :data:`SYSTEM_PROMPT_RESOURCE` (``"system_prompt"``):
+then the agent uses ``template.format(question=...)``, so an algorithm (APO) can change it by publishing a
+new resources version. :data:`PROMPT_VARIABLES` are the fields it fills (a template may use ``{question}``
+or nothing); publish the default with ``store.add_resources(calc_resources(proxy.as_resource()))``.
+
 Reward: 1.0 when the final number equals the task's answer, else 0.0. With
 ``all_numbers_bonus`` > 0 the agent also emits one shaping term, an intermediate reward
 named ``calc_uses_all_numbers`` (AIR, Agent Lightning §3.4), for its first ``CALC`` that
@@ -26,15 +32,21 @@ from typing import Any, Optional
 
 from lightning_nb import semconv
 from lightning_nb.tracing.tracer import emit_intermediate_reward, tool_span
-from lightning_nb.types import LLMResource
+from lightning_nb.errors import ConfigError
+from lightning_nb.types import LLMResource, PromptTemplate
 
 __all__ = ["calc_agent", "calc_reward", "calculator", "parse_final_number", "SYSTEM_PROMPT", "build_messages",
-           "uses_all_numbers", "ALL_NUMBERS_COMPONENT"]
+           "uses_all_numbers", "ALL_NUMBERS_COMPONENT", "SYSTEM_PROMPT_RESOURCE", "PROMPT_VARIABLES",
+           "calc_resources", "system_prompt"]
 
 SYSTEM_PROMPT = (
     "Solve the math problem. You have a calculator: write CALC: <expression> to use it. "
     "Then write ANSWER: <number>."
 )
+#: The resources name of the system prompt template the agent reads (:func:`system_prompt`).
+SYSTEM_PROMPT_RESOURCE = "system_prompt"
+#: The fields :func:`calc_agent` fills in its system prompt template (the task's ``question``).
+PROMPT_VARIABLES = ("question",)
 EXAMPLE = [
     {"role": "user", "content": "Tom has 12 pens and gets 30 more. How many pens does Tom have now?"},
     {"role": "assistant", "content": "CALC: 12 + 30"},
@@ -101,10 +113,46 @@ def build_messages(question: str, system_prompt: str = SYSTEM_PROMPT) -> list[di
     return [{"role": "system", "content": system_prompt}, *EXAMPLE, {"role": "user", "content": question}]
 
 
-def calc_agent(task: dict[str, Any], llm: LLMResource, *, max_turns: int = 3, reward_fn: Any = None,
-               all_numbers_bonus: float = 0.0) -> float:
+def calc_resources(llm: LLMResource, prompt: str | PromptTemplate = SYSTEM_PROMPT) -> dict[str, Any]:
+    """The resources set the calc agent reads: ``{"main_llm": llm, "system_prompt": PromptTemplate(prompt)}``.
+
+    ``store.add_resources(calc_resources(proxy.as_resource()))`` publishes the default prompt as a tunable
+    resource (what :class:`~lightning_nb.algorithm.apo.APO` starts from).
+
+    Raises:
+        ConfigError: ``prompt`` uses a variable other than :data:`PROMPT_VARIABLES`, or does not parse.
+    """
+    template = prompt if isinstance(prompt, PromptTemplate) else PromptTemplate(template=prompt)
+    unknown = sorted(template.variables - set(PROMPT_VARIABLES))
+    if unknown:
+        raise ConfigError(f"calc_resources(prompt=...): the calc agent fills only {list(PROMPT_VARIABLES)}, "
+                          f"the template also uses {unknown}")
+    return {"main_llm": llm, SYSTEM_PROMPT_RESOURCE: template}
+
+
+def system_prompt(task: dict[str, Any], resources: Optional[dict[str, Any]] = None) -> str:
+    """The system prompt of ``task``'s episode: the resources' :data:`SYSTEM_PROMPT_RESOURCE` template filled
+    with ``question=task["question"]``, or :data:`SYSTEM_PROMPT` when there is none.
+
+    Raises:
+        ConfigError: that resource is not a PromptTemplate, or it uses a variable other than ``question``
+            (the attempt fails with this error, naming the variable).
+    """
+    template = (resources or {}).get(SYSTEM_PROMPT_RESOURCE)
+    if template is None:
+        return SYSTEM_PROMPT
+    if not isinstance(template, PromptTemplate):
+        raise ConfigError(f"resources[{SYSTEM_PROMPT_RESOURCE!r}] is a {type(template).__name__}; the calc agent "
+                          "reads its system prompt from a PromptTemplate there")
+    return template.format(question=task["question"])
+
+
+def calc_agent(task: dict[str, Any], llm: LLMResource, *, resources: Optional[dict[str, Any]] = None,
+               max_turns: int = 3, reward_fn: Any = None, all_numbers_bonus: float = 0.0) -> float:
     """Run one episode with the OpenAI SDK against ``llm.endpoint`` and return its (final) reward.
 
+    ``resources``: the rollout's resources set (the runner passes it); its ``"system_prompt"``
+    PromptTemplate, if any, replaces :data:`SYSTEM_PROMPT` (:func:`system_prompt`).
     Sampling comes from ``llm.sampling_parameters`` (temperature, max_tokens).
     ``reward_fn(final_text, task) -> float`` defaults to :func:`calc_reward`.
 
@@ -118,9 +166,9 @@ def calc_agent(task: dict[str, Any], llm: LLMResource, *, max_turns: int = 3, re
     """
     import openai
 
+    messages = build_messages(task["question"], system_prompt(task, resources))
     client = openai.OpenAI(base_url=llm.endpoint, api_key=llm.api_key, max_retries=0, timeout=600)
     sampling = {"temperature": 1.0, "max_tokens": 48, **llm.sampling_parameters}
-    messages = build_messages(task["question"])
     text = ""
     shaped = False
     try:
