@@ -1,7 +1,8 @@
 """lightning-nb: train AI agents with reinforcement learning from a Jupyter notebook."""
 
 from lightning_nb.adapter import TripletAdapter
-from lightning_nb.algorithm import APO, AlgorithmConfig, APOConfig, LightningRL, SliceReport, TrafficConfig, TrafficLearner
+from lightning_nb.algorithm import (APO, AlgorithmConfig, APOConfig, LightningRL, SliceReport, TrafficConfig,
+                                    TrafficLearner)
 from lightning_nb.engines import Engine, OpenAIEndpoint, TransformersEngine, VLLMEngine, load_default_model
 from lightning_nb.errors import LightningNbError
 from lightning_nb.proxy import LLMProxy

@@ -370,8 +370,8 @@ class LightningStore(FrameViews, ABC):
         """Give a finished rollout its final reward after the fact: a human's label (or a judge's score).
 
         Writes a final reward span (:data:`~lightning_nb.semconv.REWARD_SPAN`, ``reward`` = ``reward``,
-        :data:`~lightning_nb.semconv.REWARD_SOURCE` = ``source``, :data:`~lightning_nb.semconv.REWARD_NOTE` = ``note`` when given) on
-        the rollout's latest attempt. The attempt has ended, so the span is a late span (module docstring):
+        :data:`~lightning_nb.semconv.REWARD_SOURCE` = ``source``, :data:`~lightning_nb.semconv.REWARD_NOTE` =
+        ``note`` when given) on the rollout's latest attempt. The attempt has ended, so the span is a late span (module docstring):
         stored, moving no status, and counting because its attempt is the latest of a ``succeeded``
         rollout, where the last reward span is the final reward (:func:`lightning_nb.store.rules.final_reward`).
         So ``final_reward``, ``rewards_df`` and :class:`~lightning_nb.adapter.TripletAdapter` all see it, and
