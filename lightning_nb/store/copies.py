@@ -37,25 +37,11 @@ _new_object, _set = object.__new__, object.__setattr__
 
 def _copy_model_fast(model: BaseModel) -> BaseModel:
     """``model.model_copy(deep=True)`` for a model without extra or private values (the store's own)."""
-    fields = model.__dict__.copy()
-    for key, value in fields.items():  # replacing values of existing keys while iterating is allowed
-        if type(value) not in _ATOMIC:
-            fields[key] = deep_copy(value)
-    new = _new_object(type(model))
-    _set(new, "__dict__", fields)
-    _set(new, "__pydantic_fields_set__", set(model.__pydantic_fields_set__))
-    _set(new, "__pydantic_extra__", None)
-    _set(new, "__pydantic_private__", None)
-    return new
+    return _deepen_fast(_snapshot_fast(model))
 
 
 def _copy_model_pydantic(model: BaseModel) -> BaseModel:
-    new = model.model_copy()  # shallow: its own __dict__, whose mutable values are replaced below
-    fields = new.__dict__
-    for key, value in fields.items():
-        if type(value) not in _ATOMIC:
-            fields[key] = deep_copy(value)
-    return new
+    return _deepen_fast(model.model_copy())  # shallow: its own __dict__, whose mutable values are replaced
 
 
 def deep_copy(value: Any) -> Any:
@@ -80,16 +66,12 @@ def deep_copy(value: Any) -> Any:
 
 
 def _snapshot_fast(model: BaseModel) -> BaseModel:
-    fields = model.__dict__.copy()
-    new = _new_object(type(model))
-    _set(new, "__dict__", fields)
-    _set(new, "__pydantic_fields_set__", set(model.__pydantic_fields_set__))
-    _set(new, "__pydantic_extra__", None)
-    _set(new, "__pydantic_private__", None)
-    return new
+    """A copy of ``model`` with its own ``__dict__`` (nested values still shared); no extra or private values."""
+    return _construct_fast(type(model), model.__dict__.copy(), set(model.__pydantic_fields_set__))
 
 
 def _deepen_fast(model: BaseModel) -> BaseModel:
+    """Replace the mutable field values of ``model`` (with its own ``__dict__``) by deep copies; returns it."""
     fields = model.__dict__
     for key, value in fields.items():
         if type(value) not in _ATOMIC:
