@@ -52,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from store_vs_agentlightning import _span_factory  # noqa: E402  (the same spans as that bench)
+from store_vs_agentlightning import _span_factory, agl_runner_loop  # noqa: E402  (that bench's spans and loop)
 
 
 def _free_port() -> int:
@@ -73,18 +73,9 @@ def _agl_runner(url: str, s: int, start: Any, done: Any) -> None:
         done.put(None)  # ready
         start.wait()
         cpu = time.process_time()
-        worker, count = f"w-{os.getpid()}", 0
         try:
-            while True:
-                item = await client.dequeue_rollout(worker_id=worker)
-                if item is None:
-                    return count, time.process_time() - cpu
-                rid, aid = item.rollout_id, item.attempt.attempt_id
-                await client.get_latest_resources()
-                for i in range(s):
-                    await client.add_otel_span(rid, aid, make(rid, aid, i))
-                await client.update_attempt(rid, aid, status="succeeded")
-                count += 1
+            count = await agl_runner_loop(client, f"w-{os.getpid()}", s, make)
+            return count, time.process_time() - cpu
         finally:
             await client.close()
 

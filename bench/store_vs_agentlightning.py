@@ -88,6 +88,22 @@ def _span_factory(s: int, sdk_spans: bool, tag_ids: bool) -> Callable[[str, str,
     return tagged
 
 
+async def agl_runner_loop(store: Any, worker: str, s: int, make: Callable[[str, str, int], Any]) -> int:
+    """agentlightning's runner loop on ``store`` (its store or its HTTP client): dequeue, fetch the latest
+    resources, add ``s`` spans made by ``make``, mark the attempt succeeded; returns the rollouts it ran."""
+    count = 0
+    while True:
+        item = await store.dequeue_rollout(worker_id=worker)
+        if item is None:
+            return count
+        rid, aid = item.rollout_id, item.attempt.attempt_id
+        await store.get_latest_resources()
+        for i in range(s):
+            await store.add_otel_span(rid, aid, make(rid, aid, i))
+        await store.update_attempt(rid, aid, status="succeeded")
+        count += 1
+
+
 def _run_threads(k: int, target: Callable[[], int]) -> int:
     done: list[int] = []
     threads = [threading.Thread(target=lambda: done.append(target())) for _ in range(k)]
@@ -150,21 +166,7 @@ def bench_agentlightning(n: int, k: int, s: int, sdk_spans: bool) -> dict[str, f
     ids = asyncio.run(enqueue())
     t1 = time.perf_counter()
 
-    async def runner_loop() -> int:
-        worker = f"w-{threading.get_ident()}"
-        count = 0
-        while True:
-            item = await store.dequeue_rollout(worker_id=worker)
-            if item is None:
-                return count
-            rid, aid = item.rollout_id, item.attempt.attempt_id
-            await store.get_latest_resources()
-            for i in range(s):
-                await store.add_otel_span(rid, aid, make(rid, aid, i))
-            await store.update_attempt(rid, aid, status="succeeded")
-            count += 1
-
-    ran = _run_threads(k, lambda: asyncio.run(runner_loop()))
+    ran = _run_threads(k, lambda: asyncio.run(agl_runner_loop(store, f"w-{threading.get_ident()}", s, make)))
     t2 = time.perf_counter()
 
     async def query() -> int:
