@@ -4,8 +4,10 @@ A companion of ``store_agl_workload.py`` (same side venv, same ``--agl-benchmark
 agent-lightning's benchmark agent on ``-n`` tasks once, then replays the calls that script's runner loop
 and algorithm make, on one thread and without agent-lightning's code in the timed part: per batch of
 256, ``add_resources``, the enqueues; per rollout ``dequeue_rollout``, ``get_resources_by_id``,
-``update_attempt(running)``, the ``span_from_otel`` conversion of its ~14 spans, one ``add_spans``,
-``update_attempt(succeeded)``; then ``--polls`` ``wait_for_rollouts(ids, timeout=0)`` over the batch and
+``update_attempt(running)``, the ``span_from_otel`` conversion of its ~14 spans, one ``add_spans``
+(where the store has ``add_otel_spans``, as our ``Tracer`` then writes: one ``add_otel_spans`` of the
+``ReadableSpan`` objects, counted under ``add_spans``, ``convert`` 0), ``update_attempt(succeeded)``;
+then ``--polls`` ``wait_for_rollouts(ids, timeout=0)`` over the batch and
 ``query_spans(rid, "latest")`` of each finished rollout. Prints the CPU µs per rollout of each step
 (``time.thread_time``, best of ``--reps`` fresh stores), so no lock or GIL hand-over is in it.
 
@@ -35,6 +37,7 @@ def replay(store, tasks, recordings, batch, polls) -> dict[str, float]:
     from lightning_nb.types import LLMResource
 
     t = dict.fromkeys(STEPS, 0.0)
+    otel = hasattr(store, "add_otel_spans")
     clock = time.thread_time
     for b0 in range(0, len(tasks), batch):
         store.add_resources({"llm": LLMResource(endpoint="http://localhost:0/v1", model="m")})
@@ -50,9 +53,13 @@ def replay(store, tasks, recordings, batch, polls) -> dict[str, float]:
             t2 = clock()
             store.update_attempt(rid, aid, status="running", worker_id="w-1")
             t3 = clock()
-            spans = [span_from_otel(s, rid, aid) for s in recordings[item.rollout.input]]
-            t4 = clock()
-            store.add_spans(spans)
+            if otel:  # what our Tracer does: the ReadableSpans to the store, which converts them
+                t4 = clock()
+                store.add_otel_spans(rid, aid, recordings[item.rollout.input])
+            else:
+                spans = [span_from_otel(s, rid, aid) for s in recordings[item.rollout.input]]
+                t4 = clock()
+                store.add_spans(spans)
             t5 = clock()
             store.update_attempt(rid, aid, status="succeeded")
             t6 = clock()

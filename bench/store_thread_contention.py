@@ -4,8 +4,10 @@ A diagnostic for ``store_agl_workload.py``, not a comparison: agentlightning's s
 records agent-lightning's benchmark agent once (``store_agl_workload.make_recorder``: N tasks, ~14 spans
 and ~41 kB of attributes each, fresh keys), then drives one ``InMemoryStore`` per run as
 ``store_agl_workload.py`` drives ours: ``--runners`` threads, each looping ``dequeue_rollout`` (timeout
-0.2 s), ``get_resources_by_id``, ``update_attempt(running)``, the ``span_from_otel`` conversion, one
-``add_spans``, ``update_attempt(succeeded)``; the main thread enqueues batches of ``--batch-size``, polls
+0.2 s), ``get_resources_by_id``, ``update_attempt(running)``, one ``add_otel_spans`` of the recorded
+``ReadableSpan`` objects (as our ``Tracer`` writes; a ``lightning_nb`` without it: the ``span_from_otel``
+conversion and one ``add_spans``), ``update_attempt(succeeded)``; the main thread enqueues batches of
+``--batch-size``, polls
 ``wait_for_rollouts(timeout=0)`` every 2 ms and reads each finished rollout's spans
 (``query_spans(rid, "latest")``). No agent-lightning code runs in the timed part. Variants:
 
@@ -55,6 +57,7 @@ def run_once(tasks: list[str], spans_of: dict[str, list[Any]], runners: int, bat
     res = store.add_resources({"llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
     gate = threading.Lock() if variant == "gate" else None
     full = variant != "fewer-calls"
+    otel = hasattr(store, "add_otel_spans")  # a lightning_nb before it: converted, one add_spans
     stop, start = threading.Event(), threading.Barrier(runners + 1)
     runner_cpu: list[float] = []
 
@@ -63,7 +66,10 @@ def run_once(tasks: list[str], spans_of: dict[str, list[Any]], runners: int, bat
         if full:
             store.get_resources_by_id(item.rollout.resources_id)
             store.update_attempt(rid, aid, status="running", worker_id="w")
-        store.add_spans([span_from_otel(s, rid, aid) for s in spans_of[item.rollout.input]])
+        if otel:  # what our Tracer does: the ReadableSpans to the store, which converts them
+            store.add_otel_spans(rid, aid, spans_of[item.rollout.input])
+        else:
+            store.add_spans([span_from_otel(s, rid, aid) for s in spans_of[item.rollout.input]])
         store.update_attempt(rid, aid, status="succeeded")
 
     def runner() -> None:

@@ -51,13 +51,17 @@ def _closed_port() -> int:
 
 # ----- item 11: a span the store cannot take fails the attempt --------------------------------
 def _flaky(base):
-    """``base`` whose add_span/add_spans raise OSError for the first ``fail_rewards`` writes holding a reward span."""
+    """``base`` whose add_span/add_spans/add_otel_spans raise OSError for the first ``fail_rewards`` writes holding
+    a reward span (a write is counted once: the base ``add_otel_spans`` calls ``add_spans``)."""
 
     class Flaky(base):
         fail_rewards = 0
         reward_calls = 0
+        _writing = threading.local()
 
         def _maybe_fail(self, spans):
+            if getattr(self._writing, "otel", False):
+                return  # add_spans inside add_otel_spans: already counted
             if any(s.name == "reward" for s in spans):
                 self.reward_calls += 1
                 if self.reward_calls <= self.fail_rewards:
@@ -70,6 +74,14 @@ def _flaky(base):
         def add_spans(self, spans):
             self._maybe_fail(spans)
             return super().add_spans(spans)
+
+        def add_otel_spans(self, rollout_id, attempt_id, spans):
+            self._maybe_fail(spans)
+            self._writing.otel = True
+            try:
+                return super().add_otel_spans(rollout_id, attempt_id, spans)
+            finally:
+                self._writing.otel = False
 
     return Flaky
 

@@ -12,20 +12,31 @@ from lightning_nb.tracing.tracer import StoreSpanProcessor, Tracer
 
 
 def _counting(base):
-    """``base`` recording each write call: ("one", name) per add_span, ("batch", names) per add_spans."""
+    """``base`` recording each write call: ("one", name) per add_span, ("batch", names) per add_spans or
+    add_otel_spans (the tracer's batch write; its default implementation calls add_spans: counted once)."""
 
     class Counting(base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.writes = []
+            self._in_otel = False
 
         def add_span(self, span):
             self.writes.append(("one", span.name))
             return super().add_span(span)
 
         def add_spans(self, spans):
-            self.writes.append(("batch", [s.name for s in spans]))
+            if not self._in_otel:
+                self.writes.append(("batch", [s.name for s in spans]))
             return super().add_spans(spans)
+
+        def add_otel_spans(self, rollout_id, attempt_id, spans):
+            self.writes.append(("batch", [s.name for s in spans]))
+            self._in_otel = True
+            try:
+                return super().add_otel_spans(rollout_id, attempt_id, spans)
+            finally:
+                self._in_otel = False
 
     return Counting
 

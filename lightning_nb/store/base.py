@@ -73,6 +73,7 @@ from typing import Any, Iterable, Optional, Sequence
 from lightning_nb.errors import ConfigError, InvalidRewardError, NotFoundError
 from lightning_nb.semconv import REWARD, REWARD_NOTE, REWARD_SOURCE, REWARD_SPAN
 from lightning_nb.store.frames import FrameViews
+from lightning_nb.store.otel import check_ids, otel_rows
 from lightning_nb.store.rules import component_sums, final_reward
 from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES
 from lightning_nb.types import (
@@ -87,6 +88,7 @@ from lightning_nb.types import (
     Span,
     Worker,
     html_view,
+    span_construct,
 )
 
 __all__ = ["LightningStore", "span_summary"]
@@ -300,6 +302,34 @@ class LightningStore(FrameViews, ABC):
         calls :meth:`add_span` one by one, so an error leaves the spans before it stored.
         """
         return [self.add_span(s) for s in spans]  # a backend of its own: one by one, not all-or-nothing
+
+    def add_otel_spans(self, rollout_id: str, attempt_id: str, spans: Sequence[Any]) -> list[int]:
+        """Store finished OpenTelemetry spans of one attempt, as :meth:`add_spans` stores them converted.
+
+        Each ``opentelemetry.sdk.trace.ReadableSpan`` becomes a :class:`~lightning_nb.types.Span` of
+        ``rollout_id``/``attempt_id`` as :func:`lightning_nb.store.otel.span_from_otel` makes it (hex ids,
+        epoch-second times, tuple attribute values as lists, the tracer's own id attributes left out), and
+        the batch is stored with :meth:`add_spans`' rules (all or nothing, repeated span ids, sequence ids,
+        spans as heartbeats). Nothing the caller holds is kept: the store keeps its own copy of every
+        attribute. The runners' :class:`~lightning_nb.tracing.tracer.Tracer` writes an open attempt's spans
+        this way; agent-lightning's store has ``add_otel_span`` for one span.
+
+        This default converts and calls :meth:`add_spans` (one lock, transaction or request);
+        ``InMemoryStore`` fills its span table straight from the OpenTelemetry spans (one attribute copy,
+        no intermediate ``Span``).
+
+        Returns:
+            The ``sequence_id`` of each span, in order (a repeat of a stored span: the stored one's).
+
+        Raises:
+            ConfigError: an item of ``spans`` is not a finished OpenTelemetry span (naming ``spans[i]``),
+                or as :meth:`add_spans`.
+            NotFoundError: the rollout or attempt is unknown.
+        """
+        check_ids(rollout_id, attempt_id)
+        rows = otel_rows(spans)
+        return [s.sequence_id for s in self.add_spans([span_construct(rollout_id, attempt_id, 0, *row[:-1])
+                                                       for row in rows])]
 
     @abstractmethod
     def query_spans(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> list[Span]:

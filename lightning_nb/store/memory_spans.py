@@ -18,6 +18,7 @@ Every method runs under the store's lock (or takes it), and uses the store's sta
 from __future__ import annotations
 
 import time
+from itertools import count
 from typing import Any, Optional, Sequence
 
 import pandas as pd
@@ -26,14 +27,16 @@ from lightning_nb.errors import ConfigError, NotFoundError
 from lightning_nb.semconv import REWARD, REWARD_SPAN
 from lightning_nb.store.rules import check_span_types, same_span, span_beats, span_sequence_id
 from lightning_nb.store.spanframe import Flatten, check_flatten, frame_from_spans, spans_frame
-from lightning_nb.store.spantable import SpanTable, spans_from_raws
-from lightning_nb.types import ROLLOUT_TERMINAL, Attempt, Rollout, Span, span_with_sequence_id
+from lightning_nb.store.otel import check_ids, otel_rows
+from lightning_nb.store.spantable import SpanTable, cells_of, row_of, spans_from_raws
+from lightning_nb.types import ROLLOUT_TERMINAL, Attempt, Rollout, Span, span_construct, span_with_sequence_id
 
 __all__ = ["InMemorySpans"]
 
 
 class InMemorySpans:
-    """``add_span``/``add_spans``/``query_spans``, the memory policy and the fast span views of ``InMemoryStore``."""
+    """``add_span``/``add_spans``/``add_otel_spans``/``query_spans``, the memory policy and the fast span views of
+    ``InMemoryStore``."""
 
     def add_span(self, span: Span) -> Span:
         return self._add_spans(check_span_types([span], batch=False), one=True)[0]
@@ -49,7 +52,7 @@ class InMemorySpans:
                 self._spill.check_open()  # it may have to spill: refuse before storing anything
             plan = self._plan_spans(spans, one)  # raises before anything is stored
             now = time.time()
-            run: list[tuple[Span, int, Any]] = []  # consecutive new spans of one attempt: stored together
+            run: list[tuple[Any, ...]] = []  # consecutive new spans of one attempt (table rows): stored together
             run_attempt: Optional[Attempt] = None
             for span, prep, (attempt, seq, repeat) in zip(spans, prepared, plan):
                 if repeat is not None:
@@ -58,7 +61,7 @@ class InMemorySpans:
                     self._store_run(run_attempt, run, now)  # type: ignore[arg-type]
                     run = []
                 run_attempt = attempt
-                run.append((span, seq, prep))
+                run.append(row_of(span, seq, prep))
             if run:
                 self._store_run(run_attempt, run, now)  # type: ignore[arg-type]
             if self.max_spans is not None and len(self._table) > self.max_spans:
@@ -69,15 +72,42 @@ class InMemorySpans:
         return [span_with_sequence_id(span, seq) if repeat is None else repeat
                 for span, (_, seq, repeat) in zip(spans, plan)]
 
-    def _store_run(self, attempt: Attempt, run: list[tuple[Span, int, Any]], now: float) -> None:
-        """Store new spans of one attempt, ``(span, sequence id, SpanTable.prepare(span))`` each (lock held);
-        they are a sign of life of the attempt (rules.span_beats: one check per run, as the first span's)."""
+    def add_otel_spans(self, rollout_id: str, attempt_id: str, spans: Sequence[Any]) -> list[int]:
+        """:meth:`LightningStore.add_otel_spans`: the table's rows built straight from the OpenTelemetry spans (one
+        copy of each span's attributes, made before taking the lock; no ``Span`` objects in or out). A batch that
+        is not new spans of a known attempt (a repeated span id, an unknown attempt) takes :meth:`add_spans`'
+        path, which applies the rules and raises its errors."""
+        check_ids(rollout_id, attempt_id)
+        rows = otel_rows(spans)
+        if not rows:
+            return []
+        cells = [cells_of(row[7]) for row in rows]
+        span_ids = [row[1] for row in rows]
+        with self._lock:
+            if self._spill is not None:
+                self._spill.check_open()  # it may have to spill: refuse before storing anything
+            attempts = self._attempts.get(rollout_id)
+            attempt = next((a for a in reversed(attempts) if a.attempt_id == attempt_id), None) if attempts else None
+            if attempt is not None and len(set(span_ids)) == len(span_ids) and \
+                    self._span_ids[attempt_id].keys().isdisjoint(span_ids):
+                first = self._span_counts[attempt_id] + 1
+                self._store_run(attempt, [(*row, cell, seq) for seq, row, cell in zip(count(first), rows, cells)],
+                                time.time())
+                if self.max_spans is not None and len(self._table) > self.max_spans:
+                    self._shed()
+                return list(range(first, first + len(rows)))
+        converted = [span_construct(rollout_id, attempt_id, 0, *row[:-1]) for row in rows]
+        return [span.sequence_id for span in self.add_spans(converted)]
+
+    def _store_run(self, attempt: Attempt, run: list[tuple[Any, ...]], now: float) -> None:
+        """Store new spans of one attempt, :meth:`SpanTable.extend` rows (lock held); they are a sign of life of
+        the attempt (rules.span_beats: one check per run, as the first span's)."""
         aid, rid = attempt.attempt_id, attempt.rollout_id
         self._table.extend(run, rid, aid, self._rank[rid], attempt.sequence_id)
         ids = self._span_ids[aid]
-        for span, seq, _ in run:
-            ids[span.span_id] = seq
-        self._span_counts[aid] = max(self._span_counts[aid], max(seq for _, seq, _ in run))
+        for row in run:
+            ids[row[1]] = row[10]
+        self._span_counts[aid] = max(self._span_counts[aid], max(row[10] for row in run))
         self._span_rollouts[rid] = None
         if span_beats(attempt.status, attempt.last_heartbeat_time, now):  # a sign of life: -> running, beat
             self._update(self._rollouts[rid], attempt, status="running", worker_id=None, error=None,
@@ -212,23 +242,24 @@ class InMemorySpans:
                 if rollout.status in ROLLOUT_TERMINAL:
                     self._read_finished.add(rollout_id)  # read after it finished: may leave memory now
             table = self._table
-            rows = table.rows(a.attempt_id for a in attempts)
-            keys, raws = [table.keys(r) for r in rows], table.raws(rows)
+            aids = [a.attempt_id for a in attempts]  # in rollout (enqueue) and attempt order
+            rows = table.rows(aids)
+            raws = table.raws(rows)
             if self._spilled_rollouts and (rollout_id is None or rollout_id in self._spilled_rollouts):
-                wanted = {a.attempt_id for a in attempts}
+                wanted = set(aids)
                 spilled = [((rank, aseq, s.sequence_id), s) for rank, aseq, s in self._spill.read(rollout_id)
                            if s.attempt_id in wanted]  # type: ignore[union-attr]
             else:
                 spilled = []
+            # rows are in write order: the sort order unless a caller gave an attempt's spans sequence ids
+            keys = [table.keys(r) for r in rows] if spilled or not table.in_order(aids) else None
         # the copies are made after releasing the lock (the table never changes a stored attribute dict)
         spans = spans_from_raws(raws)
-        if spilled:
-            items = list(zip(keys, spans)) + spilled
-            items.sort(key=lambda item: item[0])
-            return [s for _, s in items]
-        if any(a > b for a, b in zip(keys, keys[1:])):  # rows are in write order; explicit sequence ids may differ
-            return [s for _, s in sorted(zip(keys, spans), key=lambda item: item[0])]
-        return spans
+        if keys is None:
+            return spans
+        items = list(zip(keys, spans)) + spilled
+        items.sort(key=lambda item: item[0])
+        return [s for _, s in items]
 
     # ----- fast views -----------------------------------------------------------------
     def spans_df(self, rollout_id: Optional[str] = None, *, flatten: Flatten = None) -> pd.DataFrame:

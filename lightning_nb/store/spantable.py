@@ -19,7 +19,7 @@ import sqlite3
 from array import array
 from itertools import compress
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -29,7 +29,7 @@ from lightning_nb.store.spanframe import CATEGORY_COLUMNS as _CODED
 from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES, NUMBER_COLUMNS, copy_lists, holds_list, known_cells
 from lightning_nb.types import Span, span_construct
 
-__all__ = ["SpanTable", "SpanSpill", "span_from_raw", "spans_from_raws"]
+__all__ = ["SpanTable", "SpanSpill", "span_from_raw", "spans_from_raws", "cells_of", "row_of"]
 _KNOWN_KEYS = frozenset(KNOWN_ATTRIBUTES.values())
 _NO_CELLS = known_cells({})  # the KNOWN_ATTRIBUTES cells of a span that has none of them
 
@@ -45,6 +45,20 @@ def spans_from_raws(raws: list[tuple[Any, ...]]) -> list[Span]:
     return [span_construct(rid, aid, seq, trace, span_id, parent, name, start, end, status,
                            copy_lists(attrs.copy(), True) if has_list else attrs.copy())
             for rid, aid, seq, trace, span_id, parent, name, start, end, status, attrs, has_list in raws]
+
+
+def cells_of(attributes: dict[str, Any]) -> tuple[Any, ...]:
+    """:func:`~lightning_nb.store.spanframe.known_cells` of a span's attributes; a span without any well-known
+    attribute (most of them: tool calls, agent steps) gets the shared cells of ``{}``."""
+    return _NO_CELLS if attributes.keys().isdisjoint(_KNOWN_KEYS) else known_cells(attributes)
+
+
+def row_of(span: Span, seq: int, prepared: tuple[dict[str, Any], int, tuple[Any, ...]]) -> tuple[Any, ...]:
+    """A :meth:`SpanTable.extend` row: ``span``'s fields with sequence id ``seq`` and :meth:`SpanTable.prepare`'s
+    result for it."""
+    f = span.__dict__
+    return (f["trace_id"], f["span_id"], f["parent_id"], f["name"], f["start_time"], f["end_time"], f["status"],
+            *prepared, seq)
 
 
 class SpanTable:
@@ -66,6 +80,9 @@ class SpanTable:
         # the spans_df cells of the well-known attributes, kept as each span arrives (spanframe.known_cells)
         self.known: list[Any] = [array("d") if col in NUMBER_COLUMNS else [] for col in KNOWN_ATTRIBUTES]
         self.by_attempt: dict[str, list[int]] = {}
+        # attempts whose rows are not in increasing sequence id order (a caller gave sequence ids): only their
+        # reads sort; every other attempt's rows are in (rollout, attempt, sequence id) order as written
+        self.unordered: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.attrs)
@@ -76,31 +93,72 @@ class SpanTable:
         attrs = span.attributes
         has_list = holds_list(attrs)
         attrs = copy_lists(attrs.copy(), has_list) if type(attrs) is dict else copy_lists(dict(attrs), has_list)
-        # a span without any well-known attribute (most of them: tool calls, agent steps) has the cells of {}
-        return attrs, has_list, _NO_CELLS if attrs.keys().isdisjoint(_KNOWN_KEYS) else known_cells(attrs)
+        return attrs, has_list, cells_of(attrs)
 
-    def extend(self, rows: list[tuple[Span, int, tuple[dict[str, Any], int, tuple[Any, ...]]]], rollout_id: str,
-               attempt_id: str, rank: int, aseq: int) -> None:
-        """Add spans of one attempt: ``rows`` of ``(span, sequence id, prepare(span))``; ids are the store's own
-        strings, ``rank``/``aseq`` the sort keys of the rollout and the attempt."""
+    def extend(self, rows: list[tuple[Any, ...]], rollout_id: str, attempt_id: str, rank: int, aseq: int) -> None:
+        """Add spans of one attempt; ids are the store's own strings, ``rank``/``aseq`` the sort keys of the
+        rollout and the attempt. Each row is ``(trace_id, span_id, parent_id, name, start_time, end_time,
+        status, attributes, has_list, cells, sequence_id)``: a span's fields, its attributes a dict the table
+        may keep, with :meth:`prepare`'s flag and cells (:func:`row_of` makes one from a ``Span``)."""
+        if len(rows) == 1:  # a span written alone (add_span): a row append costs less than a column pass
+            self._append(rows[0], rollout_id, attempt_id, rank, aseq)
+            return
         n, first = len(rows), len(self.attrs)
-        fields = [span.__dict__ for span, _, _ in rows]
+        trace, span_ids, parent, name, start, end, status, attrs, has_list, cells, seq = zip(*rows)
+        self._check_order(attempt_id, seq)
         codes = self.codes
         codes["rollout_id"].extend([self._code_of("rollout_id", rollout_id)] * n)
         codes["attempt_id"].extend([self._code_of("attempt_id", attempt_id)] * n)
-        for col in ("name", "status", "trace_id", "parent_id"):
-            self._code_many(col, [f[col] for f in fields])
-        self.span_ids.extend([f["span_id"] for f in fields])
-        self.start.extend([f["start_time"] for f in fields])
-        self.end.extend([f["end_time"] for f in fields])
+        self._code_many("name", name)
+        self._code_many("status", status)
+        self._code_many("trace_id", trace)
+        self._code_many("parent_id", parent)
+        self.span_ids.extend(span_ids)
+        self.start.extend(start)
+        self.end.extend(end)
         self.rank.extend([rank] * n)
         self.aseq.extend([aseq] * n)
-        self.seq.extend([seq for _, seq, _ in rows])
+        self.seq.extend(seq)
         self.by_attempt.setdefault(attempt_id, []).extend(range(first, first + n))
-        self.attrs.extend([prep[0] for _, _, prep in rows])
-        self.has_list.extend([prep[1] for _, _, prep in rows])
-        for col, cells in zip(self.known, zip(*[prep[2] for _, _, prep in rows])):
-            col.extend(cells)
+        self.attrs.extend(attrs)
+        self.has_list.extend(has_list)
+        for col, column_cells in zip(self.known, zip(*cells)):
+            col.extend(column_cells)
+
+    def _append(self, row: tuple[Any, ...], rollout_id: str, attempt_id: str, rank: int, aseq: int) -> None:
+        """:meth:`extend` of one row."""
+        trace, span_id, parent, name, start, end, status, attrs, has_list, cells, seq = row
+        self._check_order(attempt_id, (seq,))
+        codes, code_of = self.codes, self._code_of
+        codes["rollout_id"].append(code_of("rollout_id", rollout_id))
+        codes["attempt_id"].append(code_of("attempt_id", attempt_id))
+        codes["name"].append(code_of("name", name))
+        codes["status"].append(code_of("status", status))
+        codes["trace_id"].append(code_of("trace_id", trace))
+        codes["parent_id"].append(-1 if parent is None else code_of("parent_id", parent))
+        self.span_ids.append(span_id)
+        self.start.append(start)
+        self.end.append(end)
+        self.rank.append(rank)
+        self.aseq.append(aseq)
+        self.seq.append(seq)
+        self.by_attempt.setdefault(attempt_id, []).append(len(self.attrs))
+        self.attrs.append(attrs)
+        self.has_list.append(has_list)
+        for col, cell in zip(self.known, cells):
+            col.append(cell)
+
+    def _check_order(self, attempt_id: str, seqs: tuple[int, ...]) -> None:
+        """Note ``attempt_id`` in :attr:`unordered` unless ``seqs`` (about to be appended) keep its rows in
+        increasing sequence id order."""
+        rows = self.by_attempt.get(attempt_id)
+        if (rows and seqs[0] <= self.seq[rows[-1]]) or (len(seqs) > 1 and list(seqs) != sorted(set(seqs))):
+            self.unordered.add(attempt_id)
+
+    def in_order(self, attempt_ids: Iterable[str]) -> bool:
+        """Whether :meth:`rows` of ``attempt_ids`` (listed in rollout and attempt order) are in (rollout, attempt,
+        sequence id) order as they are, i.e. no sort is needed."""
+        return not self.unordered or self.unordered.isdisjoint(attempt_ids)
 
     def _code_of(self, col: str, value: str) -> int:
         """The code of ``value`` in a dictionary-encoded column, added if new."""
@@ -111,13 +169,13 @@ class SpanTable:
             self.cats[col].append(value)
         return c
 
-    def _code_many(self, col: str, values: list[Optional[str]]) -> None:
+    def _code_many(self, col: str, values: Sequence[Optional[str]]) -> None:
         """Append the codes of ``values`` (None: -1) to a dictionary-encoded column."""
         if values.count(values[0]) == len(values):  # one value (a batch's trace id, name or status)
             self.codes[col].extend([-1 if values[0] is None else self._code_of(col, values[0])] * len(values))
             return
         lookup, cats = self._lookup[col], self.cats[col]
-        found = list(map(lookup.get, values))
+        found = list(map(lookup.get, values))  # (a None value finds None: handled below)
         if None in found:  # a new value (span ids as parent ids are new) or a None
             for i, c in enumerate(found):
                 if c is None:
@@ -206,6 +264,7 @@ class SpanTable:
         for row, code in enumerate(self.codes["attempt_id"]):
             by_attempt.setdefault(cats[code], []).append(row)
         self.by_attempt = by_attempt
+        self.unordered &= by_attempt.keys()
         return dropped
 
     def columns(self, rows: Optional[list[int]] = None) -> dict[str, Any]:

@@ -34,19 +34,16 @@ import numbers
 import threading
 import time
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Iterator, Optional
 
-from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.trace import Span as OtelSpan
-from opentelemetry.trace import StatusCode
 
 from lightning_nb import semconv
 from lightning_nb.errors import ConfigError, InvalidRewardError, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
-from lightning_nb.types import Span, span_construct
+from lightning_nb.store.otel import span_from_otel
 
 __all__ = ["Tracer", "StoreSpanProcessor", "SpanLedger", "AttemptSpans", "emit_reward", "emit_intermediate_reward",
            "tool_span", "attempt_span", "span_from_otel"]
@@ -121,53 +118,27 @@ class SpanLedger:
 _PERMANENT = (NotFoundError, ConfigError)
 
 
-_STATUS = {StatusCode.OK: "ok", StatusCode.ERROR: "error"}
-_OUR_KEYS = (semconv.ROLLOUT_ID, semconv.ATTEMPT_ID)
-
-
-def span_from_otel(span: ReadableSpan, rollout_id: str, attempt_id: str) -> Span:
-    """A finished OpenTelemetry span as the store's :class:`~lightning_nb.types.Span`.
-
-    Ids become lowercase hex (32 digits for the trace, 16 for spans), times float epoch
-    seconds, tuple attribute values lists; the tracer's own rollout/attempt id attributes
-    are left out. One pass over the attributes and no pydantic validation: OpenTelemetry
-    already checked the attribute types, and this runs for every span an agent makes.
-    """
-    ctx = span.get_span_context()
-    raw = span.attributes  # a read-only proxy of the span's BoundedAttributes (or a plain dict)
-    # .copy() of either is a plain dict copy: iterating the Mapping itself costs several times more per key
-    attrs = raw.copy() if type(raw) is MappingProxyType or isinstance(raw, (BoundedAttributes, dict)) \
-        else dict(raw or {})
-    for key in _OUR_KEYS:
-        if key in attrs:
-            del attrs[key]
-    if tuple in map(type, attrs.values()):  # a C-speed scan; most spans hold no sequence value
-        attrs = {k: list(v) if type(v) is tuple else v for k, v in attrs.items()}
-    parent = span.parent
-    return span_construct(rollout_id, attempt_id, 0, "%032x" % ctx.trace_id, "%016x" % ctx.span_id,
-                          "%016x" % parent.span_id if parent else None, span.name,
-                          (span.start_time or 0) / 1e9, (span.end_time or 0) / 1e9,
-                          _STATUS.get(span.status.status_code, "unset"), attrs)
-
-
 class _Batch:
-    """The spans of one open attempt not yet written, and the lock its writes hold."""
+    """The finished OpenTelemetry spans of one open attempt not yet written, and the lock its writes hold."""
 
     __slots__ = ("lock", "spans", "since")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()  # held while this attempt's spans are written: close waits for a flush
-        self.spans: list[Span] = []
+        self.spans: list[ReadableSpan] = []
         self.since = 0.0  # time.monotonic() of the oldest buffered span
 
 
 class StoreSpanProcessor(SpanProcessor):
     """Tags spans with the active rollout/attempt on start and stores them on end.
 
-    The spans of an attempt opened with :meth:`open` (a runner's attempts) are written in
-    batches with :meth:`LightningStore.add_spans`, as OpenTelemetry's ``BatchSpanProcessor``
-    exports: when :meth:`close` ends the attempt, when ``max_batch`` spans wait, and at
-    most ``flush_s`` seconds after a span ended (by the next span or a background thread).
+    The spans of an attempt opened with :meth:`open` (a runner's attempts) are kept as the
+    finished OpenTelemetry spans and written in batches with
+    :meth:`LightningStore.add_otel_spans` (which converts them: ``InMemoryStore`` builds its rows
+    straight from them), as OpenTelemetry's ``BatchSpanProcessor`` exports: when :meth:`close`
+    ends the attempt, when ``max_batch`` spans wait, and at most ``flush_s`` seconds after a
+    span ended (by the next span or a background thread). A batch of one span, and each span
+    of a batch the store refused, is converted here and written with ``add_span``.
     One lock, SQLite commit or HTTP request per batch instead of per span. Every other
     span (the LLM proxy's for attempts it does not run, late ones) is written as it ends.
     ``flush_s=0`` writes every span as it ends.
@@ -239,7 +210,7 @@ class StoreSpanProcessor(SpanProcessor):
                     return
                 spans, batch.spans = batch.spans, []
             for start in range(0, len(spans), self.max_batch):
-                self._write(spans[start:start + self.max_batch], rollout_id, attempt_id)
+                self._write_batch(spans[start:start + self.max_batch], rollout_id, attempt_id)
 
     def _flush_loop(self) -> None:
         """The background flush: every ``flush_s``, write the batches that are due; ends when nothing is buffered
@@ -269,57 +240,69 @@ class StoreSpanProcessor(SpanProcessor):
         if rollout_id is None or attempt_id is None:
             return  # not part of a rollout
         rollout_id, attempt_id = str(rollout_id), str(attempt_id)
+        key = (rollout_id, attempt_id)
+        batch = self._batches.get(key)  # no lock for spans of attempts not open here (the proxy's, late ones)
+        if batch is not None:
+            with self._lock:
+                if self._batches.get(key) is batch:  # still open: buffer it (the ended span no longer changes)
+                    if not batch.spans:
+                        batch.since = time.monotonic()
+                    batch.spans.append(span)
+                    due = len(batch.spans) >= self.max_batch or time.monotonic() - batch.since >= self.flush_s
+                    self._ensure_flusher()
+                else:  # closed meanwhile
+                    batch = None
+        if batch is None:
+            self._write_one(span, rollout_id, attempt_id)
+        elif due:
+            self._flush(rollout_id, attempt_id, batch, force=False)
+
+    def _write_batch(self, spans: list[ReadableSpan], rollout_id: str, attempt_id: str) -> None:
+        """Store buffered spans of one attempt with one :meth:`LightningStore.add_otel_spans` (which converts
+        them), retrying transient errors; a batch still refused (or of one span) is then written span by span,
+        each with its own tries, so only the spans the store refuses (or that cannot be converted) are lost."""
+        tries = 0
+        while len(spans) > 1:
+            tries += 1
+            try:
+                self.store.add_otel_spans(rollout_id, attempt_id, spans)
+            except Exception as exc:  # never crash the agent; transient errors are retried
+                if tries < self.span_tries and not isinstance(exc, _PERMANENT):
+                    time.sleep(self.retry_backoff_s * 2 ** (tries - 1))
+                    continue
+                break  # then span by span (a span a failed batch did store is the same write: stored once)
+            for span in spans:
+                self.ledger.stored(rollout_id, attempt_id, span.name)
+            if tries > 1:
+                log.info("%d span(s) of rollout %s stored at try %d", len(spans), rollout_id, tries)
+            return
+        for span in spans:
+            self._write_one(span, rollout_id, attempt_id)
+
+    def _write_one(self, span: ReadableSpan, rollout_id: str, attempt_id: str) -> None:
+        """Convert one span and store it with :meth:`LightningStore.add_span`, retrying transient errors."""
         try:
             record = span_from_otel(span, rollout_id, attempt_id)
         except Exception as exc:  # a span the store cannot hold: never crash the agent
             self._lose(span.name, rollout_id, attempt_id, f"span {span.name!r} could not be recorded: "
                                                           f"{type(exc).__name__}: {exc}")
             return
-        key = (rollout_id, attempt_id)
-        batch = self._batches.get(key)  # no lock for spans of attempts not open here (the proxy's, late ones)
-        if batch is not None:
-            with self._lock:
-                if self._batches.get(key) is batch:  # still open: buffer it
-                    if not batch.spans:
-                        batch.since = time.monotonic()
-                    batch.spans.append(record)
-                    due = len(batch.spans) >= self.max_batch or time.monotonic() - batch.since >= self.flush_s
-                    self._ensure_flusher()
-                else:  # closed meanwhile
-                    batch = None
-        if batch is None:
-            self._write([record], rollout_id, attempt_id)
-        elif due:
-            self._flush(rollout_id, attempt_id, batch, force=False)
-
-    def _write(self, records: list[Span], rollout_id: str, attempt_id: str) -> None:
-        """Store ``records`` (one attempt's), retrying transient errors; a batch still refused is then written
-        span by span, each with its own tries, so only the spans the store refuses are lost."""
         tries = 0
         while True:
             tries += 1
             try:
-                if len(records) == 1:
-                    self.store.add_span(records[0])
-                else:
-                    self.store.add_spans(records)
+                self.store.add_span(record)
             except Exception as exc:  # never crash the agent; transient errors are retried
                 if tries < self.span_tries and not isinstance(exc, _PERMANENT):
                     time.sleep(self.retry_backoff_s * 2 ** (tries - 1))
                     continue
-                if len(records) > 1:  # then span by span: only the spans the store refuses are lost
-                    for record in records:  # (a span a failed batch did store is the same write: stored once)
-                        self._write([record], rollout_id, attempt_id)
-                    return
-                for record in records:
-                    self._lose(record.name, rollout_id, attempt_id,
-                               f"span {record.name!r} could not be stored after {tries} "
-                               f"{'try' if tries == 1 else 'tries'}: {type(exc).__name__}: {_first_line(exc)}")
+                self._lose(record.name, rollout_id, attempt_id,
+                           f"span {record.name!r} could not be stored after {tries} "
+                           f"{'try' if tries == 1 else 'tries'}: {type(exc).__name__}: {_first_line(exc)}")
                 return
-            for record in records:
-                self.ledger.stored(rollout_id, attempt_id, record.name)
+            self.ledger.stored(rollout_id, attempt_id, record.name)
             if tries > 1:
-                log.info("%d span(s) of rollout %s stored at try %d", len(records), rollout_id, tries)
+                log.info("span %r of rollout %s stored at try %d", record.name, rollout_id, tries)
             return
 
     def _lose(self, name: str, rollout_id: str, attempt_id: str, reason: str) -> None:
