@@ -203,9 +203,11 @@ def main(argv: list[str] | None = None) -> int:
 
     n, k, s = args.rollouts, args.runners, args.spans
     ctx = mp.get_context("spawn")  # the servers run threads in this process: no fork
+    # our server's uvicorn picks uvloop when it is installed (loop="auto"); agentlightning's asks for asyncio's loop
+    loop = f"uvloop {version('uvloop')}" if importlib.util.find_spec("uvloop") else "asyncio's loop (no uvloop)"
     print(f"agentlightning {version('agentlightning')}, lightning-nb {version('lightning-nb')}, python "
-          f"{sys.version.split()[0]}; N={n} rollouts, K={k} runner processes, S={s} spans/rollout; "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"{sys.version.split()[0]}, our server on {loop}; N={n} rollouts, K={k} runner processes, S={s} "
+          f"spans/rollout; load average {os.getloadavg()[0]:.2f}", flush=True)
     labels = {"agl": "agentlightning LightningStoreServer", "batch": "lightning-nb StoreServer, add_spans",
               "each": "lightning-nb StoreServer, span per request"}
     results = {}

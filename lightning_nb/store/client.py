@@ -76,11 +76,16 @@ class StoreClient(LightningStore):
         headers = {"Accept": "application/json"}
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
+        # built once: the headers of a request without and with a JSON body, and the timeout of a short call
+        self._headers, self._json_headers = headers, {**headers, "Content-Type": "application/json"}
+        self._timeout = urllib3.Timeout(self.timeout)
         # Connect failures are retried twice (nothing was sent yet); a request that was sent is never retried.
-        self._retries = urllib3.Retry(total=None, connect=2, read=0, redirect=0, status=0, other=0,
-                                      backoff_factor=0.5, raise_on_status=False)
-        self._http = urllib3.PoolManager(num_pools=4, maxsize=32, block=False, headers=headers)
-        self._pool = self._http.connection_from_url(self.url)
+        retries = urllib3.Retry(total=None, connect=2, read=0, redirect=0, status=0, other=0, backoff_factor=0.5,
+                                raise_on_status=False)
+        # one thread-safe pool of keep-alive connections to the one server (a PoolManager would look the pool up
+        # by URL on every call); block=False: more threads than maxsize open extra connections, not wait
+        self._pool = urllib3.connection_from_url(self.url, maxsize=32, block=False, headers=headers,
+                                                 retries=retries, timeout=self._timeout)
         self._prefix = urllib3.util.parse_url(self.url).path or ""
         self._closed = False
 
@@ -97,7 +102,6 @@ class StoreClient(LightningStore):
         """Close the pooled connections; later calls raise StoreConnectionError."""
         self._closed = True
         self._pool.close()
-        self._http.clear()
 
     def __enter__(self) -> "StoreClient":
         return self
@@ -110,17 +114,16 @@ class StoreClient(LightningStore):
 
     def _request(self, method: str, path: str, *, body: Any = None, params: Optional[dict] = None,
                  wait_s: float = 0.0) -> Any:
-        content = None
-        headers = {}
-        if body is not None:
-            content = body if isinstance(body, bytes) else _dumps(body)
-            headers["Content-Type"] = "application/json"
         if self._closed:
             raise StoreConnectionError(f"{self!r} is closed; make a new StoreClient")
+        headers, content = self._headers, None
+        if body is not None:
+            content = body if isinstance(body, bytes) else _dumps(body)
+            headers = self._json_headers
         target = self._prefix + path + (f"?{urlencode(params, doseq=True)}" if params else "")
-        try:
-            response = self._pool.urlopen(method, target, body=content, headers={**self._http.headers, **headers},
-                                          timeout=urllib3.Timeout(self.timeout + wait_s), retries=self._retries,
+        timeout = self._timeout if not wait_s else urllib3.Timeout(self.timeout + wait_s)
+        try:  # the pool's retries (connect errors only); the whole body is read before the connection goes back
+            response = self._pool.urlopen(method, target, body=content, headers=headers, timeout=timeout,
                                           redirect=False, preload_content=True)
         except urllib3.exceptions.HTTPError as exc:
             raise StoreConnectionError(

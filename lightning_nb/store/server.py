@@ -21,14 +21,15 @@ Security defaults:
 
 JSON on the wire allows Python's ``NaN``/``Infinity`` extension so float span
 attributes round-trip exactly between Python peers. Responses are serialized by
-pydantic's (Rust) JSON serializer.
+pydantic's (Rust) JSON serializer. The runners' hot requests (enqueue, dequeue, wait, attempt
+updates, spans, the latest resources) are plain Starlette routes (``server_hot``) that skip
+FastAPI's dependency solving, with the same validation and the same errors; uvicorn runs on
+uvloop when it is installed.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 import secrets
 import threading
 import time
@@ -37,22 +38,19 @@ from typing import Any, Callable, Optional
 import anyio
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
-from pydantic_core import PydanticSerializationError, to_json, to_jsonable_python
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lightning_nb._net import ThreadedServer, is_loopback
-from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
+from lightning_nb.errors import ConfigError
 from lightning_nb.store.base import LightningStore
-from lightning_nb.store.memory import InMemoryStore
 from lightning_nb.store.rules import DEFAULT_WATCHDOG_INTERVAL_S
 # the request bodies are module level there, so FastAPI resolves the routes' postponed annotations
 from lightning_nb.store.server_bodies import (
-    AddResourcesRequest, DequeueRequest, EnqueueRequest, QueryRolloutsRequest, StartAttemptRequest, StartRequest,
-    UpdateAttemptRequest, UpdateRolloutRequest, UpdateWorkerRequest, WaitRequest,
+    AddResourcesRequest, QueryRolloutsRequest, StartAttemptRequest, StartRequest, UpdateRolloutRequest,
+    UpdateWorkerRequest,
 )
-from lightning_nb.types import AttemptedRollout, Span
+from lightning_nb.store.server_hot import _INLINE_STORES, _call, hot_routes
+from lightning_nb.store.server_responses import _JSON, _error, _exception_response, _plain, _validation_error
 
 __all__ = ["StoreServer", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_WAIT_S"]
 
@@ -60,72 +58,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_WAIT_S = 30.0
 _SLICE_S = 0.5  # blocking waits are cut into slices to notice disconnects and shutdown
-_INLINE_STORES = (InMemoryStore,)  # exact types whose short calls run on the event loop (_runs_inline)
-_INLINE_CALLS = frozenset({
-    "enqueue_rollout", "start_rollout", "get_rollout_by_id", "cancel_rollout", "update_rollout", "start_attempt",
-    "update_attempt", "update_worker", "add_span", "add_spans", "add_resources", "get_latest_resources",
-    "get_resources_by_id"})
-_ID_FIELD = re.compile(r"\b(rollout_id|attempt_id|resources_id|resources|worker_id|status|input|timeout)\b")
-
-
-# ----- responses ------------------------------------------------------------------------
-def _fallback(obj: Any) -> Any:
-    try:
-        return to_jsonable_python(obj)
-    except Exception:  # an in-process caller stored something JSON cannot carry
-        return repr(obj)
-
-
-class _JSON(JSONResponse):
-    def render(self, content: Any) -> bytes:
-        try:  # pydantic's serializer (Rust): NaN and infinities as constants, so float attributes stay exact
-            return to_json(content)
-        except PydanticSerializationError:  # a lone surrogate, or something JSON cannot carry
-            # ensure_ascii keeps lone surrogates representable; allow_nan keeps float attributes exact
-            return json.dumps(content, allow_nan=True, default=_fallback, separators=(",", ":")).encode("ascii")
-
-
-def _plain(result: Any) -> Any:
-    if isinstance(result, BaseModel):
-        return result.model_dump()
-    if isinstance(result, list):
-        return [_plain(x) for x in result]
-    return result
-
-
-def _error(status: int, type_: str, message: str, field: Optional[str] = None) -> _JSON:
-    return _JSON({"error": {"type": type_, "message": message, "field": field}}, status_code=status)
-
-
-def _field_of(message: str) -> Optional[str]:
-    match = _ID_FIELD.search(message)
-    return match.group(1) if match else None
-
-
-def _validation_error(errors: list[dict], strip_source: bool) -> _JSON:
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return _error(400, "ValidationError", f"request body is not valid JSON: {first.get('msg')}", "body")
-    parts = [str(p) for p in first.get("loc", ())]
-    if strip_source and len(parts) > 1 and parts[0] in ("body", "query", "path"):
-        parts = parts[1:]  # FastAPI prefixes where the value came from
-    field = ".".join(parts) or "body"
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    return _error(400, "ValidationError", f"invalid field '{field}': {first.get('msg')}{more}", field)
-
-
-def _exception_response(exc: Exception) -> _JSON:
-    if isinstance(exc, NotFoundError):
-        return _error(404, "NotFoundError", str(exc), _field_of(str(exc)))
-    if isinstance(exc, InvalidStatusTransition):
-        return _error(409, "InvalidStatusTransition", str(exc), "status")
-    if isinstance(exc, ValidationError):  # raised by the store while building a model
-        return _validation_error(exc.errors(include_url=False), strip_source=False)
-    if isinstance(exc, LightningNbError):
-        return _error(400, type(exc).__name__, str(exc), _field_of(str(exc)))
-    log.exception("store server: unexpected error")
-    return _error(500, "InternalError", f"{type(exc).__name__}: {exc}")
-
 
 
 class _Guard:
@@ -206,8 +138,9 @@ class StoreServer:
             return self
         self._stopping.clear()
         self._wait_limiter = None  # bound to the previous event loop, if any
-        server = ThreadedServer(self.app(), self.host, self.port, "store server",
-                                timeout_keep_alive=65, timeout_graceful_shutdown=5)
+        # no Server/Date response headers: nothing reads them, and both sides spend CPU on every one
+        server = ThreadedServer(self.app(), self.host, self.port, "store server", timeout_keep_alive=65,
+                                timeout_graceful_shutdown=5, server_header=False, date_header=False)
         self.port = server.start()
         self._server = server
         if self.sweep_interval_s is not None:
@@ -295,65 +228,35 @@ def _store_app(server: StoreServer) -> Any:
     (``fastapi.dependencies.models``, up to 4096 each), so a route closing over the server would keep it,
     and through it the store, alive after :meth:`StoreServer.stop`. Only the app (dropped at stop) holds
     the server."""
+    # telemetry off (FastAPI >= 0.16x; older ones keep it in .extra): the store's requests are not the agent's
+    # trace, and with a global OpenTelemetry provider set each request would become spans (and a check per request)
     api = FastAPI(title="lightning-nb store", redirect_slashes=False, openapi_url=None, docs_url=None,
-                  redoc_url=None)
+                  redoc_url=None, telemetry={"tracing": False, "metrics": False, "logs": False})
     api.state.server = server
     api.exception_handler(RequestValidationError)(_invalid)
     api.exception_handler(StarletteHTTPException)(_http_error)
+    # the runners' hot requests first: plain Starlette routes, the same answers without FastAPI's dependency solving
+    api.router.routes.extend(hot_routes())
     api.get("/health")(_health)
     # rollouts
-    api.post("/rollouts")(_enqueue)
     api.post("/rollouts/start")(_start)
-    api.post("/rollouts/dequeue")(_dequeue)
     api.post("/rollouts/query")(_query_rollouts_post)
     api.get("/rollouts")(_query_rollouts)
-    api.post("/rollouts/wait")(_wait_for_rollouts)
     api.get("/rollouts/{rollout_id}")(_get_rollout)
     api.post("/rollouts/{rollout_id}/cancel")(_cancel)
     api.patch("/rollouts/{rollout_id}")(_update_rollout)
     api.post("/rollouts/{rollout_id}/attempts")(_start_attempt)
     # attempts
-    api.patch("/rollouts/{rollout_id}/attempts/{attempt_id}")(_update_attempt)
     api.get("/attempts")(_query_attempts)
     api.post("/attempts/sweep")(_sweep_attempts)
     # workers
     api.post("/workers/{worker_id}")(_update_worker)
     api.get("/workers")(_query_workers)
-    # spans
-    api.post("/spans")(_add_span)
-    api.post("/spans/batch")(_add_spans)
-    api.get("/spans")(_query_spans)
     # resources
     api.post("/resources")(_add_resources)
-    api.get("/resources/latest")(_latest_resources)
     api.get("/resources")(_resources_by_query)
     api.get("/resources/{resources_id:path}")(_resources_by_id)
     return _Guard(api, server.token, server.max_body_bytes)
-
-
-async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> _JSON:
-    """Run a store call and turn its result or error into JSON: in a worker thread, or right here when the
-    store never blocks (:func:`_runs_inline`)."""
-    try:
-        if _runs_inline(fn, args):
-            result = fn(*args, **kwargs)
-        else:
-            result = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
-    except Exception as exc:
-        return _exception_response(exc)
-    return _JSON(_plain(result))
-
-
-def _runs_inline(fn: Callable[..., Any], args: tuple) -> bool:
-    """True for a short call of an :class:`InMemoryStore` (one object, one rollout's spans, a body-sized
-    batch): it holds the store's lock for microseconds and never waits for I/O, so running it on the event
-    loop costs less than the two thread hand-offs of a worker thread. Listings of the whole store stay in
-    threads (other requests go on meanwhile), as do all calls of other stores (a SqliteStore call may wait
-    for an fsync)."""
-    if type(getattr(fn, "__self__", None)) not in _INLINE_STORES:
-        return False
-    name = fn.__name__
-    return name in _INLINE_CALLS or (name == "query_spans" and bool(args) and args[0] is not None)
 
 
 def _server(request: Request) -> StoreServer:
@@ -382,26 +285,9 @@ async def _health(request: Request) -> _JSON:
 
 
 # rollouts
-async def _enqueue(req: EnqueueRequest, request: Request) -> _JSON:
-    return await _call(_store(request).enqueue_rollout, req.input, mode=req.mode, resources_id=req.resources_id,
-                       config=req.config, metadata=req.metadata)
-
-
 async def _start(req: StartRequest, request: Request) -> _JSON:
     return await _call(_store(request).start_rollout, req.input, mode=req.mode, resources_id=req.resources_id,
                        config=req.config, metadata=req.metadata, worker_id=req.worker_id)
-
-
-async def _dequeue(req: DequeueRequest, request: Request) -> _JSON:
-    store = _store(request)
-
-    def abandon(item: AttemptedRollout) -> None:  # nobody will run it: fail the attempt so it requeues
-        store.update_attempt(item.rollout.rollout_id, item.attempt.attempt_id, status="failed",
-                             error="the store client disconnected before receiving this attempt")
-
-    return await _server(request)._wait(request, req.timeout,
-                                        lambda s: store.dequeue_rollout(req.worker_id, timeout=s),
-                                        lambda item: item is not None, abandon)
 
 
 async def _query_rollouts_post(req: QueryRolloutsRequest, request: Request) -> _JSON:
@@ -411,13 +297,6 @@ async def _query_rollouts_post(req: QueryRolloutsRequest, request: Request) -> _
 async def _query_rollouts(request: Request, status: Optional[list[str]] = Query(None),
                           ids: Optional[list[str]] = Query(None)) -> _JSON:
     return await _call(_store(request).query_rollouts, status=status, rollout_ids=ids)
-
-
-async def _wait_for_rollouts(req: WaitRequest, request: Request) -> _JSON:
-    server, store = _server(request), _store(request)
-    budget = server.max_wait_s if req.timeout is None else req.timeout
-    return await server._wait(request, budget, lambda s: store.wait_for_rollouts(req.rollout_ids, timeout=s),
-                              lambda done: len(done) == len(req.rollout_ids))
 
 
 async def _get_rollout(rollout_id: str, request: Request) -> _JSON:
@@ -438,11 +317,6 @@ async def _start_attempt(rollout_id: str, req: StartAttemptRequest, request: Req
 
 
 # attempts
-async def _update_attempt(rollout_id: str, attempt_id: str, req: UpdateAttemptRequest, request: Request) -> _JSON:
-    return await _call(_store(request).update_attempt, rollout_id, attempt_id, status=req.status,
-                       worker_id=req.worker_id, error=req.error, heartbeat=req.heartbeat)
-
-
 async def _query_attempts(request: Request, rollout_id: Optional[str] = None) -> _JSON:
     return await _call(_store(request).query_attempts, rollout_id)
 
@@ -461,26 +335,9 @@ async def _query_workers(request: Request) -> _JSON:
     return await _call(_store(request).query_workers)
 
 
-# spans
-async def _add_span(span: Span, request: Request) -> _JSON:
-    return await _call(_store(request).add_span, span)
-
-
-async def _add_spans(spans: list[Span], request: Request) -> _JSON:
-    return await _call(_store(request).add_spans, spans)
-
-
-async def _query_spans(request: Request, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> _JSON:
-    return await _call(_store(request).query_spans, rollout_id, attempt_id)
-
-
 # resources
 async def _add_resources(req: AddResourcesRequest, request: Request) -> _JSON:
     return await _call(_store(request).add_resources, req.resources, req.resources_id)
-
-
-async def _latest_resources(request: Request) -> _JSON:
-    return await _call(_store(request).get_latest_resources)
 
 
 async def _resources_by_query(request: Request, resources_id: Optional[str] = None) -> _JSON:
