@@ -18,8 +18,13 @@ Workload, identical for every store (timed from the first enqueue to the last qu
 3. query the spans of every rollout (and check there are S each).
 
 Spans start as finished OpenTelemetry ``ReadableSpan`` objects and go in through each kit's
-own tracer path: ``StoreSpanProcessor.on_end`` (-> ``add_span``) for lightning-nb,
-``add_otel_span`` for agentlightning. By default the S spans are made once with the OTel SDK
+own tracer path: for agentlightning ``add_otel_span`` as each span ends (its ``OtelTracer``
+does so); for lightning-nb ``StoreSpanProcessor.on_end``, with the attempt opened first and
+closed after its spans as our ``Runner`` does, so its spans go in with one ``add_spans``
+(``--span-writes each``: no open attempt, ``add_span`` as each span ends). ``--enqueue batch``
+enqueues all N in one call on both sides (our ``enqueue_rollouts``, agentlightning's
+``enqueue_many_rollouts``); by default each task is its own call, as agentlightning's
+algorithms enqueue (ours enqueue a GRPO group per call). By default the S spans are made once with the OTel SDK
 before timing and re-sent for every rollout (ours gets a cheap ``ReadableSpan`` copy carrying
 the rollout/attempt ids, which is how our tracer tags spans), so the time is the stores' own.
 ``--sdk-spans`` makes every span with the OTel SDK inside the timed loop instead (the agent
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import threading
@@ -115,15 +121,21 @@ def _run_threads(k: int, target: Callable[[], int]) -> int:
 
 
 # ----- lightning-nb -------------------------------------------------------------------------
-def bench_ours(store: Any, n: int, k: int, s: int, sdk_spans: bool) -> dict[str, float]:
+def bench_ours(store: Any, n: int, k: int, s: int, sdk_spans: bool, span_writes: str = "batch",
+               enqueue: str = "each") -> dict[str, float]:
     from lightning_nb.tracing.tracer import StoreSpanProcessor
     from lightning_nb.types import LLMResource
 
     make = _span_factory(s, sdk_spans, tag_ids=True)
-    processor = StoreSpanProcessor(store)
+    # batch: what our Runner does (Tracer.open_attempt -> one add_spans when the attempt closes); each: add_span
+    # as every span ends (a span of an attempt nobody opened, e.g. the proxy's)
+    processor = StoreSpanProcessor(store, flush_s=0.5 if span_writes == "batch" else 0.0)
     store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
     t0 = time.perf_counter()
-    ids = [store.enqueue_rollout({"q": i}).rollout_id for i in range(n)]
+    if enqueue == "batch":
+        ids = [r.rollout_id for r in store.enqueue_rollouts([{"q": i} for i in range(n)])]
+    else:
+        ids = [store.enqueue_rollout({"q": i}).rollout_id for i in range(n)]
     t1 = time.perf_counter()
 
     def runner() -> int:
@@ -136,8 +148,10 @@ def bench_ours(store: Any, n: int, k: int, s: int, sdk_spans: bool) -> dict[str,
             rid, aid = item.rollout.rollout_id, item.attempt.attempt_id
             store.get_latest_resources()
             store.update_attempt(rid, aid, status="running", worker_id=worker)
+            processor.open(rid, aid)
             for i in range(s):
                 processor.on_end(make(rid, aid, i))
+            processor.close(rid, aid)
             store.update_attempt(rid, aid, status="succeeded")
             count += 1
 
@@ -150,16 +164,21 @@ def bench_ours(store: Any, n: int, k: int, s: int, sdk_spans: bool) -> dict[str,
 
 
 # ----- agentlightning -----------------------------------------------------------------------
-def bench_agentlightning(n: int, k: int, s: int, sdk_spans: bool) -> dict[str, float]:
+def bench_agentlightning(n: int, k: int, s: int, sdk_spans: bool, enqueue: str = "each") -> dict[str, float]:
     from agentlightning import LLM
+    from agentlightning.types import EnqueueRolloutRequest
     from agentlightning.store import InMemoryLightningStore
     from agentlightning.store.threading import LightningStoreThreaded
 
     make = _span_factory(s, sdk_spans, tag_ids=False)
+    enqueue_mode = enqueue
     store = LightningStoreThreaded(InMemoryLightningStore())
     asyncio.run(store.add_resources({"main_llm": LLM(endpoint="http://127.0.0.1:9/v1", model="m")}))
 
     async def enqueue() -> list[str]:
+        if enqueue_mode == "batch":
+            many = await store.enqueue_many_rollouts([EnqueueRolloutRequest(input={"q": i}) for i in range(n)])
+            return [r.rollout_id for r in many]
         return [(await store.enqueue_rollout(input={"q": i})).rollout_id for i in range(n)]
 
     t0 = time.perf_counter()
@@ -190,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="make every span with the OTel SDK inside the timed loop (agent-side cost included)")
     parser.add_argument("--synchronous", default="FULL,NORMAL",
                         help="SqliteStore synchronous modes to run, comma-separated (default: FULL,NORMAL)")
+    parser.add_argument("--span-writes", choices=("batch", "each"), default="batch",
+                        help="ours: batch = one add_spans per attempt, as our Runner's tracer writes them (default); "
+                             "each = add_span as every span ends. agentlightning's tracer writes each span as it ends")
+    parser.add_argument("--enqueue", choices=("each", "batch"), default="each",
+                        help="each = enqueue_rollout per task on both sides (default; agent-lightning's algorithms "
+                             "enqueue so); batch = one call for all N (our enqueue_rollouts, its enqueue_many_rollouts)")
     parser.add_argument("--tmp", default=None, help="folder for the SQLite file (default: the system temp folder; "
                         "fsync cost depends on its disk)")
     args = parser.parse_args(argv)
@@ -207,15 +232,16 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"agentlightning {version('agentlightning')}, lightning-nb {version('lightning-nb')}, "
           f"python {sys.version.split()[0]}; N={n} rollouts, K={k} threads, S={s} spans/rollout, "
-          f"spans made {'in the loop by the OTel SDK' if args.sdk_spans else 'once before timing'}")
-    sdk = args.sdk_spans
-    results = {"agentlightning InMemoryLightningStore": bench_agentlightning(n, k, s, sdk),
-               "lightning-nb InMemoryStore": bench_ours(InMemoryStore(), n, k, s, sdk)}
+          f"spans made {'in the loop by the OTel SDK' if args.sdk_spans else 'once before timing'}; "
+          f"our span writes: {args.span_writes}; enqueue: {args.enqueue}; load average {os.getloadavg()[0]:.2f}")
+    sdk, shape = args.sdk_spans, {"span_writes": args.span_writes, "enqueue": args.enqueue}
+    results = {"agentlightning InMemoryLightningStore": bench_agentlightning(n, k, s, sdk, args.enqueue),
+               "lightning-nb InMemoryStore": bench_ours(InMemoryStore(), n, k, s, sdk, **shape)}
     for mode in args.synchronous.split(","):
         with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
             sqlite = SqliteStore(Path(tmp) / "bench.db", synchronous=mode)
             try:
-                results[f"lightning-nb SqliteStore {mode}"] = bench_ours(sqlite, n, k, s, sdk)
+                results[f"lightning-nb SqliteStore {mode}"] = bench_ours(sqlite, n, k, s, sdk, **shape)
             finally:
                 sqlite.close()
     theirs = n / results["agentlightning InMemoryLightningStore"]["total_s"]
@@ -229,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                               if "SqliteStore" in name)
     print(f"ratio InMemoryStore / agentlightning: {ours / theirs:.1f}x (target >= 10x); "
           f"SqliteStore / agentlightning: {sqlite_ratios}")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     del agentlightning
     return 0
 

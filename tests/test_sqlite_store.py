@@ -243,6 +243,32 @@ def test_synchronous_option_and_group_commit(tmp_path, monkeypatch):
         assert [len(s.query_spans(i.rollout.rollout_id)) for i in items] == [40] * 4
 
 
+def test_enqueue_rollouts_is_one_durable_commit_all_or_none(tmp_path, monkeypatch):
+    fsyncs = []
+    real = sqlite_mod._fdatasync
+    monkeypatch.setattr(sqlite_mod, "_fdatasync", lambda fd: (fsyncs.append(fd), real(fd)))
+    path = tmp_path / "s.db"
+    with SqliteStore(path) as s:
+        res = s.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
+        s.enqueue_rollout("first")
+        commits, synced = s._commits, len(fsyncs)
+        out = s.enqueue_rollouts([{"q": i} for i in range(5)], mode="val", metadata={"group_id": "g"})
+        assert s._commits == commits + 1 and len(fsyncs) == synced + 1  # one transaction, one fsync
+        assert [r.input for r in out] == [{"q": i} for i in range(5)]
+        assert {(r.mode, r.resources_id, r.metadata["group_id"], r.status) for r in out} == \
+            {("val", res.resources_id, "g", "queuing")}
+        # all or none: a bad input or an unknown resources set stores nothing, and says which
+        with pytest.raises(ConfigError, match=r"inputs\[1\].*JSON"):
+            s.enqueue_rollouts(["ok", object(), "ok too"])
+        with pytest.raises(NotFoundError, match="nope"):
+            s.enqueue_rollouts(["a", "b"], resources_id="nope")
+        assert s.enqueue_rollouts([]) == []
+        assert len(s.query_rollouts()) == 6
+    with SqliteStore(path) as s:  # durable, and queued in order after the earlier one
+        inputs = [s.dequeue_rollout().rollout.input for _ in range(6)]
+        assert inputs == ["first"] + [{"q": i} for i in range(5)] and s.dequeue_rollout() is None
+
+
 # ----- crash recovery in a real process killed with SIGKILL -----------------------------------
 
 # A long-lived helper imports lightning_nb once (about a second) and forks one worker per trial, so

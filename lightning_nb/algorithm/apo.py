@@ -240,24 +240,12 @@ class APO(BackgroundLoop):
             TrainerStopped: :meth:`stop` was called (the rollouts are cancelled).
             LightningNbError: none left the queue within ``config.start_timeout_s`` (no runners; cancelled).
         """
-        t0 = time.monotonic()
-        while True:
-            done = self.store.wait_for_rollouts(ids, timeout=1.0)
-            self.report_progress(phase, len(done), len(ids), unit="rollouts", step=r)
-            if len(done) == len(ids):
-                return
-            idle = time.monotonic() - t0 > self.config.start_timeout_s and all(
-                ro.status == "queuing" for ro in self.store.query_rollouts(rollout_ids=ids))
-            if self.stop_requested or idle:
-                for rid in ids:
-                    try:
-                        self.store.cancel_rollout(rid)
-                    except LightningNbError:
-                        pass  # already terminal
-                if self.stop_requested:
-                    raise TrainerStopped("stopped while waiting for rollouts")
-                raise LightningNbError(f"no APO rollout left the queue in {self.config.start_timeout_s:g} s: no "
-                                       "runner consumes this store; start_runners(agent, store) first")
+        def report(done: int, total: int) -> None:
+            self.report_progress(phase, done, total, unit="rollouts", step=r)
+
+        if not self.wait_for(ids, start_timeout_s=self.config.start_timeout_s, on_progress=report):
+            raise LightningNbError(f"no APO rollout left the queue in {self.config.start_timeout_s:g} s: no "
+                                   "runner consumes this store; start_runners(agent, store) first")
 
     # ----- the proposer ----------------------------------------------------------------------
     def _failures(self, cand: Candidate, keys: list[str]) -> list[dict[str, Any]]:

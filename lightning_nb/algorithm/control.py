@@ -104,7 +104,8 @@ class BackgroundLoop:
     """Pause/resume/stop control of one background loop; mixed into the algorithm that owns the loop.
 
     The class it is mixed into has a ``trainer`` (whose ``step`` counts the steps done and whose
-    ``metrics`` rows time them) and a ``run(steps)`` method, the loop itself; :meth:`start` runs
+    ``metrics`` rows time them), a ``store`` (whose rollouts :meth:`wait_for` waits for) and a
+    ``run(steps)`` method, the loop itself; :meth:`start` runs
     ``run`` in a daemon thread. States (:attr:`state`): ``idle`` (never started), ``running``, ``pausing`` (a pause
     was asked; the loop has not reached its next step boundary yet), ``paused`` (parked
     at a step boundary), ``stopped``, ``failed`` (:attr:`error` holds the exception),
@@ -203,6 +204,54 @@ class BackgroundLoop:
             self.paused_seconds += time.monotonic() - t0
         if self._stop.is_set():
             raise TrainerStopped(f"stopped while paused {where}".strip())
+
+    def wait_for(self, rollout_ids: list[str], desc: Optional[str] = None,
+                 start_timeout_s: Optional[float] = None,
+                 on_progress: Optional[Callable[[int, int], None]] = None) -> bool:
+        """Wait until every rollout is terminal; a tqdm.auto bar named ``desc`` if given.
+
+        Returns True when all are terminal. With ``start_timeout_s``, returns False (having
+        cancelled them) when none has left the queue after that many seconds: no runner is
+        consuming the store. ``on_progress(finished, total)`` is called at each poll (about
+        once a second) with the count of terminal rollouts of ``rollout_ids`` and ``len(rollout_ids)``.
+
+        Raises:
+            TrainerStopped: the loop was stopped while waiting (the rollouts are cancelled).
+        """
+        bar = None
+        if desc:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(rollout_ids), desc=desc, unit="rollout")
+        try:
+            return self._wait_loop(rollout_ids, bar, start_timeout_s, on_progress)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _wait_loop(self, rollout_ids: list[str], bar: Any, start_timeout_s: Optional[float],
+                   on_progress: Optional[Callable[[int, int], None]]) -> bool:
+        t0 = time.monotonic()
+        while True:
+            done = self.store.wait_for_rollouts(rollout_ids, timeout=1.0)
+            if bar is not None:
+                bar.update(len(done) - bar.n)
+            if on_progress is not None:
+                on_progress(len(done), len(rollout_ids))
+            if len(done) == len(rollout_ids):
+                return True
+            stopped = self.stop_requested
+            idle = start_timeout_s is not None and time.monotonic() - t0 > start_timeout_s and all(
+                r.status == "queuing" for r in self.store.query_rollouts(rollout_ids=rollout_ids))
+            if stopped or idle:
+                for rid in rollout_ids:
+                    try:
+                        self.store.cancel_rollout(rid)
+                    except LightningNbError:
+                        pass  # already terminal
+                if stopped:
+                    raise TrainerStopped("stopped while waiting for rollouts")
+                return False
 
     def report_progress(self, phase: str, done: int, total: int, *, unit: str, step: int) -> None:
         """Called by the loop as it works: :attr:`progress` becomes this snapshot (:class:`LoopProgress`).

@@ -191,54 +191,6 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
     def _rollout_config(self) -> RolloutConfig:
         return RolloutConfig(max_attempts=self.config.max_attempts, timeout_seconds=self.config.rollout_timeout_s)
 
-    def wait_for(self, rollout_ids: list[str], desc: Optional[str] = None,
-                 start_timeout_s: Optional[float] = None,
-                 on_progress: Optional[Callable[[int, int], None]] = None) -> bool:
-        """Wait until every rollout is terminal; a tqdm.auto bar named ``desc`` if given.
-
-        Returns True when all are terminal. With ``start_timeout_s``, returns False (having
-        cancelled them) when none has left the queue after that many seconds: no runner is
-        consuming the store. ``on_progress(finished, total)`` is called at each poll (about
-        once a second) with the count of terminal rollouts of ``rollout_ids`` and ``len(rollout_ids)``.
-
-        Raises:
-            TrainerStopped: the trainer was stopped while waiting (the rollouts are cancelled).
-        """
-        bar = None
-        if desc:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(rollout_ids), desc=desc, unit="rollout")
-        try:
-            return self._wait_loop(rollout_ids, bar, start_timeout_s, on_progress)
-        finally:
-            if bar is not None:
-                bar.close()
-
-    def _wait_loop(self, rollout_ids: list[str], bar: Any, start_timeout_s: Optional[float],
-                   on_progress: Optional[Callable[[int, int], None]]) -> bool:
-        t0 = time.monotonic()
-        while True:
-            done = self.store.wait_for_rollouts(rollout_ids, timeout=1.0)
-            if bar is not None:
-                bar.update(len(done) - bar.n)
-            if on_progress is not None:
-                on_progress(len(done), len(rollout_ids))
-            if len(done) == len(rollout_ids):
-                return True
-            stopped = self.stop_requested
-            idle = start_timeout_s is not None and time.monotonic() - t0 > start_timeout_s and all(
-                r.status == "queuing" for r in self.store.query_rollouts(rollout_ids=rollout_ids))
-            if stopped or idle:
-                for rid in rollout_ids:
-                    try:
-                        self.store.cancel_rollout(rid)
-                    except LightningNbError:
-                        pass  # already terminal
-                if stopped:
-                    raise TrainerStopped("stopped while waiting for rollouts")
-                return False
-
     def _task_weights(self) -> Optional[list[float]]:
         """Each training task's sampling weight under ``config.slice_weights`` (None: uniform)."""
         sw = self.config.slice_weights
@@ -275,10 +227,10 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
             else:
                 task = self._rng.choices(self.train_tasks, weights)[0]
             group = f"{self.trainer.step + 1}.{round_}:{task_key(task, self.id_key)}"
-            for _ in range(cfg.group_size):
-                ids.append(self.store.enqueue_rollout(
-                    task, mode="train", config=self._rollout_config(),
-                    metadata={"group_id": group, "sampling_parameters": sampling}).rollout_id)
+            # one call per group: one transaction (and one fsync) in a SqliteStore, one lock in memory
+            ids += [r.rollout_id for r in self.store.enqueue_rollouts(
+                [task] * cfg.group_size, mode="train", config=self._rollout_config(),
+                metadata={"group_id": group, "sampling_parameters": sampling})]
         return ids
 
     def collect(self) -> tuple[list, list[str]]:
@@ -383,8 +335,8 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
             raise ConfigError("no val tasks to evaluate; pass val_tasks to LightningRL or tasks to evaluate()")
         keys = slice_keys(tasks, by) if by is not None else None
         sampling = {"temperature": 0.0, "max_tokens": self.config.max_tokens}
-        ids = [self.store.enqueue_rollout(t, mode="val", config=self._rollout_config(),
-                                          metadata={"sampling_parameters": sampling}).rollout_id for t in tasks]
+        ids = [r.rollout_id for r in self.store.enqueue_rollouts(tasks, mode="val", config=self._rollout_config(),
+                                                                 metadata={"sampling_parameters": sampling})]
         self.wait_for(ids, desc="evaluating" if progress else None,
                       on_progress=self._reporter("evaluate", self.trainer.step, len(ids)))
         finished = self._finished_rewards(ids)
