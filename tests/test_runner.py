@@ -82,7 +82,9 @@ def test_hung_agent_times_out_without_blocking_other_runners(resourced):
         assert attempt.status == "timeout" and "timeout_seconds=1.0" in attempt.error
         assert store.get_rollout_by_id(slow).status == "failed"
         status = group.status()
-        assert status["timed_out"].sum() == 1 and status["succeeded"].sum() == 5
+        # the runner's own deadline ends it (timed_out), or the store's watchdog, swept by wait_for_rollouts, got
+        # there first under load and the runner's next heartbeat left the agent behind (abandoned); one of the two
+        assert status["timed_out"].sum() + status["abandoned"].sum() == 1 and status["succeeded"].sum() == 5
     finally:
         release.set()
         group.stop()
