@@ -42,10 +42,14 @@ demo:
 	$(MAKE) -j2 setup $(if $(filter vllm,$(ENGINE)),setup-vllm)
 	$(BIN)/python -m lightning_nb demo --steps $(STEPS) --seed $(SEED) --out $(OUT) --engine $(ENGINE) --device $(DEVICE) $(if $(DTYPE),--dtype $(DTYPE)) $(ARGS)
 
-# the vLLM engine is an extra that CI installs and tests too
+# the vLLM engine is an extra that CI installs and tests too.
+# One pytest-xdist worker per core (TEST_WORKERS=0: one process); --dist loadgroup keeps the memory-heavy modules
+# on one worker one after the other (tests/conftest.py's groups), --no-loadscope-reorder starts them first.
+# A targeted `.venv/bin/python -m pytest tests/test_x.py` runs in one process as before.
+TEST_WORKERS ?= logical
 test:
 	$(MAKE) -j2 setup setup-vllm
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # vLLM lives in its own venv (its pins clash with the main one); VLLMEngine starts its server from there.
 setup-vllm: $(VLLM_VENV)/.installed

