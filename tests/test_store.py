@@ -134,6 +134,20 @@ def test_resources_latest_and_by_id(store):
     assert len(store.query_rollouts()) == 0
 
 
+def test_enqueue_rollouts_queues_in_order_with_the_options_all_or_none(store):
+    res = store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:1/v1", model="m")})
+    cfg = RolloutConfig(max_attempts=2)
+    out = store.enqueue_rollouts([{"q": i} for i in range(4)], mode="val", config=cfg, metadata={"group_id": "g"})
+    assert [r.input for r in out] == [{"q": i} for i in range(4)]
+    assert {(r.mode, r.resources_id, r.config.max_attempts, r.metadata["group_id"], r.status) for r in out} == \
+        {("val", res.resources_id, 2, "g", "queuing")}
+    assert store.enqueue_rollouts([]) == []
+    with pytest.raises(NotFoundError, match="res-nope"):
+        store.enqueue_rollouts(["a", "b"], resources_id="res-nope")
+    assert len(store.query_rollouts()) == 4  # nothing of the refused batch
+    assert [store.dequeue_rollout().rollout.rollout_id for _ in range(4)] == [r.rollout_id for r in out]
+
+
 def test_empty_views_have_columns(store):
     assert isinstance(store.spans_df(), pd.DataFrame)
     assert {"rollout_id", "name", "prompt_tokens"} <= set(store.spans_df().columns)

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from lightning_nb.store import InMemoryStore, StoreClient, StoreServer
+from lightning_nb.errors import ConfigError
 from lightning_nb.store.client import StoreConnectionError
 
 
@@ -48,3 +49,21 @@ def test_threads_share_one_client_and_close_refuses_later_calls():
         with pytest.raises(StoreConnectionError, match="closed"):
             client.enqueue_rollout("late")
         assert len(server.store.query_rollouts()) == 80  # nothing was sent
+
+
+def test_enqueue_rollouts_is_one_request_and_an_input_json_cannot_carry_sends_nothing():
+    class Counting(InMemoryStore):
+        batches = 0
+
+        def enqueue_rollouts(self, inputs, **kwargs):
+            type(self).batches += 1
+            return super().enqueue_rollouts(inputs, **kwargs)
+
+    inner = Counting()
+    with StoreServer(inner, port=0) as server, StoreClient(server.url) as client:
+        out = client.enqueue_rollouts(["a", {"b": [1, 2]}, 3], metadata={"group_id": "g"})
+        assert Counting.batches == 1 and [r.input for r in out] == ["a", {"b": [1, 2]}, 3]
+        assert [r.rollout_id for r in inner.query_rollouts()] == [r.rollout_id for r in out]
+        with pytest.raises(ConfigError, match=r"inputs\[1\]"):
+            client.enqueue_rollouts(["ok", object()])
+        assert Counting.batches == 1 and len(inner.query_rollouts()) == 3

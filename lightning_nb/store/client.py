@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 from urllib.parse import quote, urlencode
 
 import urllib3
@@ -157,6 +157,22 @@ class StoreClient(LightningStore):
     ) -> Rollout:
         body = _rollout_body(input, mode, resources_id, config, metadata)
         return Rollout.model_validate(self._request("POST", "/rollouts", body=body))
+
+    def enqueue_rollouts(self, inputs: Iterable[Any], *, mode: RolloutMode = "train",
+                         resources_id: Optional[str] = None, config: Optional[RolloutConfig] = None,
+                         metadata: Optional[dict[str, Any]] = None) -> list[Rollout]:
+        """Enqueue many tasks with the same options in one request (``POST /rollouts/batch``), in order.
+
+        The server calls its store's ``enqueue_rollouts`` (one transaction in a SqliteStore). An input that
+        cannot be sent as JSON raises ConfigError naming ``inputs[i]`` before anything is sent.
+        """
+        items = [_jsonable(x, f"inputs[{i}]") for i, x in enumerate(inputs)]
+        if not items:
+            return []
+        body = _rollout_body(None, mode, resources_id, config, metadata)
+        del body["input"]
+        body["inputs"] = items
+        return [Rollout.model_validate(r) for r in self._request("POST", "/rollouts/batch", body=body)]
 
     def start_rollout(
         self,

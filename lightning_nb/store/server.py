@@ -46,8 +46,8 @@ from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import DEFAULT_WATCHDOG_INTERVAL_S
 # the request bodies are module level there, so FastAPI resolves the routes' postponed annotations
 from lightning_nb.store.server_bodies import (
-    AddResourcesRequest, QueryRolloutsRequest, StartAttemptRequest, StartRequest, UpdateRolloutRequest,
-    UpdateWorkerRequest,
+    AddResourcesRequest, EnqueueManyRequest, QueryRolloutsRequest, StartAttemptRequest, StartRequest,
+    UpdateRolloutRequest, UpdateWorkerRequest,
 )
 from lightning_nb.store.server_hot import _INLINE_STORES, _call, hot_routes
 from lightning_nb.store.server_responses import _JSON, _error, _exception_response, _plain, _validation_error
@@ -240,6 +240,7 @@ def _store_app(server: StoreServer) -> Any:
     api.get("/health")(_health)
     # rollouts
     api.post("/rollouts/start")(_start)
+    api.post("/rollouts/batch")(_enqueue_many)
     api.post("/rollouts/query")(_query_rollouts_post)
     api.get("/rollouts")(_query_rollouts)
     api.get("/rollouts/{rollout_id}")(_get_rollout)
@@ -285,6 +286,11 @@ async def _health(request: Request) -> _JSON:
 
 
 # rollouts
+async def _enqueue_many(req: EnqueueManyRequest, request: Request) -> _JSON:
+    return await _call(_store(request).enqueue_rollouts, req.inputs, mode=req.mode, resources_id=req.resources_id,
+                       config=req.config, metadata=req.metadata)
+
+
 async def _start(req: StartRequest, request: Request) -> _JSON:
     return await _call(_store(request).start_rollout, req.input, mode=req.mode, resources_id=req.resources_id,
                        config=req.config, metadata=req.metadata, worker_id=req.worker_id)

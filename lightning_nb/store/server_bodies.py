@@ -29,6 +29,14 @@ class EnqueueRequest(_Body):
     metadata: Optional[dict[str, Any]] = None
 
 
+class EnqueueManyRequest(_Body):
+    inputs: list[Any]
+    mode: RolloutMode = "train"
+    resources_id: Optional[str] = None
+    config: Optional[RolloutConfig] = None
+    metadata: Optional[dict[str, Any]] = None
+
+
 class StartRequest(EnqueueRequest):
     worker_id: Optional[str] = None
 
