@@ -473,7 +473,12 @@ class LightningStore(FrameViews, ABC):
                     return done
 
     def enqueue_rollouts(self, inputs: Iterable[Any], **kwargs: Any) -> list[Rollout]:
-        """Enqueue many tasks with the same options; see :meth:`enqueue_rollout`."""
+        """Enqueue many tasks with the same options, in order; see :meth:`enqueue_rollout`.
+
+        This default calls :meth:`enqueue_rollout` for each input (an unknown ``resources_id`` fails the first,
+        so nothing is stored). ``SqliteStore`` enqueues the batch in one transaction (one fsync), ``StoreClient``
+        in one request; ``LightningRL`` enqueues each GRPO group with one call.
+        """
         return [self.enqueue_rollout(x, **kwargs) for x in inputs]
 
     def _repr_html_(self) -> Optional[str]:
