@@ -73,7 +73,7 @@ from typing import Any, Iterable, Optional, Sequence
 from lightning_nb.errors import ConfigError, InvalidRewardError, NotFoundError
 from lightning_nb.semconv import REWARD, REWARD_NOTE, REWARD_SOURCE, REWARD_SPAN
 from lightning_nb.store.frames import FrameViews
-from lightning_nb.store.otel import check_ids, otel_rows
+from lightning_nb.store.otel import check_ids, otel_rows, span_of_row
 from lightning_nb.store.rules import component_sums, final_reward
 from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES
 from lightning_nb.types import (
@@ -88,7 +88,6 @@ from lightning_nb.types import (
     Span,
     Worker,
     html_view,
-    span_construct,
 )
 
 __all__ = ["LightningStore", "span_summary"]
@@ -328,8 +327,7 @@ class LightningStore(FrameViews, ABC):
         """
         check_ids(rollout_id, attempt_id)
         rows = otel_rows(spans)
-        return [s.sequence_id for s in self.add_spans([span_construct(rollout_id, attempt_id, 0, *row[:-1])
-                                                       for row in rows])]
+        return [s.sequence_id for s in self.add_spans([span_of_row(row, rollout_id, attempt_id) for row in rows])]
 
     @abstractmethod
     def query_spans(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> list[Span]:

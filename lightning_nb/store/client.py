@@ -169,9 +169,7 @@ class StoreClient(LightningStore):
         items = [_jsonable(x, f"inputs[{i}]") for i, x in enumerate(inputs)]
         if not items:
             return []
-        body = _rollout_body(None, mode, resources_id, config, metadata)
-        del body["input"]
-        body["inputs"] = items
+        body = {"inputs": items, **_options_body(mode, resources_id, config, metadata)}
         return [Rollout.model_validate(r) for r in self._request("POST", "/rollouts/batch", body=body)]
 
     def start_rollout(
@@ -334,13 +332,14 @@ def _span_json(spans: Sequence[Span], field: str, one: bool = False) -> bytes:
 def _rollout_body(input: Any, mode: str, resources_id: Optional[str], config: Optional[RolloutConfig],
                   metadata: Optional[dict[str, Any]]) -> dict[str, Any]:
     """JSON body of ``POST /rollouts`` and ``POST /rollouts/start`` (ConfigError if not JSON-able)."""
-    return {
-        "input": _jsonable(input, "input"),
-        "mode": mode,
-        "resources_id": resources_id,
-        "config": _jsonable(config, "config"),
-        "metadata": _jsonable(metadata, "metadata"),
-    }
+    return {"input": _jsonable(input, "input"), **_options_body(mode, resources_id, config, metadata)}
+
+
+def _options_body(mode: str, resources_id: Optional[str], config: Optional[RolloutConfig],
+                  metadata: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The rollout options of an enqueue body (``POST /rollouts``, ``/rollouts/start``, ``/rollouts/batch``)."""
+    return {"mode": mode, "resources_id": resources_id, "config": _jsonable(config, "config"),
+            "metadata": _jsonable(metadata, "metadata")}
 
 
 def _jsonable(value: Any, field: str) -> Any:

@@ -27,9 +27,9 @@ from lightning_nb.errors import ConfigError, NotFoundError
 from lightning_nb.semconv import REWARD, REWARD_SPAN
 from lightning_nb.store.rules import check_span_types, same_span, span_beats, span_sequence_id
 from lightning_nb.store.spanframe import Flatten, check_flatten, frame_from_spans, spans_frame
-from lightning_nb.store.otel import check_ids, otel_rows
+from lightning_nb.store.otel import check_ids, otel_rows, span_of_row
 from lightning_nb.store.spantable import SpanTable, cells_of, row_of, spans_from_raws
-from lightning_nb.types import ROLLOUT_TERMINAL, Attempt, Rollout, Span, span_construct, span_with_sequence_id
+from lightning_nb.types import ROLLOUT_TERMINAL, Attempt, Rollout, Span, span_with_sequence_id
 
 __all__ = ["InMemorySpans"]
 
@@ -86,17 +86,15 @@ class InMemorySpans:
         with self._lock:
             if self._spill is not None:
                 self._spill.check_open()  # it may have to spill: refuse before storing anything
-            attempts = self._attempts.get(rollout_id)
-            attempt = next((a for a in reversed(attempts) if a.attempt_id == attempt_id), None) if attempts else None
-            if attempt is not None and len(set(span_ids)) == len(span_ids) and \
-                    self._span_ids[attempt_id].keys().isdisjoint(span_ids):
+            attempt = self._attempt_for_new_spans(rollout_id, attempt_id, span_ids)
+            if attempt is not None:
                 first = self._span_counts[attempt_id] + 1
                 self._store_run(attempt, [(*row, cell, seq) for seq, row, cell in zip(count(first), rows, cells)],
                                 time.time())
                 if self.max_spans is not None and len(self._table) > self.max_spans:
                     self._shed()
                 return list(range(first, first + len(rows)))
-        converted = [span_construct(rollout_id, attempt_id, 0, *row[:-1]) for row in rows]
+        converted = [span_of_row(row, rollout_id, attempt_id) for row in rows]
         return [span.sequence_id for span in self.add_spans(converted)]
 
     def _store_run(self, attempt: Attempt, run: list[tuple[Any, ...]], now: float) -> None:
@@ -168,13 +166,21 @@ class InMemorySpans:
         rid, aid = fields[0]["rollout_id"], fields[0]["attempt_id"]
         if not all(f["rollout_id"] == rid and f["attempt_id"] == aid and f["sequence_id"] == 0 for f in fields):
             return None
-        attempts = self._attempts.get(rid)
-        attempt = next((a for a in reversed(attempts) if a.attempt_id == aid), None) if attempts else None
-        span_ids = [f["span_id"] for f in fields]
-        if attempt is None or len(set(span_ids)) < len(span_ids) or not self._span_ids[aid].keys().isdisjoint(span_ids):
+        attempt = self._attempt_for_new_spans(rid, aid, [f["span_id"] for f in fields])
+        if attempt is None:
             return None  # the general plan raises or handles repeats
         last = self._span_counts[aid]
         return [(attempt, last + k, None) for k in range(1, len(spans) + 1)]
+
+    def _attempt_for_new_spans(self, rollout_id: str, attempt_id: str, span_ids: list[str]) -> Optional[Attempt]:
+        """The attempt when it is known and ``span_ids`` are distinct and new to it (lock held): a batch the fast
+        paths store as one run; None otherwise (the general plan raises or handles repeats)."""
+        attempts = self._attempts.get(rollout_id)
+        attempt = next((a for a in reversed(attempts) if a.attempt_id == attempt_id), None) if attempts else None
+        if attempt is None or len(set(span_ids)) < len(span_ids) or \
+                not self._span_ids[attempt_id].keys().isdisjoint(span_ids):
+            return None
+        return attempt
 
     def _repeated_span(self, span: Span, attempt: Attempt, seq: int) -> Span:
         """``add_span`` of a span id the attempt already has (lock held): the stored span, or ConfigError."""

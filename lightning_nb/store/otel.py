@@ -19,7 +19,7 @@ from lightning_nb import semconv
 from lightning_nb.errors import ConfigError
 from lightning_nb.types import Span, span_construct
 
-__all__ = ["span_from_otel", "otel_row", "otel_rows", "check_ids"]
+__all__ = ["span_from_otel", "otel_row", "otel_rows", "span_of_row", "check_ids"]
 
 _OK, _ERROR = StatusCode.OK, StatusCode.ERROR
 _OUR_KEYS = (semconv.ROLLOUT_ID, semconv.ATTEMPT_ID)
@@ -91,5 +91,10 @@ def span_from_otel(span: Any, rollout_id: str, attempt_id: str) -> Span:
     are left out (:func:`otel_row`). No pydantic validation: OpenTelemetry already checked
     the attribute types, and this runs for every span an agent makes.
     """
-    trace_id, span_id, parent_id, name, start, end, status, attrs, _ = otel_row(span)
+    return span_of_row(otel_row(span), rollout_id, attempt_id)
+
+
+def span_of_row(row: tuple[Any, ...], rollout_id: str, attempt_id: str) -> Span:
+    """The :class:`~lightning_nb.types.Span` of an :func:`otel_row` (``sequence_id`` 0: the store numbers it)."""
+    trace_id, span_id, parent_id, name, start, end, status, attrs, _ = row
     return span_construct(rollout_id, attempt_id, 0, trace_id, span_id, parent_id, name, start, end, status, attrs)

@@ -34,7 +34,7 @@ import numbers
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
@@ -261,21 +261,15 @@ class StoreSpanProcessor(SpanProcessor):
         """Store buffered spans of one attempt with one :meth:`LightningStore.add_otel_spans` (which converts
         them), retrying transient errors; a batch still refused (or of one span) is then written span by span,
         each with its own tries, so only the spans the store refuses (or that cannot be converted) are lost."""
-        tries = 0
-        while len(spans) > 1:
-            tries += 1
-            try:
-                self.store.add_otel_spans(rollout_id, attempt_id, spans)
-            except Exception as exc:  # never crash the agent; transient errors are retried
-                if tries < self.span_tries and not isinstance(exc, _PERMANENT):
-                    time.sleep(self.retry_backoff_s * 2 ** (tries - 1))
-                    continue
-                break  # then span by span (a span a failed batch did store is the same write: stored once)
-            for span in spans:
-                self.ledger.stored(rollout_id, attempt_id, span.name)
-            if tries > 1:
-                log.info("%d span(s) of rollout %s stored at try %d", len(spans), rollout_id, tries)
-            return
+        if len(spans) > 1:
+            tries, exc = self._tries(lambda: self.store.add_otel_spans(rollout_id, attempt_id, spans))
+            if exc is None:
+                for span in spans:
+                    self.ledger.stored(rollout_id, attempt_id, span.name)
+                if tries > 1:
+                    log.info("%d span(s) of rollout %s stored at try %d", len(spans), rollout_id, tries)
+                return
+            # then span by span (a span a failed batch did store is the same write: stored once)
         for span in spans:
             self._write_one(span, rollout_id, attempt_id)
 
@@ -287,23 +281,31 @@ class StoreSpanProcessor(SpanProcessor):
             self._lose(span.name, rollout_id, attempt_id, f"span {span.name!r} could not be recorded: "
                                                           f"{type(exc).__name__}: {exc}")
             return
+        tries, exc = self._tries(lambda: self.store.add_span(record))
+        if exc is not None:
+            self._lose(record.name, rollout_id, attempt_id,
+                       f"span {record.name!r} could not be stored after {tries} "
+                       f"{'try' if tries == 1 else 'tries'}: {type(exc).__name__}: {_first_line(exc)}")
+            return
+        self.ledger.stored(rollout_id, attempt_id, record.name)
+        if tries > 1:
+            log.info("span %r of rollout %s stored at try %d", record.name, rollout_id, tries)
+
+    def _tries(self, write: Callable[[], Any]) -> tuple[int, Optional[Exception]]:
+        """Call ``write`` until it returns, at most ``span_tries`` times, sleeping ``retry_backoff_s`` (doubled each
+        time) between tries; a permanent error (NotFoundError, ConfigError) is not retried. Returns ``(tries, the
+        last error or None)``: the agent never sees the error."""
         tries = 0
         while True:
             tries += 1
             try:
-                self.store.add_span(record)
+                write()
+                return tries, None
             except Exception as exc:  # never crash the agent; transient errors are retried
                 if tries < self.span_tries and not isinstance(exc, _PERMANENT):
                     time.sleep(self.retry_backoff_s * 2 ** (tries - 1))
                     continue
-                self._lose(record.name, rollout_id, attempt_id,
-                           f"span {record.name!r} could not be stored after {tries} "
-                           f"{'try' if tries == 1 else 'tries'}: {type(exc).__name__}: {_first_line(exc)}")
-                return
-            self.ledger.stored(rollout_id, attempt_id, record.name)
-            if tries > 1:
-                log.info("span %r of rollout %s stored at try %d", record.name, rollout_id, tries)
-            return
+                return tries, exc
 
     def _lose(self, name: str, rollout_id: str, attempt_id: str, reason: str) -> None:
         tracked = self.ledger.lost(rollout_id, attempt_id, reason)
