@@ -117,6 +117,28 @@ def test_the_tracer_writes_an_open_attempts_batch_with_add_otel_spans_and_loses_
     assert len(result.lost) == 1 and "span 'broken' could not be recorded" in result.lost[0]
 
 
+def test_the_proxys_spans_of_an_attempt_a_runner_buffers_are_stored_in_the_order_they_ended(store):
+    """The LLM proxy has its own Tracer; its span of a call the runner's attempt made joins the runner's buffer, so
+    the store does not number it before the runner's earlier spans (the GEM runner's LLM, step-score, LLM order)."""
+    runner, proxy = Tracer(store, span_flush_s=30.0), Tracer(store, span_flush_s=30.0)
+    rid, aid = _started(store)
+    runner.open_attempt(rid, aid)
+    proxy.start_span("llm-1", rid, aid, {}).end()
+    with runner.trace_context(rid, aid):
+        runner.start_span("step-1", rid, aid, {}).end()
+        proxy.start_span("llm-2", rid, aid, {}).end()
+        runner.start_span("step-2", rid, aid, {}).end()
+    assert store.query_spans(rid) == []  # all four wait in the runner's buffer
+    runner.close_attempt(rid, aid)
+    proxy.start_span("late", rid, aid, {}).end()  # closed: written as it ends
+    assert [s.name for s in store.query_spans(rid)] == ["llm-1", "step-1", "llm-2", "step-2", "agent", "late"]
+    # a tracer of another store object writes to that store (here: refused, no such rollout), never into this buffer
+    runner.open_attempt(rid, aid)
+    Tracer(InMemoryStore(), span_flush_s=30.0).start_span("elsewhere", rid, aid, {}).end()
+    runner.close_attempt(rid, aid)
+    assert "elsewhere" not in [s.name for s in store.query_spans(rid)]
+
+
 def test_sequence_ids_given_out_of_order_still_read_in_order():
     store = InMemoryStore()
     rid, aid = _started(store)

@@ -55,7 +55,9 @@ from lightning_nb.types import html_view
 __all__ = ["GroupLifecycle", "RunnerGroup", "start_thread_runners", "REPLACE_STOP_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
-REPLACE_STOP_TIMEOUT_S = 10.0  # start_runners(replace=True): how long the previous group may finish its attempts
+# start_runners(replace=True): how long the previous group may finish its attempts. A rollout of the default CPU
+# model takes seconds to tens of seconds on a loaded machine, and an aborted one is lost to its training step.
+REPLACE_STOP_TIMEOUT_S = 60.0
 
 
 class GroupLifecycle:

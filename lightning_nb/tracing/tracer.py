@@ -117,6 +117,12 @@ class SpanLedger:
 # Errors a retry cannot heal: the attempt is gone, or the span itself is invalid.
 _PERMANENT = (NotFoundError, ConfigError)
 
+# (id(store), rollout_id, attempt_id) -> the processor buffering that open attempt's spans. A span another processor
+# of this process ends for the attempt (the LLM proxy's, whose Tracer is its own) joins that buffer, so the store
+# numbers the attempt's spans (sequence_id) in the order they ended, as when every span was written as it ended.
+_BUFFERING: dict[tuple[int, str, str], "StoreSpanProcessor"] = {}
+_BUFFERING_LOCK = threading.Lock()
+
 
 class _Batch:
     """The finished OpenTelemetry spans of one open attempt not yet written, and the lock its writes hold."""
@@ -139,8 +145,11 @@ class StoreSpanProcessor(SpanProcessor):
     ends the attempt, when ``max_batch`` spans wait, and at most ``flush_s`` seconds after a
     span ended (by the next span or a background thread). A batch of one span, and each span
     of a batch the store refused, is converted here and written with ``add_span``.
-    One lock, SQLite commit or HTTP request per batch instead of per span. Every other
-    span (the LLM proxy's for attempts it does not run, late ones) is written as it ends.
+    One lock, SQLite commit or HTTP request per batch instead of per span. A span another
+    processor of this process ends for an attempt open here, on the same store object (the
+    LLM proxy's spans of a runner's call), joins this attempt's buffer, so the store still
+    numbers an attempt's spans (``sequence_id``) in the order they ended. Every other span
+    (late ones, those of attempts run in another process) is written as it ends.
     ``flush_s=0`` writes every span as it ends.
 
     The background thread (``lightning-nb-span-flush``) runs only while spans wait: a span
@@ -185,6 +194,8 @@ class StoreSpanProcessor(SpanProcessor):
             return
         with self._lock:
             self._batches.setdefault((rollout_id, attempt_id), _Batch())
+        with _BUFFERING_LOCK:
+            _BUFFERING[(id(self.store), rollout_id, attempt_id)] = self
 
     def _ensure_flusher(self) -> None:
         """Start the background flush unless it runs (call with ``_lock`` held, after buffering a span)."""
@@ -195,6 +206,9 @@ class StoreSpanProcessor(SpanProcessor):
 
     def close(self, rollout_id: str, attempt_id: str) -> None:
         """Write the attempt's buffered spans now (waiting for a flush under way); later ones are written as they end."""
+        with _BUFFERING_LOCK:
+            if _BUFFERING.get((id(self.store), rollout_id, attempt_id)) is self:
+                del _BUFFERING[(id(self.store), rollout_id, attempt_id)]
         with self._lock:
             batch = self._batches.pop((rollout_id, attempt_id), None)
         if batch is not None:
@@ -240,22 +254,31 @@ class StoreSpanProcessor(SpanProcessor):
         if rollout_id is None or attempt_id is None:
             return  # not part of a rollout
         rollout_id, attempt_id = str(rollout_id), str(attempt_id)
+        if self._buffer(span, rollout_id, attempt_id):
+            return
+        owner = _BUFFERING.get((id(self.store), rollout_id, attempt_id))  # no lock: _buffer checks it is open
+        if owner is not None and owner is not self and owner._buffer(span, rollout_id, attempt_id):
+            return  # e.g. the proxy's span of a runner's call: stored in order with the runner's spans
+        self._write_one(span, rollout_id, attempt_id)
+
+    def _buffer(self, span: ReadableSpan, rollout_id: str, attempt_id: str) -> bool:
+        """Add the ended span to its attempt's batch and write the batch if it is due; False if the attempt is
+        not open here."""
         key = (rollout_id, attempt_id)
         batch = self._batches.get(key)  # no lock for spans of attempts not open here (the proxy's, late ones)
-        if batch is not None:
-            with self._lock:
-                if self._batches.get(key) is batch:  # still open: buffer it (the ended span no longer changes)
-                    if not batch.spans:
-                        batch.since = time.monotonic()
-                    batch.spans.append(span)
-                    due = len(batch.spans) >= self.max_batch or time.monotonic() - batch.since >= self.flush_s
-                    self._ensure_flusher()
-                else:  # closed meanwhile
-                    batch = None
         if batch is None:
-            self._write_one(span, rollout_id, attempt_id)
-        elif due:
+            return False
+        with self._lock:
+            if self._batches.get(key) is not batch:  # closed meanwhile
+                return False
+            if not batch.spans:
+                batch.since = time.monotonic()
+            batch.spans.append(span)  # the ended span no longer changes
+            due = len(batch.spans) >= self.max_batch or time.monotonic() - batch.since >= self.flush_s
+            self._ensure_flusher()
+        if due:
             self._flush(rollout_id, attempt_id, batch, force=False)
+        return True
 
     def _write_batch(self, spans: list[ReadableSpan], rollout_id: str, attempt_id: str) -> None:
         """Store buffered spans of one attempt with one :meth:`LightningStore.add_otel_spans` (which converts
