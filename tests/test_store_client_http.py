@@ -1,5 +1,6 @@
-"""StoreClient's keep-alive connections (lightning_nb/store/client.py, urllib3's pool): shared by threads, replaced
-when the server closed one while idle, and no call goes out after close()."""
+"""StoreClient's keep-alive connections (lightning_nb/store/client.py over lightning_nb/store/curl.py, libcurl
+handles in a pool): shared by threads, replaced when the server closed one while idle, connect errors retried, no
+environment proxy, and no call goes out after close()."""
 
 from __future__ import annotations
 
@@ -67,3 +68,48 @@ def test_enqueue_rollouts_is_one_request_and_an_input_json_cannot_carry_sends_no
         with pytest.raises(ConfigError, match=r"inputs\[1\]"):
             client.enqueue_rollouts(["ok", object()])
         assert Counting.batches == 1 and len(inner.query_rollouts()) == 3
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_refused_connection_is_tried_again_and_then_named_with_the_url():
+    port = _free_port()
+    client = StoreClient(f"http://127.0.0.1:{port}")
+    started = []
+
+    def start_late():  # the server comes up between the first try and the retry (0.5 s later)
+        import time
+
+        time.sleep(0.2)
+        started.append(StoreServer(InMemoryStore(), port=port).start())
+
+    late = threading.Thread(target=start_late)
+    late.start()
+    try:
+        assert client.enqueue_rollout("a").input == "a"
+        late.join()
+        assert [r.input for r in started[0].store.query_rollouts()] == ["a"]
+    finally:
+        late.join()
+        for server in started:
+            server.stop()
+    with pytest.raises(StoreConnectionError, match=rf"127\.0\.0\.1:{port} did not answer POST /rollouts: .*"
+                                                   r"is the StoreServer running\?"):
+        client.enqueue_rollout("b")  # nothing listens any more: three tries, then the error
+    client.close()
+
+
+def test_no_proxy_from_the_environment_is_used(monkeypatch):
+    with StoreServer(InMemoryStore()) as server:
+        for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+            monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+        for name in ("no_proxy", "NO_PROXY"):
+            monkeypatch.delenv(name, raising=False)
+        with StoreClient(server.url) as client:
+            assert client.enqueue_rollout("a").input == "a"

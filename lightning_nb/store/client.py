@@ -1,13 +1,14 @@
 """A :class:`~lightning_nb.store.base.LightningStore` that talks to a :class:`StoreServer` over HTTP.
 
-Every contract method is one JSON request (``urllib3``: a thread-safe pool of keep-alive
-connections, about half the client CPU per request of ``httpx``); error responses come back
+Every contract method is one JSON request, sent by libcurl (pycurl; a thread-safe pool of
+keep-alive connections, :mod:`lightning_nb.store.curl`: about a third of urllib3's client CPU
+per request); error responses come back
 as the same exception classes the server's store raised, with its message, so
 code written against :class:`~lightning_nb.store.memory.InMemoryStore` behaves the
 same through the client. One client is thread-safe and may be shared by runners.
 
 Security defaults: ``token`` is sent as ``Authorization: Bearer <token>`` only
-when given; use ``https://`` URLs (TLS certificates are verified by urllib3) when the
+when given; use ``https://`` URLs (TLS certificates are verified by libcurl) when the
 server is not on this machine. Long waits (``dequeue_rollout(timeout=...)``,
 ``wait_for_rollouts(timeout=None)``) loop over bounded server-side waits, so no
 single request lasts longer than about 25 s.
@@ -23,13 +24,13 @@ import time
 from typing import Any, Iterable, Optional, Sequence
 from urllib.parse import quote, urlencode
 
-import urllib3
 from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError, from_json, to_json, to_jsonable_python
 
 from lightning_nb import errors
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.store.base import LightningStore
+from lightning_nb.store.curl import CurlTransport, TransportError
 from lightning_nb.store.rules import check_span_types
 from lightning_nb.types import (
     Attempt,
@@ -73,20 +74,11 @@ class StoreClient(LightningStore):
             raise ConfigError(f"timeout must be positive seconds, got {timeout!r}")
         self.url, self.timeout = url.rstrip("/"), float(timeout)
         self._token = token or None
-        headers = {"Accept": "application/json"}
+        headers = ["Accept: application/json"]
         if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
-        # built once: the headers of a request without and with a JSON body, and the timeout of a short call
-        self._headers, self._json_headers = headers, {**headers, "Content-Type": "application/json"}
-        self._timeout = urllib3.Timeout(self.timeout)
+            headers.append(f"Authorization: Bearer {self._token}")
         # Connect failures are retried twice (nothing was sent yet); a request that was sent is never retried.
-        retries = urllib3.Retry(total=None, connect=2, read=0, redirect=0, status=0, other=0, backoff_factor=0.5,
-                                raise_on_status=False)
-        # one thread-safe pool of keep-alive connections to the one server (a PoolManager would look the pool up
-        # by URL on every call); block=False: more threads than maxsize open extra connections, not wait
-        self._pool = urllib3.connection_from_url(self.url, maxsize=32, block=False, headers=headers,
-                                                 retries=retries, timeout=self._timeout)
-        self._prefix = urllib3.util.parse_url(self.url).path or ""
+        self._transport = CurlTransport(self.url, headers, connect_retries=2, backoff_s=0.5)
         self._closed = False
 
     @property
@@ -101,7 +93,7 @@ class StoreClient(LightningStore):
     def close(self) -> None:
         """Close the pooled connections; later calls raise StoreConnectionError."""
         self._closed = True
-        self._pool.close()
+        self._transport.close()
 
     def __enter__(self) -> "StoreClient":
         return self
@@ -116,30 +108,24 @@ class StoreClient(LightningStore):
                  wait_s: float = 0.0) -> Any:
         if self._closed:
             raise StoreConnectionError(f"{self!r} is closed; make a new StoreClient")
-        headers, content = self._headers, None
-        if body is not None:
-            content = body if isinstance(body, bytes) else _dumps(body)
-            headers = self._json_headers
-        target = self._prefix + path + (f"?{urlencode(params, doseq=True)}" if params else "")
-        timeout = self._timeout if not wait_s else urllib3.Timeout(self.timeout + wait_s)
-        try:  # the pool's retries (connect errors only); the whole body is read before the connection goes back
-            response = self._pool.urlopen(method, target, body=content, headers=headers, timeout=timeout,
-                                          redirect=False, preload_content=True)
-        except urllib3.exceptions.HTTPError as exc:
+        content = None if body is None else body if isinstance(body, bytes) else _dumps(body)
+        target = path + (f"?{urlencode(params, doseq=True)}" if params else "")
+        try:  # connect errors are retried; the whole body is read before the connection goes back to the pool
+            status, data = self._transport.request(method, target, content, self.timeout + wait_s)
+        except TransportError as exc:
             raise StoreConnectionError(
-                f"store server at {self.url} did not answer {method} {path}: {type(exc).__name__}: {exc}; "
-                f"is the StoreServer running?"
+                f"store server at {self.url} did not answer {method} {path}: {exc}; is the StoreServer running?"
             ) from exc
         try:
-            payload = _loads(response.data)
+            payload = _loads(data)
         except ValueError:
             payload = None
-        if 200 <= response.status < 300:
-            if payload is None and response.data.strip() != b"null":
-                raise StoreConnectionError(f"{self.url}{path} answered {response.status} without JSON; "
+        if 200 <= status < 300:
+            if payload is None and data.strip() != b"null":
+                raise StoreConnectionError(f"{self.url}{path} answered {status} without JSON; "
                                            f"is this a lightning-nb StoreServer?")
             return payload
-        raise _error_from(response.status, payload, f"{method} {path}")
+        raise _error_from(status, payload, f"{method} {path}")
 
     @staticmethod
     def _path(*parts: str) -> str:
