@@ -73,6 +73,7 @@ class CurlTransport:
         c.setopt(pycurl.PROXY, "")  # never a proxy from the environment
         c.setopt(pycurl.FOLLOWLOCATION, 0)
         c.setopt(pycurl.TCP_NODELAY, 1)
+        c.setopt(pycurl.USERAGENT, "lightning-nb")  # not libcurl's (~200 bytes naming every library it links)
         if self._cainfo is not None:
             c.setopt(pycurl.CAINFO, self._cainfo)
         return c
