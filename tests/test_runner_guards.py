@@ -246,7 +246,9 @@ def test_live_runner_group_is_the_latest_and_outlives_a_dropped_handle():
 
 # ----- item 15: a dead LLM endpoint says so in one line ---------------------------------------
 def _openai_agent(task, llm):
-    client = openai.OpenAI(base_url=llm.endpoint, api_key="none", max_retries=0, timeout=2.0)
+    # a refused connection fails at once; the timeout only bounds a real call, which takes seconds on a loaded
+    # CPU (2 s failed the published endpoint's rollouts under 8 xdist workers on 2 cores)
+    client = openai.OpenAI(base_url=llm.endpoint, api_key="none", max_retries=0, timeout=60.0)
     reply = client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": str(task)}],
                                            max_tokens=4)
     return float(len(reply.choices))
