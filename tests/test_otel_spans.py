@@ -137,6 +137,18 @@ def test_the_proxys_spans_of_an_attempt_a_runner_buffers_are_stored_in_the_order
     Tracer(InMemoryStore(), span_flush_s=30.0).start_span("elsewhere", rid, aid, {}).end()
     runner.close_attempt(rid, aid)
     assert "elsewhere" not in [s.name for s in store.query_spans(rid)]
+    # an attempt never closed (an abandoned runner) keeps no tracer alive
+    import gc
+    import weakref
+
+    from lightning_nb.tracing import tracer as tracing
+
+    abandoned = Tracer(store, span_flush_s=30.0)
+    abandoned.open_attempt(rid, "at-never-closed")
+    gone = weakref.ref(abandoned.processor)
+    del abandoned
+    gc.collect()
+    assert gone() is None and (id(store), rid, "at-never-closed") not in tracing._BUFFERING
 
 
 def test_sequence_ids_given_out_of_order_still_read_in_order():

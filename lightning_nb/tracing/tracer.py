@@ -33,6 +33,7 @@ import math
 import numbers
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -120,7 +121,8 @@ _PERMANENT = (NotFoundError, ConfigError)
 # (id(store), rollout_id, attempt_id) -> the processor buffering that open attempt's spans. A span another processor
 # of this process ends for the attempt (the LLM proxy's, whose Tracer is its own) joins that buffer, so the store
 # numbers the attempt's spans (sequence_id) in the order they ended, as when every span was written as it ended.
-_BUFFERING: dict[tuple[int, str, str], "StoreSpanProcessor"] = {}
+# Weak values: an attempt never closed (an abandoned runner) keeps no tracer, or its store, alive.
+_BUFFERING: "weakref.WeakValueDictionary[tuple[int, str, str], StoreSpanProcessor]" = weakref.WeakValueDictionary()
 _BUFFERING_LOCK = threading.Lock()
 
 
