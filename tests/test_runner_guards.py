@@ -217,6 +217,33 @@ def test_replace_false_keeps_both_groups_and_other_stores_are_untouched():
             on_other.stop()
 
 
+def test_a_store_collected_inside_the_registrys_lock_does_not_deadlock_it():
+    """The garbage collector can run a collected store's weakref callback inside the registry's own locked section,
+    on the same thread (any allocation in ``start_runners`` can trigger a collection): the callback must not wait
+    for that lock. It did, and a CI-shaped run hung in ``test_hooks``."""
+    from lightning_nb.runners.live import LiveRunners
+
+    class _Store:  # weakly referenced like a store; a reference cycle, so only the garbage collector frees it
+        pass
+
+    live, store = LiveRunners(), _Store()
+    store.cycle = store
+    with live._lock:
+        assert live._entry(store) is not None
+    assert len(live) == 1
+    del store
+
+    def collect_under_the_lock():
+        with live._lock:  # as inside add() or register_group()
+            gc.collect()
+
+    worker = threading.Thread(target=collect_under_the_lock, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "the store's weakref callback waited for the lock its own thread holds"
+    assert len(live) == 0  # the collected store's entry is gone at the next call
+
+
 def test_runner_registry_keeps_no_store_alive():
     store = _resources(InMemoryStore())
     group = start_runners(lambda task, llm: 1.0, store, n=2)

@@ -32,9 +32,12 @@ class LiveRunners:
         self._lock = threading.Lock()
         self._by_store: dict[int, tuple[weakref.ref, "weakref.WeakSet[Runner]"]] = {}
         self._groups: dict[int, weakref.ref] = {}  # id(store) -> the latest RunnerGroup start_runners registered
+        # (key, ref) of collected stores, removed under the lock by the next call (see _drop)
+        self._dead: list[tuple[int, weakref.ref]] = []
 
     def _entry(self, store: LightningStore) -> Optional[tuple[weakref.ref, "weakref.WeakSet[Runner]"]]:
         """The store's entry, made if missing (call with the lock held); None for a store without weakrefs."""
+        self._purge()
         key = id(store)
         entry = self._by_store.get(key)
         if entry is None or entry[0]() is not store:
@@ -60,13 +63,22 @@ class LiveRunners:
 
     def group(self, store: LightningStore) -> Optional["RunnerGroup"]:
         with self._lock:
+            self._purge()
             entry, ref = self._by_store.get(id(store)), self._groups.get(id(store))
             if entry is None or entry[0]() is not store or ref is None:
                 return None
             return ref()
 
     def _drop(self, key: int, ref: weakref.ref) -> None:
-        with self._lock:
+        """The store's weakref callback. The garbage collector may run it inside this registry's own locked
+        section, on the same thread (any allocation there can collect a store), so it takes no lock: taking it
+        deadlocked ``start_runners``. It only records the store; the next call removes its entry."""
+        self._dead.append((key, ref))  # atomic
+
+    def _purge(self) -> None:
+        """Remove the entries of collected stores (call with the lock held)."""
+        while self._dead:
+            key, ref = self._dead.pop()
             if key in self._by_store and self._by_store[key][0] is ref:
                 del self._by_store[key]
                 self._groups.pop(key, None)
@@ -74,6 +86,7 @@ class LiveRunners:
     def running(self, store: LightningStore) -> list["Runner"]:
         """Runners on ``store`` whose thread runs and was not asked to stop, oldest first."""
         with self._lock:
+            self._purge()
             entry = self._by_store.get(id(store))
             if entry is None or entry[0]() is not store:
                 return []
@@ -82,6 +95,7 @@ class LiveRunners:
 
     def __len__(self) -> int:
         with self._lock:
+            self._purge()
             return len(self._by_store)
 
 
