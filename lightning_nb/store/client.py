@@ -79,7 +79,6 @@ class StoreClient(LightningStore):
             headers.append(f"Authorization: Bearer {self._token}")
         # Connect failures are retried twice (nothing was sent yet); a request that was sent is never retried.
         self._transport = CurlTransport(self.url, headers, connect_retries=2, backoff_s=0.5)
-        self._closed = False
 
     @property
     def token(self) -> Optional[str]:
@@ -92,7 +91,6 @@ class StoreClient(LightningStore):
     # ----- plumbing -------------------------------------------------------------------
     def close(self) -> None:
         """Close the pooled connections; later calls raise StoreConnectionError."""
-        self._closed = True
         self._transport.close()
 
     def __enter__(self) -> "StoreClient":
@@ -106,7 +104,7 @@ class StoreClient(LightningStore):
 
     def _request(self, method: str, path: str, *, body: Any = None, params: Optional[dict] = None,
                  wait_s: float = 0.0) -> Any:
-        if self._closed:
+        if self._transport.closed:
             raise StoreConnectionError(f"{self!r} is closed; make a new StoreClient")
         content = None if body is None else body if isinstance(body, bytes) else _dumps(body)
         target = path + (f"?{urlencode(params, doseq=True)}" if params else "")

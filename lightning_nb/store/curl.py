@@ -128,6 +128,11 @@ class CurlTransport:
             else:
                 self._idle.append(c)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (every later request raises TransportError)."""
+        return self._closed
+
     def close(self) -> None:
         """Close the idle handles and their connections; handles in use close when their request ends."""
         with self._lock:
