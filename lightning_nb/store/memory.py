@@ -17,6 +17,7 @@ from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundEr
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.copies import construct, deepen, snapshot
 from lightning_nb.store.copies import deep_copy as _deep_copy
+from lightning_nb.store.locks import RunningThreadLock
 from lightning_nb.store.memory_spans import InMemorySpans
 from lightning_nb.store.rules import (
     ACTIVE, DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, check_manual_attempt, coerce_resources,
@@ -41,10 +42,14 @@ __all__ = ["InMemoryStore"]
 
 
 class InMemoryStore(InMemorySpans, LightningStore):
-    """All tables in process memory behind one lock (a ``threading.Condition``).
+    """All tables in process memory behind one lock, with two ``threading.Condition``s on it.
 
     Calls never block on I/O while holding the lock; ``dequeue_rollout`` and
-    ``wait_for_rollouts`` wait on the condition, which releases the lock.
+    ``wait_for_rollouts`` wait on a condition, which releases the lock. The lock is a
+    :class:`~lightning_nb.store.locks.RunningThreadLock`: with many runner threads busy in store
+    calls, a released lock is taken by a thread that runs, not handed to one still waiting for
+    the GIL (which made every store call a GIL hand-over; about 10 % of the wall time with 32
+    runner threads on agent-lightning's benchmark workload, bench/README.md).
 
     Every rollout, attempt, span, worker and resources object the store hands out is
     a deep copy, and what it is given (inputs, config, metadata, span attributes,
@@ -122,13 +127,19 @@ class InMemoryStore(InMemorySpans, LightningStore):
         self._workers: OrderedDict[str, Worker] = OrderedDict()
         # one lock, two conditions: runners waiting in dequeue_rollout are woken only when a rollout
         # is queued (one per rollout), callers of wait_for_rollouts only when a rollout's status changes
-        self._lock = threading.RLock()
-        self._queued = threading.Condition(self._lock)
-        self._changed = threading.Condition(self._lock)
+        # (RunningThreadLock: under contention only a running thread takes it; see lightning_nb/store/locks.py)
+        self._locks = RunningThreadLock()
+        self._queued = threading.Condition(self._locks)
+        self._changed = threading.Condition(self._locks)
         self._rollouts: OrderedDict[str, Rollout] = OrderedDict()
         self._queue: deque[str] = deque()
         self._attempts: dict[str, list[Attempt]] = {}
         self._resources: OrderedDict[str, ResourcesUpdate] = OrderedDict()
+
+    @property
+    def _lock(self) -> Any:
+        """The store's lock for ``with``, per thread (:meth:`RunningThreadLock.for_this_thread`)."""
+        return self._locks.for_this_thread()
 
     def close(self) -> None:
         """Close the spill file, if any (idempotent; without ``spill_path`` there is nothing to close).
