@@ -25,9 +25,10 @@ Per rollout, over HTTP:
   ``get_latest_resources``, ``add_otel_span`` per span (its client makes two requests per span:
   ``/spans/next`` for the sequence id, then ``/spans``) and ``update_attempt(succeeded)``.
 * ``batch``: our client as our ``Runner`` uses it: ``dequeue_rollout``, ``get_latest_resources``,
-  ``update_attempt(running)`` (one call more than agent-lightning's runner), the S spans converted
-  by our tracer's ``span_from_otel`` and written with one ``add_spans`` (our ``Tracer`` buffers an
-  open attempt's spans and writes them when it closes), ``update_attempt(succeeded)``.
+  ``update_attempt(running)`` (one call more than agent-lightning's runner), the S spans written
+  with one ``add_otel_spans`` (our ``Tracer`` buffers an open attempt's ``ReadableSpan``s and writes
+  them so when it closes; ``StoreClient`` converts them and the server answers with their sequence
+  ids), ``update_attempt(succeeded)``.
 * ``each``: as ``batch``, but every span is its own request through ``StoreSpanProcessor.on_end``
   (one ``add_span`` per span, as ``Tracer(span_flush_s=0)`` would).
 
@@ -84,7 +85,7 @@ def _agl_runner(url: str, s: int, start: Any, done: Any) -> None:
 
 def _our_runner(url: str, s: int, batched: bool, start: Any, done: Any) -> None:
     from lightning_nb.store import StoreClient
-    from lightning_nb.tracing.tracer import StoreSpanProcessor, span_from_otel
+    from lightning_nb.tracing.tracer import StoreSpanProcessor
 
     make = _span_factory(s, False, tag_ids=True)
     client = StoreClient(url)
@@ -102,7 +103,7 @@ def _our_runner(url: str, s: int, batched: bool, start: Any, done: Any) -> None:
         client.get_latest_resources()
         client.update_attempt(rid, aid, status="running", worker_id=worker)
         if batched:
-            client.add_spans([span_from_otel(make(rid, aid, i), rid, aid) for i in range(s)])
+            client.add_otel_spans(rid, aid, [make(rid, aid, i) for i in range(s)])
         else:
             for i in range(s):
                 processor.on_end(make(rid, aid, i))
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", "--runners", type=int, default=2, help="runner processes (K), the same on both sides")
     parser.add_argument("-s", "--spans", type=int, default=8, help="spans per rollout (S)")
     parser.add_argument("--modes", default="agl,batch,each",
-                        help="comma-separated subset of agl, batch (ours, one add_spans per rollout), "
+                        help="comma-separated subset of agl, batch (ours, one add_otel_spans per rollout), "
                         "each (ours, one request per span)")
     args = parser.parse_args(argv)
     import importlib.util
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"agentlightning {version('agentlightning')}, lightning-nb {version('lightning-nb')}, python "
           f"{sys.version.split()[0]}, our server on {loop}; N={n} rollouts, K={k} runner processes, S={s} "
           f"spans/rollout; load average {os.getloadavg()[0]:.2f}", flush=True)
-    labels = {"agl": "agentlightning LightningStoreServer", "batch": "lightning-nb StoreServer, add_spans",
+    labels = {"agl": "agentlightning LightningStoreServer", "batch": "lightning-nb StoreServer, add_otel_spans",
               "each": "lightning-nb StoreServer, span per request"}
     results = {}
     for mode in args.modes.split(","):

@@ -113,3 +113,64 @@ def test_no_proxy_from_the_environment_is_used(monkeypatch):
             monkeypatch.delenv(name, raising=False)
         with StoreClient(server.url) as client:
             assert client.enqueue_rollout("a").input == "a"
+
+
+def _finished_otel_spans(names):
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer = TracerProvider().get_tracer("test")
+    spans = []
+    for name in names:
+        span = tracer.start_span(name, attributes={"step": len(spans), "ids": (1, 2)})
+        span.end()
+        spans.append(span)
+    return spans
+
+
+def test_add_otel_spans_is_one_request_answered_with_sequence_ids_only():
+    class Counting(InMemoryStore):
+        calls = []
+
+        def add_spans(self, spans):
+            type(self).calls.append(len(spans))
+            return super().add_spans(spans)
+
+    with StoreServer(Counting()) as server, StoreClient(server.url) as client:
+        item = client.start_rollout("task", worker_id="w")
+        rid, aid = item.rollout.rollout_id, item.attempt.attempt_id
+        spans = _finished_otel_spans(["a", "b", "c"])
+        sent, request = [], client._request
+
+        def recorded(method, path, **kwargs):
+            sent.append((method, path, request(method, path, **kwargs)))
+            return sent[-1][2]
+
+        client._request = recorded
+        assert client.add_otel_spans(rid, aid, spans) == [1, 2, 3]
+        assert sent == [("POST", "/spans/batch?reply=sequence_ids", [1, 2, 3])]  # the answer: ids, no spans
+        assert Counting.calls == [3]  # one request, one add_spans
+        stored = client.query_spans(rid, aid)
+        assert [(s.name, s.sequence_id, s.attributes) for s in stored] == [
+            ("a", 1, {"step": 0, "ids": [1, 2]}), ("b", 2, {"step": 1, "ids": [1, 2]}),
+            ("c", 3, {"step": 2, "ids": [1, 2]})]
+        # a repeat of a stored span answers the stored one's sequence id; a new one the next
+        assert client.add_otel_spans(rid, aid, [spans[1], *_finished_otel_spans(["d"])]) == [2, 4]
+        assert client.add_otel_spans(rid, aid, []) == []
+        with pytest.raises(ConfigError, match=r"spans\[0\]"):
+            client.add_otel_spans(rid, aid, ["not a span"])
+        with pytest.raises(ConfigError, match="attempt_id"):
+            client.add_otel_spans(rid, 7, spans)
+
+
+def test_the_span_batch_route_names_a_wrong_reply_value():
+    import json
+    import urllib.request
+
+    with StoreServer(InMemoryStore()) as server:
+        request = urllib.request.Request(server.url + "/spans/batch?reply=ids", data=b"[]", method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=10)
+        assert info.value.code == 400
+        error = json.loads(info.value.read())["error"]
+        assert error["field"] == "reply" and "sequence_ids" in error["message"]

@@ -36,9 +36,10 @@ _WAIT, _UPDATE_ATTEMPT = TypeAdapter(WaitRequest), TypeAdapter(UpdateAttemptRequ
 _SPAN, _SPANS = TypeAdapter(Span), TypeAdapter(list[Span])
 
 
-async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> _JSON:
-    """Run a store call and turn its result or error into JSON: in a worker thread, or right here when the
-    store never blocks (:func:`_runs_inline`)."""
+async def _call(fn: Callable[..., Any], *args: Any, _reply: Optional[Callable[[Any], Any]] = None,
+                **kwargs: Any) -> _JSON:
+    """Run a store call and turn its result (``_reply(result)`` when given) or error into JSON: in a worker
+    thread, or right here when the store never blocks (:func:`_runs_inline`)."""
     try:
         if _runs_inline(fn, args):
             result = fn(*args, **kwargs)
@@ -46,7 +47,7 @@ async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> _JSON:
             result = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
     except Exception as exc:
         return _exception_response(exc)
-    return _JSON(_plain(result))
+    return _JSON(_plain(result if _reply is None else _reply(result)))
 
 
 def _runs_inline(fn: Callable[..., Any], args: tuple) -> bool:
@@ -145,8 +146,21 @@ async def _add_span(request: Request) -> _JSON:
 
 
 async def _add_spans(request: Request) -> _JSON:
+    """``POST /spans/batch``: the stored spans, or with ``?reply=sequence_ids`` only their sequence ids (what
+    ``StoreClient.add_otel_spans``, the runners' tracer, needs: no span is rendered and parsed back)."""
+    reply = request.query_params.get("reply")
+    if reply not in (None, "spans", "sequence_ids"):
+        return _error(400, "ValidationError", f"invalid field 'reply': {reply!r}; use 'spans' (the default) or "
+                                              f"'sequence_ids'", "reply")
     spans, bad = await _parse(request, _SPANS)
-    return bad if bad is not None else await _call(_server(request).store.add_spans, spans)
+    if bad is not None:
+        return bad
+    return await _call(_server(request).store.add_spans, spans,
+                       _reply=_sequence_ids if reply == "sequence_ids" else None)
+
+
+def _sequence_ids(spans: list[Span]) -> list[int]:
+    return [span.sequence_id for span in spans]
 
 
 async def _query_spans(request: Request) -> _JSON:
