@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import multiprocessing as mp
 import os
 import socket
@@ -215,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes.split(","):
         if mode not in labels:
             parser.error(f"unknown mode {mode!r}")
+        # each run starts from a collected heap: the run after agentlightning's otherwise pays, at random, for a
+        # full collection over the ~870k objects its imports (litellm, ...) leave in this process (0.5 s)
+        gc.collect()
         load = os.getloadavg()[0]
         results[mode] = bench_agl(ctx, n, k, s) if mode == "agl" else bench_ours(ctx, n, k, s, mode == "batch")
         print(f"  done: {labels[mode]} in {results[mode]['total_s']:.2f} s (load average before: {load:.2f})",
