@@ -73,7 +73,7 @@ from typing import Any, Iterable, Optional, Sequence
 from lightning_nb.errors import ConfigError, InvalidRewardError, NotFoundError
 from lightning_nb.semconv import REWARD, REWARD_NOTE, REWARD_SOURCE, REWARD_SPAN
 from lightning_nb.store.frames import FrameViews
-from lightning_nb.store.otel import check_ids, otel_rows, span_of_row
+from lightning_nb.store.otel import otel_spans
 from lightning_nb.store.rules import component_sums, final_reward
 from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES
 from lightning_nb.types import (
@@ -325,9 +325,7 @@ class LightningStore(FrameViews, ABC):
                 or as :meth:`add_spans`.
             NotFoundError: the rollout or attempt is unknown.
         """
-        check_ids(rollout_id, attempt_id)
-        rows = otel_rows(spans)
-        return [s.sequence_id for s in self.add_spans([span_of_row(row, rollout_id, attempt_id) for row in rows])]
+        return [s.sequence_id for s in self.add_spans(otel_spans(rollout_id, attempt_id, spans))]
 
     @abstractmethod
     def query_spans(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> list[Span]:

@@ -31,7 +31,7 @@ from lightning_nb import errors
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.curl import CurlTransport, TransportError
-from lightning_nb.store.otel import check_ids, otel_rows, span_of_row
+from lightning_nb.store.otel import otel_spans
 from lightning_nb.store.rules import check_span_types
 from lightning_nb.types import (
     Attempt,
@@ -269,12 +269,10 @@ class StoreClient(LightningStore):
     def add_otel_spans(self, rollout_id: str, attempt_id: str, spans: Sequence[Any]) -> list[int]:
         """As :meth:`LightningStore.add_otel_spans`: converted here, one request (``POST
         /spans/batch?reply=sequence_ids``) whose answer is the sequence ids alone, not the spans."""
-        check_ids(rollout_id, attempt_id)
-        rows = otel_rows(spans)
-        if not rows:
+        converted = otel_spans(rollout_id, attempt_id, spans)
+        if not converted:
             return []
-        body = _span_json([span_of_row(row, rollout_id, attempt_id) for row in rows], "spans[{i}]")
-        return self._request("POST", "/spans/batch?reply=sequence_ids", body=body)
+        return self._request("POST", "/spans/batch?reply=sequence_ids", body=_span_json(converted, "spans[{i}]"))
 
     def query_spans(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> list[Span]:
         params = {k: v for k, v in (("rollout_id", rollout_id), ("attempt_id", attempt_id)) if v is not None}

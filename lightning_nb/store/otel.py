@@ -19,7 +19,7 @@ from lightning_nb import semconv
 from lightning_nb.errors import ConfigError
 from lightning_nb.types import Span, span_construct
 
-__all__ = ["span_from_otel", "otel_row", "otel_rows", "span_of_row", "check_ids"]
+__all__ = ["span_from_otel", "otel_row", "otel_rows", "otel_spans", "span_of_row", "check_ids"]
 
 _OK, _ERROR = StatusCode.OK, StatusCode.ERROR
 _OUR_KEYS = (semconv.ROLLOUT_ID, semconv.ATTEMPT_ID)
@@ -69,6 +69,17 @@ def otel_rows(spans: Any) -> list[tuple[Any, ...]]:
             raise ConfigError(f"spans[{i}] must be a finished OpenTelemetry span (opentelemetry.sdk.trace."
                               f"ReadableSpan), got {type(span).__name__}: {type(exc).__name__}: {exc}") from None
     return rows
+
+
+def otel_spans(rollout_id: Any, attempt_id: Any, spans: Any) -> list[Span]:
+    """``add_otel_spans``' arguments as the :class:`~lightning_nb.types.Span` batch to store (sequence ids 0).
+
+    Raises:
+        ConfigError: naming ``rollout_id``/``attempt_id`` when not a str, or ``spans[i]``, the first item that
+            is not a finished OpenTelemetry span.
+    """
+    check_ids(rollout_id, attempt_id)
+    return [span_of_row(row, rollout_id, attempt_id) for row in otel_rows(spans)]
 
 
 def check_ids(rollout_id: Any, attempt_id: Any) -> None:
