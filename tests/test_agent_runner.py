@@ -277,8 +277,8 @@ def test_training_steps_on_frozen_lake_groups_are_episodes_of_one_seed(engine, p
     groups = {}
     for rollout in store.query_rollouts():
         groups.setdefault(rollout.metadata["group_id"], []).append(rollout.input["seed"])
-    # a group is episodes of one seed (a task drawn twice in a step adds its episodes to the same group)
-    assert sum(map(len, groups.values())) == 8 and all(len(set(s)) == 1 and len(s) % 2 == 0 for s in groups.values())
+    # a group is the group_size episodes of one seed (a step draws each task at most once)
+    assert sum(map(len, groups.values())) == 8 and all(len(set(s)) == 1 and len(s) == 2 for s in groups.values())
     triplets = TripletAdapter().adapt(store, [r.rollout_id for r in store.query_rollouts()])
     assert {t.group_id for t in triplets} <= set(groups)
     batch = trainer.last_batch_df()
@@ -289,3 +289,32 @@ def test_training_steps_on_frozen_lake_groups_are_episodes_of_one_seed(engine, p
     print([(t.rollout_id[-6:], t.turn, t.step_reward, t.reward) for t in triplets])
     # one packed sequence per episode: no turn forks (see the FrozenLake test above)
     assert rows[-1]["turn_forks"] == 0 and len(trainer.last_batch) == rows[-1]["episodes"]
+
+
+def test_gem_episodes_of_one_seed_on_several_threads_lose_no_span(proxied_store):
+    """gem-llm's Env.reset calls random.seed(seed); a GRPO group plays one seed on several runner threads at once.
+    No model here: the agent plays GEM's GuessTheNumber with fixed guesses, a tool span per step. Span IDs come
+    from the tracer's own generator, so every span of every episode is stored (issue 40's reproduction)."""
+    from lightning_nb import emit_reward, tool_span
+
+    barrier = threading.Barrier(4, timeout=60)
+
+    def agent(task, llm):
+        env = gem.make("game:GuessTheNumber-v0-easy")
+        barrier.wait()
+        total = 0.0
+        for guess in (5, 3, 8, 1):
+            env.reset(seed=task["seed"])  # re-seeds the global random while other threads draw span IDs
+            with tool_span("env.step", str(guess)):
+                _, reward, _, _, _ = env.step(f"\\boxed{{{guess}}}")
+            total += reward
+        emit_reward(total)
+        return None
+
+    ids = [r.rollout_id for r in proxied_store.enqueue_rollouts([{"seed": 3}] * 8)]
+    with start_runners(agent, proxied_store, n=4):
+        done = proxied_store.wait_for_rollouts(ids, timeout=120)
+    assert [r.status for r in done] == ["succeeded"] * 8, [proxied_store.query_attempts(i)[0].error for i in ids]
+    for rid in ids:
+        names = [s.name for s in proxied_store.query_spans(rid)]
+        assert names == ["tool:env.step"] * 4 + ["reward", "agent"]

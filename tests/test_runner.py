@@ -140,3 +140,32 @@ def test_tracer_keeps_no_store_alive():
     del store, tracer
     gc.collect()
     assert ref() is None
+
+
+def test_agents_that_reseed_the_global_random_mid_episode_lose_no_span(resourced):
+    """Environments call random.seed(seed) in their reset (TextArena, gem-llm); episodes of one GRPO group share
+    the seed and run at once. Span IDs must not come from that generator: every span of every episode is stored."""
+    import random
+
+    store = resourced
+    barrier = threading.Barrier(4, timeout=30)
+
+    def agent(task, llm):
+        barrier.wait()  # the four runners' episodes overlap
+        for step in range(4):
+            random.seed(7)  # an environment's reset, mid-episode, on every runner thread
+            with tool_span("env.step", str(step)):
+                time.sleep(0.001)
+        random.seed(7)
+        emit_reward(1.0)
+        return None
+
+    ids = [store.enqueue_rollout({"seed": 7}).rollout_id for _ in range(8)]
+    with start_runners(agent, store, n=4):
+        done = store.wait_for_rollouts(ids, timeout=60)
+    assert [r.status for r in done] == ["succeeded"] * 8, [a.error for i in ids for a in store.query_attempts(i)]
+    for rid in ids:
+        spans = store.query_spans(rid)
+        assert [s.name for s in spans] == ["tool:env.step"] * 4 + ["reward", "agent"]
+        assert len({s.span_id for s in spans}) == 6
+        assert store.final_reward(rid) == 1.0

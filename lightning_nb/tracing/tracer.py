@@ -45,6 +45,7 @@ from lightning_nb import semconv
 from lightning_nb.errors import ConfigError, InvalidRewardError, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.otel import span_from_otel
+from lightning_nb.tracing.ids import PrivateIdGenerator
 
 __all__ = ["Tracer", "StoreSpanProcessor", "SpanLedger", "AttemptSpans", "emit_reward", "emit_intermediate_reward",
            "tool_span", "attempt_span", "span_from_otel"]
@@ -404,8 +405,9 @@ class Tracer:
             self.otlp_endpoint = exporter.url
         # Only a live exporter has anything to flush at exit; an atexit hook would also keep this
         # tracer, and so its store with every span, alive until the interpreter ends.
+        # IDs from a private generator: environments re-seed the global random (tracing/ids.py)
         self.provider = TracerProvider(resource=Resource.create({semconv.SERVICE_NAME: service_name}),
-                                       shutdown_on_exit=exporter is not None)
+                                       shutdown_on_exit=exporter is not None, id_generator=PrivateIdGenerator())
         self.processor = StoreSpanProcessor(store, self.ledger, span_tries=span_tries, flush_s=span_flush_s)
         self.provider.add_span_processor(self.processor)
         if exporter is not None:
