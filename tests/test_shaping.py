@@ -95,11 +95,14 @@ def test_live_reward_curve_draws_one_line_per_component(served):
     curve.close()
 
 # ----- sampling weights per slice --------------------------------------------------------------------
-def _drawn(store, algo, n_tasks):
-    """Task ids of the groups one collect() round enqueues (``n_tasks`` groups of 2)."""
+def _drawn(store, algo, n_tasks, steps=1):
+    """Task ids of the groups ``steps`` collect() rounds enqueue (``n_tasks`` groups of 2 each), in order."""
     algo.config.tasks_per_step = n_tasks
-    _, ids = algo.collect()
-    return [r.input["id"] for r in store.query_rollouts(rollout_ids=ids)][::2]
+    drawn = []
+    for _ in range(steps):
+        _, ids = algo.collect()
+        drawn += [r.input["id"] for r in store.query_rollouts(rollout_ids=ids)][::2]
+    return drawn
 
 def test_slice_weights_draw_tasks_in_proportion(served, engine):
     store, start = served
@@ -107,15 +110,44 @@ def test_slice_weights_draw_tasks_in_proportion(served, engine):
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
     cfg = AlgorithmConfig(group_size=2, dynamic_sampling=False, slice_weights={"ops=2": 3.0}, rollout_timeout_s=30)
     algo = LightningRL(store, trainer, TASKS, (), cfg, slice_by="ops")
-    drawn = _drawn(store, algo, 300)
+    drawn = _drawn(store, algo, 1, steps=300)  # one task a step: the weights alone decide
     share = sum(d.startswith("b") for d in drawn) / len(drawn)
     assert abs(share - 12 / 17) < 0.1, share  # 4 tasks x 3 against 5 x 1; uniform would be 4/9
     algo.config.slice_weights = {"ops=2": 0.0}  # an edit between steps: the next draw follows it
-    assert all(d.startswith("a") for d in _drawn(store, algo, 40))
+    assert sorted(_drawn(store, algo, 5)) == ["a0", "a1", "a2", "a3", "a4"]  # weight 0: never drawn
     uniform = LightningRL(store, trainer, TASKS, (), AlgorithmConfig(group_size=2, dynamic_sampling=False,
                                                                        rollout_timeout_s=30))
-    share = sum(d.startswith("b") for d in _drawn(store, uniform, 300)) / 300
+    share = sum(d.startswith("b") for d in _drawn(store, uniform, 1, steps=300)) / 300
     assert abs(share - 4 / 9) < 0.1, share
+
+@pytest.mark.parametrize("weights", [None, {"ops=2": 3.0}])
+def test_a_step_draws_distinct_tasks_without_replacement(served, engine, weights):
+    """AlgorithmConfig.tasks_per_step is "distinct training tasks per step": a task twice would merge two GRPO
+    groups into one (same group_id). Also across dynamic-sampling rounds, and duplicates in train_tasks."""
+    store, start = served
+    start(lambda task, llm: 0.0, n=4)  # equal rewards: no group has signal, so dynamic sampling goes on
+    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+    cfg = AlgorithmConfig(group_size=2, tasks_per_step=9, dynamic_sampling=False, slice_weights=weights,
+                          rollout_timeout_s=30)
+    algo = LightningRL(store, trainer, TASKS + TASKS[:3], (), cfg, slice_by="ops")  # 3 tasks listed twice
+    for _ in range(3):
+        drawn = _drawn(store, algo, 9)
+        assert sorted(drawn) == sorted(t["id"] for t in TASKS), drawn  # every task once, none twice
+    rounds = LightningRL(store, trainer, TASKS, (), AlgorithmConfig(
+        group_size=2, tasks_per_step=4, max_sample_rounds=3, slice_weights=weights, rollout_timeout_s=30),
+        slice_by="ops")
+    _, ids = rounds.collect()
+    tasks = [r.input["id"] for r in store.query_rollouts(rollout_ids=ids)][::2]
+    assert rounds.last_sample_rounds == 3 and len(tasks) == 9 and sorted(tasks) == sorted(t["id"] for t in TASKS)
+    groups = {r.metadata["group_id"] for r in store.query_rollouts(rollout_ids=ids)}
+    assert len(groups) == 9  # 4 + 4 + the 1 task left: 9 groups of 2
+    with pytest.raises(ConfigError, match=r"tasks_per_step=10, but train_tasks has 9 distinct task\(s\)"):
+        LightningRL(store, trainer, TASKS + TASKS, (), AlgorithmConfig(tasks_per_step=10, group_size=2))
+    before = len(store.query_rollouts())
+    algo.config.tasks_per_step = 10  # an edit while paused is checked before the next step enqueues anything
+    with pytest.raises(ConfigError, match="tasks_per_step=10"):
+        algo.step()
+    assert len(store.query_rollouts()) == before
 
 @pytest.mark.parametrize("weights, slice_by, match", [
     ({"ops=3": 2.0}, "ops", r"slice_weights: 'ops=3' is not a slice of the training tasks \(by=ops\); "

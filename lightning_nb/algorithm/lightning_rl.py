@@ -1,8 +1,9 @@
 """The algorithm: enqueue rollouts, wait, adapt spans to triplets, ask the trainer to update.
 
 :class:`LightningRL` is the synchronous on-policy loop of the Agent Lightning
-paper with GRPO groups: each step samples ``tasks_per_step`` training tasks,
-enqueues each ``group_size`` times (same ``group_id``), waits for the runners,
+paper with GRPO groups: each step draws ``tasks_per_step`` distinct training tasks
+(without replacement: a task at most once per step), enqueues each ``group_size``
+times (same ``group_id``), waits for the runners,
 adapts the spans with :class:`~lightning_nb.adapter.TripletAdapter` and calls the
 trainer's ``update`` (:class:`~lightning_nb.trainers.base.Trainer`). It owns the loop: the
 background thread and its step boundaries (:class:`~lightning_nb.algorithm.control.BackgroundLoop`)
@@ -57,7 +58,10 @@ class AlgorithmConfig:
     """Sampling and scheduling of the RL loop. Validated on construction."""
 
     steps: int = field(default=10, metadata={"help": "Training steps run() performs by default."})
-    tasks_per_step: int = field(default=4, metadata={"help": "Distinct training tasks per step."})
+    tasks_per_step: int = field(default=4, metadata={
+        "help": "Distinct training tasks per step, drawn without replacement (a task is drawn at most once per "
+                "step, also across dynamic-sampling rounds; tasks with one task_key are one task). At most the "
+                "number of distinct training tasks."})
     group_size: int = field(default=4, metadata={"help": "Rollouts per task (the GRPO group)."})
     temperature: float = field(default=0.7, metadata={
         "help": "Sampling temperature of training rollouts (SmolLM2-135M at 1.0 solves ~6% of train tasks, "
@@ -177,8 +181,10 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         self.last_skipped: dict[str, int] = {}
         self._applied_config = asdict(self.config)
         self._train_labels: Optional[list[str]] = None
+        self._train_keys: Optional[list[str]] = None
         self._weights: tuple[Any, Optional[list[float]]] = (None, None)
         self._task_weights()  # a bad slice_weights fails here
+        self._check_tasks_per_step()
         self.loggers = make_loggers(loggers, config=self._logged_config()) if loggers else []
         self._init_loop()
         trainer.attach(self)
@@ -187,6 +193,15 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         """``resume()`` first checks the edits of both configs made while paused (ConfigError if invalid)."""
         self.trainer.check_config()
         self.config.validate()
+        self._check_tasks_per_step()
+
+    def _check_tasks_per_step(self) -> None:
+        """Raise ConfigError when ``tasks_per_step`` exceeds the distinct training tasks (a step draws each once)."""
+        distinct = len(set(self._task_keys()))
+        if self.config.tasks_per_step > distinct:
+            raise ConfigError(f"AlgorithmConfig.tasks_per_step={self.config.tasks_per_step}, but train_tasks has "
+                              f"{distinct} distinct task(s) (by task_key, id_key={self.id_key!r}) and a step draws "
+                              f"each at most once; set tasks_per_step <= {distinct} or add training tasks")
 
     def _rollout_config(self) -> RolloutConfig:
         return RolloutConfig(max_attempts=self.config.max_attempts, timeout_seconds=self.config.rollout_timeout_s)
@@ -216,20 +231,36 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         self._weights = (key, weights)
         return weights
 
-    def _enqueue_groups(self, n_tasks: int, round_: int) -> list[str]:
+    def _task_keys(self) -> list[str]:
+        """Each training task's :func:`task_key` (its GRPO group's name), computed once."""
+        if self._train_keys is None:
+            self._train_keys = [task_key(t, self.id_key) for t in self.train_tasks]
+        return self._train_keys
+
+    def _draw_tasks(self, n: int, taken: set[str]) -> list[int]:
+        """Indices of up to ``n`` training tasks drawn without replacement: no key in ``taken`` (the step's earlier
+        draws, which this updates) and no key twice, uniformly or by ``slice_weights``; fewer once none is left."""
+        keys, weights = self._task_keys(), self._task_weights()
+        seen: set[str] = set()
+        free = [i for i, k in enumerate(keys) if k not in taken and not (k in seen or seen.add(k))]
+        if weights is None:
+            picked = self._rng.sample(free, min(n, len(free)))
+        else:
+            picked = []
+            while free and len(picked) < n and any(weights[i] for i in free):
+                picked.append(free.pop(self._rng.choices(range(len(free)), [weights[i] for i in free])[0]))
+        taken.update(keys[i] for i in picked)
+        return picked
+
+    def _enqueue_groups(self, n_tasks: int, round_: int, taken: set[str]) -> list[str]:
         cfg = self.config
         sampling = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
-        weights = self._task_weights()
         ids = []
-        for _ in range(n_tasks):
-            if weights is None:  # the draw of runs before slice_weights existed, kept identical
-                task = self.train_tasks[self._rng.randrange(len(self.train_tasks))]
-            else:
-                task = self._rng.choices(self.train_tasks, weights)[0]
-            group = f"{self.trainer.step + 1}.{round_}:{task_key(task, self.id_key)}"
+        for i in self._draw_tasks(n_tasks, taken):
+            group = f"{self.trainer.step + 1}.{round_}:{self._task_keys()[i]}"
             # one call per group: one transaction (and one fsync) in a SqliteStore, one lock in memory
             ids += [r.rollout_id for r in self.store.enqueue_rollouts(
-                [task] * cfg.group_size, mode="train", config=self._rollout_config(),
+                [self.train_tasks[i]] * cfg.group_size, mode="train", config=self._rollout_config(),
                 metadata={"group_id": group, "sampling_parameters": sampling})]
         return ids
 
@@ -246,15 +277,19 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         every round are summed in :attr:`last_skipped`.
         """
         cfg = self.config
+        self._check_tasks_per_step()
         triplets: list = []
         ids: list[str] = []
         with_signal = 0
         skipped: dict[str, int] = {}
+        taken: set[str] = set()  # the step's tasks so far: each task at most once per step
         self.last_sample_rounds, self.last_judge = 0, {}
         for round_ in range(cfg.max_sample_rounds if cfg.dynamic_sampling else 1):
             if round_ > 0:
                 self.at_boundary("between sample rounds")
-            new_ids = self._enqueue_groups(cfg.tasks_per_step - with_signal, round_)
+            new_ids = self._enqueue_groups(cfg.tasks_per_step - with_signal, round_, taken)
+            if not new_ids:  # every training task already ran in this step
+                break
             self.wait_for(new_ids, on_progress=self._reporter("rollouts", self.trainer.step + 1, len(new_ids),
                                                               before=len(ids)))
             if self.group_judge is not None:  # the judge's rewards replace the agent's before the adapter reads them
