@@ -89,6 +89,11 @@ async def _fake_rollout(request: Request):
         return {**ok, "rollout_id": "ro-someone-else"}
     if mode == "server_reward":
         return {**ok, "reward": 0.25}
+    if mode == "no_final":
+        return {k: v for k, v in ok.items() if k != "final_messages"}
+    if mode == "late_callback":  # answers at once, then calls the model back a second later (after the attempt ended)
+        LATE.append(asyncio.create_task(_late_callback(req)))
+        return ok
     if mode == "wrong_mask":  # one callback with a mask for 3 added tokens on the first call (the prompt is all new)
         body = {"model": req["sampling_params"]["model"], "messages": req["messages"], "max_tokens": 1,
                 "response_mask": [0, 0, 0]}
@@ -100,6 +105,16 @@ async def _fake_rollout(request: Request):
     return ok
 
 
+async def _late_callback(req):
+    await asyncio.sleep(1.0)
+    body = {"model": req["sampling_params"]["model"], "messages": req["messages"], "max_tokens": 1}
+    async with httpx.AsyncClient(timeout=120) as client:
+        r = await client.post(f"{req['server_url']}/v1/chat/completions", json=body,
+                              headers={"Authorization": f"Bearer {req['callback_api_key']}"})
+    return r.status_code, r.json()
+
+
+LATE: list = []  # the late callbacks' tasks: each gives (HTTP status, body)
 TOOLS_HITS: list[float] = []  # one entry per GET /tools the fake server answered
 
 
@@ -240,7 +255,7 @@ def test_episode_through_the_reference_server_is_one_masked_sequence(engine, pro
 # ----- faults: each fails its attempt with an error naming what went wrong; what was stored stays --------------
 def test_a_broken_rollout_server_fails_each_attempt_naming_the_field(proxied_store, fake_server):
     agent = RemoteRolloutAgent(fake_server, reward_fn=lambda task, msgs: 1.0, timeout_s=1.0)
-    modes = ["error", "finish_error", "hang", "nonsense", "missing", "unknown_finish", "other_id", "ok"]
+    modes = ["error", "finish_error", "hang", "nonsense", "missing", "unknown_finish", "other_id", "no_final", "ok"]
     results = dict(zip(modes, run(agent, proxied_store, modes, n=4)))
     expected = {"error": ("RolloutServerError", "status ERROR): tool backend down"),
                 "finish_error": ("RolloutServerError", "finish_reason error): gave up"),
@@ -248,7 +263,8 @@ def test_a_broken_rollout_server_fails_each_attempt_naming_the_field(proxied_sto
                 "nonsense": ("RolloutServerError", "body that is not JSON: '<html>502 Bad Gateway</html>'"),
                 "missing": ("RolloutServerError", "field 'status' is missing"),
                 "unknown_finish": ("RolloutServerError", "field 'finish_reason' is invalid"),
-                "other_id": ("RolloutServerError", "answered for rollout_id 'ro-someone-else'")}
+                "other_id": ("RolloutServerError", "answered for rollout_id 'ro-someone-else'"),
+                "no_final": ("RolloutServerError", "answered status COMPLETED without field 'final_messages'")}
     for mode, (kind, text) in expected.items():
         rollout, attempt = results[mode]
         assert rollout.status == "failed", mode
@@ -284,6 +300,31 @@ def test_a_wrong_response_mask_is_a_400_and_an_attempt_error(proxied_store, fake
     assert "HTTP 400: response_mask has 3 entries" in attempt.error
     [call] = spans_of(store, rollout.rollout_id, LLM_SPAN)
     assert "response_mask has 3 entries" in call.attributes[ERROR]
+
+
+def test_a_callback_after_the_server_answered_is_refused_and_never_stored(proxied_store, fake_server):
+    """A rollout server that calls the model back after it answered /rollout: the attempt has ended, so the proxy
+    answers 409 naming it, and the attempt keeps exactly what it had (nothing to train on is added)."""
+    store = proxied_store
+    agent = RemoteRolloutAgent(fake_server, reward_fn=lambda task, msgs: 1.0)
+    [(rollout, attempt)] = run(agent, store, ["late_callback"], n=1)
+    assert rollout.status == "succeeded" and attempt.status == "succeeded"
+    before = [s.model_dump() for s in store.query_spans(rollout.rollout_id)]
+    status, body = asyncio.run_coroutine_threadsafe(_wait_late(), _server_loop()).result(timeout=120)
+    assert status == 409 and body["error"]["param"] == "attempt_id", body
+    assert f"attempt {attempt.attempt_id!r} of rollout {rollout.rollout_id!r} is already 'succeeded'" in (
+        body["error"]["message"])
+    assert [s.model_dump() for s in store.query_spans(rollout.rollout_id)] == before
+    assert not spans_of(store, rollout.rollout_id, LLM_SPAN)
+    assert TripletAdapter().adapt(store, [rollout.rollout_id]) == []
+
+
+async def _wait_late():
+    return await LATE.pop()
+
+
+def _server_loop():
+    return LATE[-1].get_loop()
 
 
 def test_callback_carries_the_bearer_token_when_the_proxy_is_off_loopback(engine, reference_server):

@@ -194,7 +194,7 @@ class RolloutResponse(BaseModel):
         rollout_id: the request's, echoed.
         status: :class:`RolloutStatus`.
         final_messages: the whole conversation at the end (the request's messages, the replies, the tool
-            results); ``[]`` in doc 002's error format.
+            results): required, non-empty, with ``COMPLETED``; ``[]`` in doc 002's error format.
         finish_reason: one of :data:`FINISH_REASONS`; required with ``COMPLETED``.
         error_message: why, with ``ERROR`` or ``finish_reason="error"``.
         metrics: :class:`RolloutMetrics`.

@@ -142,12 +142,14 @@ class RemoteRolloutAgent:
     Outcomes (the runner records a raised error's traceback on the attempt, which ends ``failed``; what the
     attempt already stored, its LLM spans included, stays):
 
-    * ``COMPLETED`` with ``finish_reason`` ``stop``, ``max_turns`` or ``max_tokens``: the reward.
+    * ``COMPLETED`` with ``finish_reason`` ``stop``, ``max_turns`` or ``max_tokens`` and ``final_messages``: the
+      reward.
     * ``ERROR``, or ``finish_reason="error"``: :class:`~lightning_nb.agents.protocol.RolloutServerError` with the
       server's ``error_message``.
     * no answer within ``timeout_s``: :class:`RolloutServerTimeout` naming the URL and ``timeout_s``.
-    * an answer outside the protocol (not JSON, a missing or unknown field, an unknown ``finish_reason``, another
-      ``rollout_id``, an HTTP error): ``RolloutServerError`` naming the field.
+    * an answer outside the protocol (not JSON, a missing or unknown field, ``COMPLETED`` without
+      ``finish_reason`` or with no ``final_messages``, an unknown ``finish_reason``, another ``rollout_id``, an
+      HTTP error): ``RolloutServerError`` naming the field.
 
     Rewards: ``reward_fn``'s value when ``reward_fn`` is set. Doc 002 leaves rewards to the trainer; a server
     may still send ``reward`` (:class:`~lightning_nb.agents.protocol.RolloutResponse`): without ``reward_fn`` it
@@ -349,6 +351,10 @@ class RemoteRolloutAgent:
         if response.finish_reason is None:
             raise RolloutServerError(f"{where} answered status COMPLETED without field 'finish_reason' (one of stop, "
                                      "max_turns, max_tokens)", "finish_reason")
+        if not response.final_messages:
+            raise RolloutServerError(f"{where} answered status COMPLETED without field 'final_messages' (the whole "
+                                     "conversation at the end: the request's messages, the replies and the tool "
+                                     "results; reference doc 002's RolloutResponse)", "final_messages")
         final = [m.model_dump(exclude_none=True) for m in response.final_messages]
         if self.reward_fn is not None:
             if response.reward is not None and not self._warned_reward:

@@ -13,7 +13,7 @@ or in a notebook, ``with RolloutServer() as server: ... server.url``. Routes:
 * ``GET /health``.
 
 The agent loop (:func:`run_rollout`, doc 002's ``RolloutSession``): call ``{server_url}/v1/chat/completions``
-with the conversation, the ``tools``, the request's sampling parameters, ``Authorization: Bearer
+with the ``rollout_id``, the conversation, the ``tools``, the request's sampling parameters, ``Authorization: Bearer
 <callback_api_key>`` and the ``response_mask`` of the tokens added since the previous call
 (:class:`~lightning_nb.agents.protocol.MaskTracker`); append the reply; run its ``tool_calls``; append one
 ``tool`` message per call; repeat until a reply makes no tool call (``finish_reason="stop"``), ``max_turns``
@@ -120,8 +120,8 @@ class _Session:
     async def call_llm(self, client: Any, prompt_length: int) -> dict[str, Any]:
         """One ``POST {server_url}/v1/chat/completions``; the first choice with ``token_ids`` and the prompt's length."""
         sp = self.req.sampling_params
-        body: dict[str, Any] = {"model": sp.model, "messages": self.messages, "temperature": sp.temperature,
-                                "top_p": sp.top_p, "max_tokens": sp.max_tokens}
+        body: dict[str, Any] = {"model": sp.model, "rollout_id": self.req.rollout_id, "messages": self.messages,
+                                "temperature": sp.temperature, "top_p": sp.top_p, "max_tokens": sp.max_tokens}
         for key in ("stop", "seed"):
             if getattr(sp, key) is not None:
                 body[key] = getattr(sp, key)

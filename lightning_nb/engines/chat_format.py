@@ -39,8 +39,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from lightning_nb.errors import ConfigError
 
-__all__ = ["prompt_token_ids", "render_tools", "rendered_prompt_ids", "parse_tool_calls", "sampled_turn_key",
-           "count_sampled_turns", "TOOL_SYSTEM_PROMPT", "TOOL_HINT", "TOOL_HINT_AUTO"]
+__all__ = ["prompt_token_ids", "render_tools", "rendered_prompt_ids", "native_prompt_ids", "parse_tool_calls",
+           "sampled_turn_key", "count_sampled_turns", "TOOL_SYSTEM_PROMPT", "TOOL_HINT", "TOOL_HINT_AUTO"]
 
 # Chosen with bench/tool_call_rate.py on SmolLM2-135M-Instruct (its docstring has the workload and the
 # table). With the schemas and instructions in the system message alone the model never wrote a
@@ -246,6 +246,22 @@ def rendered_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]],
         ConfigError: a malformed tool or ``tool_choice`` (as :func:`render_tools`).
     """
     return prompt_token_ids(tokenizer, render_tools(messages, tools, tool_choice, sampled))
+
+
+def native_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]],
+                      tools: Optional[Sequence[dict[str, Any]]] = None) -> list[int]:
+    """The prompt token IDs of ``messages`` as a client counts them with the model's own chat template:
+    ``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)``, the messages as sent.
+
+    What reference doc 002's rollout server sizes its ``response_mask`` on (its ``RolloutSession``), and not what
+    a Hermes-format engine is given (:func:`rendered_prompt_ids`: the tools and tool calls written as text):
+    the LLM proxy counts both to check a mask.
+
+    Raises:
+        Exception: whatever the template raises on these messages (e.g. a content it cannot render).
+    """
+    return list(tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=True,
+                                              add_generation_prompt=True, return_dict=False))
 
 
 def _compact(tool: dict[str, Any]) -> dict[str, Any]:

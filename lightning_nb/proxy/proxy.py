@@ -41,11 +41,11 @@ from typing import Any, Hashable, Optional, Sequence, Union
 from lightning_nb._net import ThreadedServer, is_loopback
 from lightning_nb.engines import Engine
 from lightning_nb import semconv
-from lightning_nb.engines.chat_format import count_sampled_turns, render_tools, sampled_turn_key
+from lightning_nb.engines.chat_format import count_sampled_turns, native_prompt_ids, render_tools, sampled_turn_key
 from lightning_nb.errors import ConfigError, LightningNbError, NotFoundError
 from lightning_nb.proxy.app import ROLLOUT_ID_HEADER, proxy_app
-from lightning_nb.proxy.request import (ChatCompletionRequest, ProxyHTTPError, applied_sampling, check_supported,
-                                        validate_request)
+from lightning_nb.proxy.request import (ChatCompletionRequest, ProxyHTTPError, applied_sampling, check_attempt_open,
+                                        check_body_rollout_id, check_supported, validate_request)
 from lightning_nb.proxy.response import Choice, openai_response, parse_choices
 from lightning_nb.proxy.spans import choice_attributes, record_call, record_error, requested_attributes
 from lightning_nb.proxy.splice import (ServedCall, can_submit_tokens, generations_response, splice_previous_reply,
@@ -263,14 +263,16 @@ class LLMProxy:
             (:func:`~lightning_nb.proxy.response.openai_response`'s dict, ``_pieces`` included).
 
         Raises:
-            ProxyHTTPError: what the route answers instead: 400 (invalid or unsupported request), 404 (unknown
-                model, rollout or attempt), 502 (the engine failed).
+            ProxyHTTPError: what the route answers instead: 400 (invalid or unsupported request, a body
+                ``rollout_id`` that is not the URL's, a wrong ``response_mask``), 404 (unknown model, rollout or
+                attempt), 409 (the attempt already ended: nothing is recorded), 502 (the engine failed).
         """
         req = validate_request(body)
         if req.response_mask is not None and not (rollout_id and attempt_id):
             raise ProxyHTTPError(400, "response_mask is checked against an attempt's earlier calls, so it needs an "
                                       "attempt's URL ({proxy}/rollout/{rollout_id}/attempt/{attempt_id}/v1); "
                                       "call that one, or drop response_mask", "response_mask")
+        check_body_rollout_id(req, rollout_id)
         engine = self._engine_for(req)
         enforced = await self._rollout_sampling(rollout_id, attempt_id)
         completion = await self._complete(req, engine, rollout_id, attempt_id, enforced, agent_name=agent_name)
@@ -296,6 +298,7 @@ class LLMProxy:
         if req.response_mask is not None:
             raise ProxyHTTPError(400, "response_mask is checked against an attempt's earlier calls; a /traffic request "
                                       "starts a new rollout, so it has none: drop response_mask", "response_mask")
+        check_body_rollout_id(req, None)
         if (req.n or 1) > 1:
             raise ProxyHTTPError(400, f"n={req.n}: a /traffic request records one reply as one rollout, so a label "
                                       "rewards one reply; send n=1 (or several requests)", "n")
@@ -328,21 +331,23 @@ class LLMProxy:
         return engine
 
     async def _rollout_sampling(self, rollout_id: Optional[str], attempt_id: Optional[str]) -> dict[str, Any]:
-        """The rollout's ``sampling_parameters`` (empty off a rollout URL); 404 for unknown ids."""
+        """The rollout's ``sampling_parameters`` (empty off a rollout URL); 404 for unknown ids, 409 for an attempt
+        that already ended (:func:`_check_open`)."""
         if rollout_id is None:
             return {}
-        def lookup() -> tuple[Any, set[str]]:
-            return (self.store.get_rollout_by_id(rollout_id),
-                    {a.attempt_id for a in self.store.query_attempts(rollout_id)})
+        def lookup() -> tuple[Any, list[Any]]:
+            return self.store.get_rollout_by_id(rollout_id), self.store.query_attempts(rollout_id)
 
         try:  # store calls may block (SQLite fsync, HTTP): off the event loop, in one hop
             rollout, attempts = await asyncio.to_thread(lookup)
         except NotFoundError as exc:
             raise ProxyHTTPError(404, str(exc), "rollout_id") from None
-        if attempt_id not in attempts:
-            raise ProxyHTTPError(404, f"attempt_id {attempt_id!r} is not an attempt of rollout {rollout_id!r}",
-                                 "attempt_id")
+        check_attempt_open(attempts, rollout_id, attempt_id)
         return dict(rollout.metadata.get("sampling_parameters") or {})
+
+    async def _check_still_open(self, rollout_id: str, attempt_id: str) -> None:
+        """409 when the attempt ended while its call was being served: the call is then not recorded."""
+        check_attempt_open(await asyncio.to_thread(self.store.query_attempts, rollout_id), rollout_id, attempt_id)
 
     # ----- completion -----------------------------------------------------------------
     async def _complete(self, req: ChatCompletionRequest, engine: Engine, rollout_id: Optional[str],
@@ -370,11 +375,13 @@ class LLMProxy:
             if ch.tool_calls:
                 _remember(self._sampled, sampled_turn_key(ch.tool_calls), ch.text)
         if attempt:
-            await self._check_response_mask(req, prompt_ids, rendered, attempt, agent_name)
+            await self._check_still_open(*attempt)  # ended while served (the rollout server answered): not recorded
+            await self._check_response_mask(req, engine, prompt_ids, rendered, attempt, agent_name)
             if prompt_ids is not None and choices and choices[0].token_ids is not None:
                 _remember(self._served, attempt, ServedCall(tuple(prompt_ids), tuple(choices[0].token_ids),
                                                             choices[0].text, tuple(rendered or prompt_ids),
-                                                            cut=choices[0].finish_reason == "length"))
+                                                            cut=choices[0].finish_reason == "length",
+                                                            n_messages=len(req.messages)))
             requested = requested_attributes(req, messages, applied, not_applied, engine, version,
                                              engine.weight_version, agent_name)
             if hermes and req.tools:
@@ -463,32 +470,62 @@ class LLMProxy:
             raise await self._engine_error(exc, req, engine, rollout_id, attempt_id, agent_name) from None
         return response.model_dump()
 
-    async def _check_response_mask(self, req: ChatCompletionRequest, prompt_ids: Optional[list[int]],
+    async def _check_response_mask(self, req: ChatCompletionRequest, engine: Engine, prompt_ids: Optional[list[int]],
                                    rendered: Optional[list[int]], attempt: tuple[str, str],
                                    agent_name: Optional[str]) -> None:
         """Check a rollout server's ``response_mask`` (reference doc 002) against the tokens of this call.
 
-        The mask must have one entry per prompt token added since the attempt's previous call: counted on
-        the tokens served (``prompt_ids``, the earlier replies as sampled), or as doc 002's rollout server
-        counts them, on its own tokenization of the messages (the chat template's render, ``rendered``,
-        less the previous render and completion); the two differ only after a splice
-        (:mod:`lightning_nb.proxy.splice`). A wrong one is recorded as an error span and answered with a
-        400 naming ``response_mask`` (training on it would misplace the response mask of every later turn).
+        Every entry must be 0: the mask covers the prompt tokens added since the attempt's previous call (tool
+        results, chat markup), none of which the model sampled, so a 1 would ask to train on tokens that are not
+        the policy's (the proxy's own spans say which tokens were sampled). Its length must be the number of
+        those tokens, counted one of three ways: on the tokens served (``prompt_ids``, the earlier replies as
+        sampled); on the chat template's render with the tools as the Hermes-format engine shows them
+        (``rendered``, less the previous render and completion; differs from the first only after a splice,
+        :mod:`lightning_nb.proxy.splice`); or as doc 002's ``RolloutSession`` counts, on the messages and
+        ``tools`` the server sent, rendered by the model's own chat template
+        (:func:`~lightning_nb.engines.chat_format.native_prompt_ids`; the previous call's messages are the
+        first ones of this call's). A wrong one is recorded as an error span and answered with a 400 naming
+        ``response_mask`` (a 1: its position).
         """
         mask = req.response_mask
         if mask is None or prompt_ids is None:
             return
         prev = self._served.get(attempt)
         served_before = prev.length if prev is not None else 0
-        rendered_before = len(prev.rendered_ids) + len(prev.completion_ids) if prev is not None else 0
-        expected = {len(prompt_ids) - served_before, len(rendered or prompt_ids) - rendered_before}
-        if len(mask) not in expected:
-            message = (f"response_mask has {len(mask)} entries, but this prompt adds {min(expected)} tokens to the "
-                       f"previous call's {served_before} prompt and completion tokens ({len(prompt_ids)} prompt "
-                       "tokens now); send one 0 per token added since the previous call (reference doc 002), "
-                       "or none on the first call")
+        message = None
+        if 1 in mask:
+            i = mask.index(1)
+            message = (f"response_mask[{i}] is 1, but the {len(mask)} tokens it covers were added to the prompt since "
+                       "the previous call (tool results, chat markup) and none was sampled by the model, so none "
+                       "can be trained on; send 0 for each (reference doc 002). The proxy marks the sampled "
+                       "tokens itself")
+        elif len(mask) not in self._added_counts(req, engine, prompt_ids, rendered, prev, len(mask)):
+            message = (f"response_mask has {len(mask)} entries, but this prompt adds {len(prompt_ids) - served_before} "
+                       f"tokens to the previous call's {served_before} prompt and completion tokens "
+                       f"({len(prompt_ids)} prompt tokens now); send one 0 per token added since the previous call "
+                       "(reference doc 002), or none on the first call")
+        if message is not None:
             await record_error(self.tracer, attempt[0], attempt[1], req.model, message, agent_name)
             raise ProxyHTTPError(400, message, "response_mask")
+
+    @staticmethod
+    def _added_counts(req: ChatCompletionRequest, engine: Engine, prompt_ids: list[int], rendered: Optional[list[int]],
+                      prev: Optional[ServedCall], wanted: int) -> set[int]:
+        """The prompt tokens this call adds to the previous one, counted the ways :meth:`_check_response_mask`
+        accepts; the model's own template is rendered only when the other counts miss ``wanted``."""
+        served_before = prev.length if prev is not None else 0
+        rendered_before = len(prev.rendered_ids) + len(prev.completion_ids) if prev is not None else 0
+        counts = {len(prompt_ids) - served_before, len(rendered or prompt_ids) - rendered_before}
+        tokenizer = getattr(engine, "tokenizer", None)
+        if wanted in counts or prev is None or not prev.n_messages or tokenizer is None:
+            return counts
+        sent = [m.model_dump(exclude_unset=True) for m in req.messages]  # as the server sent them
+        try:
+            now = len(native_prompt_ids(tokenizer, sent, req.tools))
+            before = len(native_prompt_ids(tokenizer, sent[:prev.n_messages], req.tools))
+        except Exception:  # a template that cannot render these messages: no such count
+            return counts
+        return counts | {now - before - len(prev.completion_ids)}
 
     async def _engine_error(self, exc: Exception, req: ChatCompletionRequest, engine: Engine,
                             rollout_id: Optional[str], attempt_id: Optional[str],

@@ -9,14 +9,15 @@ the request's.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lightning_nb.engines import Engine
+from lightning_nb.types import ATTEMPT_TERMINAL
 
 __all__ = ["ChatMessage", "ChatCompletionRequest", "ProxyHTTPError", "validate_request", "check_supported",
-           "applied_sampling", "SAMPLING_PARAMS", "OPTIONAL_PARAMS"]
+           "check_body_rollout_id", "check_attempt_open", "applied_sampling", "SAMPLING_PARAMS", "OPTIONAL_PARAMS"]
 
 #: The sampling parameters the proxy applies from a rollout's ``sampling_parameters`` (OpenAI request names;
 #: the span records them under :data:`~lightning_nb.semconv.APPLIED_SAMPLING`).
@@ -44,6 +45,8 @@ class ChatCompletionRequest(BaseModel):
     ``bytes``, ``logprob``, ``top_logprobs``); without it the field is null, as OpenAI
     does. Token IDs are always in ``prompt_token_ids`` and ``choices[i].token_ids``.
     ``user``, ``metadata`` and ``store`` are recorded on the span (every call is stored).
+    ``response_mask`` and ``rollout_id`` are reference doc 002's (a rollout server's callback), taken on an
+    attempt's URL only.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -71,8 +74,12 @@ class ChatCompletionRequest(BaseModel):
     store: Optional[bool] = None
     return_token_ids: Optional[bool] = None
     response_mask: Optional[list[Literal[0, 1]]] = Field(
-        None, description="Reference doc 002's mask from a rollout server: one 0/1 per prompt token added since "
-                          "the attempt's previous call (None on the first). Checked against the tokens served.")
+        None, description="Reference doc 002's mask from a rollout server: one 0 per prompt token added since "
+                          "the attempt's previous call (None on the first). Its length is checked against the "
+                          "tokens served, and a 1 is refused: none of those tokens was sampled by the model.")
+    rollout_id: Optional[str] = Field(
+        None, max_length=256, description="Reference doc 002's callback names its rollout in the body; on an "
+                                          "attempt's URL it must be that URL's rollout id (a 400 names both).")
 
 
 class ProxyHTTPError(Exception):
@@ -149,6 +156,39 @@ def _check_text_only(req: ChatCompletionRequest) -> None:
                 raise ProxyHTTPError(400, f"invalid field '{field}': a content part of type {kind!r}; the served "
                                           f"model reads text only, so only 'text' parts are taken (send the "
                                           f"{kind} to a model that takes it, or describe it in text)", field)
+
+
+def check_body_rollout_id(req: ChatCompletionRequest, rollout_id: Optional[str]) -> None:
+    """Reference doc 002's callback names its rollout in the body: it must be the URL's (a 400 names both).
+
+    Raises:
+        ProxyHTTPError: 400 naming ``rollout_id``: another rollout's id, or a body ``rollout_id`` off an attempt's URL.
+    """
+    if req.rollout_id is None or req.rollout_id == rollout_id:
+        return
+    if rollout_id is None:
+        raise ProxyHTTPError(400, f"rollout_id {req.rollout_id!r} in the body names a rollout server's rollout "
+                                  "(reference doc 002), so the call needs that rollout's attempt URL, the server_url "
+                                  "of its /rollout request ({proxy}/rollout/{rollout_id}/attempt/{attempt_id}); "
+                                  "call that one, or drop rollout_id", "rollout_id")
+    raise ProxyHTTPError(400, f"rollout_id {req.rollout_id!r} in the body is not the rollout of this URL, "
+                              f"{rollout_id!r}: a callback must go to the server_url its own /rollout request gave",
+                         "rollout_id")
+
+
+def check_attempt_open(attempts: Sequence[Any], rollout_id: str, attempt_id: Optional[str]) -> None:
+    """404 when ``attempt_id`` is not among the rollout's ``attempts``; 409 naming the attempt and its status when it
+    already ended (succeeded, failed, timeout, unresponsive): nothing is served or recorded after an attempt is
+    final, since a late call (a rollout server calling back after it answered ``/rollout``) would be trained on."""
+    attempt = next((a for a in attempts if a.attempt_id == attempt_id), None)
+    if attempt is None:
+        raise ProxyHTTPError(404, f"attempt_id {attempt_id!r} is not an attempt of rollout {rollout_id!r}",
+                             "attempt_id")
+    if attempt.status in ATTEMPT_TERMINAL:
+        raise ProxyHTTPError(409, f"attempt {attempt_id!r} of rollout {rollout_id!r} is already {attempt.status!r}: "
+                                  "the proxy serves and records no call after an attempt ended (it would be trained "
+                                  "on as part of it). A rollout server must make its calls before it answers "
+                                  "/rollout; an agent, before it returns", "attempt_id")
 
 
 def applied_sampling(req: ChatCompletionRequest, enforced: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

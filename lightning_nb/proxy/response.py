@@ -82,8 +82,10 @@ def parse_choices(raw_choices: list[dict[str, Any]], tool_names: Optional[list[s
 def openai_response(req: ChatCompletionRequest, raw: dict[str, Any], choices: list[Choice],
                     prompt_ids: Optional[list[int]], version: int) -> dict[str, Any]:
     """The OpenAI ``chat.completion`` dict of ``choices``, with ``prompt_token_ids``, ``choices[i].token_ids``
-    and ``weight_version``. Each choice also carries ``_pieces`` (its log-prob entries, which
-    :func:`sse_events` cuts the stream from); drop it before sending the dict as JSON."""
+    and ``weight_version``, and, with one choice, a top-level ``token_ids`` (that choice's: where reference doc
+    002's rollout server reads the completion's tokens; None with ``n`` > 1). Each choice also carries ``_pieces``
+    (its log-prob entries, which :func:`sse_events` cuts the stream from); drop it before sending the dict as
+    JSON."""
     usage = raw.get("usage") or {}
     out_choices = []
     for ch in choices:
@@ -96,7 +98,8 @@ def openai_response(req: ChatCompletionRequest, raw: dict[str, Any], choices: li
     return {"id": raw.get("id") or f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": raw.get("created") or int(time.time()), "model": req.model, "choices": out_choices,
             "usage": {k: usage.get(k) for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
-            "prompt_token_ids": prompt_ids, "weight_version": version}
+            "prompt_token_ids": prompt_ids, "token_ids": choices[0].token_ids if len(choices) == 1 else None,
+            "weight_version": version}
 
 
 async def sse_events(completion: dict[str, Any], req: ChatCompletionRequest) -> AsyncIterator[str]:

@@ -38,6 +38,7 @@ class ServedCall:
             equal to ``prompt_ids`` unless that call was spliced.
         cut: the reply was cut at ``max_tokens`` (finish reason ``"length"``): it has no stop token, and may end
             inside a character.
+        n_messages: how many messages the call's request had (a rollout server's next call starts with them).
     """
 
     prompt_ids: tuple[int, ...]
@@ -45,6 +46,7 @@ class ServedCall:
     text: str
     rendered_ids: tuple[int, ...]
     cut: bool = False
+    n_messages: int = 0
 
     @property
     def length(self) -> int:
