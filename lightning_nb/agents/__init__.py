@@ -12,8 +12,9 @@ from lightning_nb.agents.protocol import (RolloutMetrics, RolloutRequest, Rollou
 from lightning_nb.agents.remote import RemoteRolloutAgent, RolloutServerTimeout, final_text
 from lightning_nb.agents.rollout_server import RolloutServer
 from lightning_nb.agents.text_env import TextEnv
+from lightning_nb.agents.textarena_env import TextArenaEnv
 from lightning_nb.agents.toolcall_runner import ToolActionEnv, ToolCallRunner
 
 __all__ = ["AgentRunner", "EpisodeResult", "EpisodeFailed", "seed_tasks", "GEMRunner", "ToolCallRunner",
-           "ToolActionEnv", "TextEnv", "RemoteRolloutAgent", "RolloutServer", "RolloutServerError",
+           "ToolActionEnv", "TextEnv", "TextArenaEnv", "RemoteRolloutAgent", "RolloutServer", "RolloutServerError",
            "RolloutServerTimeout", "RolloutRequest", "RolloutResponse", "RolloutMetrics", "RolloutStatus", "final_text"]

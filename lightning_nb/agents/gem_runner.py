@@ -14,10 +14,14 @@ Environments (``env=``):
   Wordle, Hangman and WordSearch download an NLTK word list on first use: they do not run offline.
 * a gymnasium toy-text id through the kit's text wrapper, ``"FrozenLake-v1"`` or ``"Taxi-v4"``
   (:class:`~lightning_nb.agents.text_env.TextEnv`, with ``env_kwargs`` such as ``size=3``).
+* a TextArena single-player game, ``"textarena:"`` + its id, e.g. ``"textarena:GuessTheNumber-v0-raw"``
+  (:class:`~lightning_nb.agents.textarena_env.TextArenaEnv`: the reward from TextArena's ``close()`` on the last
+  step, the echo of the agent's move dropped; ``env_kwargs`` go to ``textarena.make``). TextArena also seeds
+  Python's global ``random`` at every reset.
 * a callable ``env() -> object`` with GEM's ``reset(seed)`` / ``step(text)``.
 
 A fresh environment is made for every episode (runner threads share the GEMRunner object).
-Both packages are the ``envs`` extra: ``pip install 'lightning-nb[envs]'``.
+The three packages are the ``envs`` extra: ``pip install 'lightning-nb[envs]'``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 from lightning_nb.agents.agent_runner import AgentRunner, EpisodeResult
 from lightning_nb.agents.text_env import TEXT_ENVS, TextEnv
+from lightning_nb.agents.textarena_env import TEXTARENA_PREFIX, TextArenaEnv
 from lightning_nb.errors import ConfigError, MissingDependencyError
 
 __all__ = ["GEMRunner", "make_env", "check_reset", "check_step"]
@@ -36,22 +41,25 @@ __all__ = ["GEMRunner", "make_env", "check_reset", "check_step"]
 #: the system prompt of a GEMRunner episode unless ``system_prompt`` is given
 DEFAULT_SYSTEM_PROMPT = ("You are playing a game. Read each observation and reply with your next move in the format "
                          "it asks for. Keep replies short.")
-_RESET_LOCK = threading.Lock()  # GEM's reset seeds the process-global random/numpy generators
+_RESET_LOCK = threading.Lock()  # GEM's and TextArena's resets seed the process-global random (GEM's numpy too)
 
 
 def make_env(env: Union[str, Callable[[], Any]], env_kwargs: Optional[Mapping[str, Any]] = None) -> Any:
     """A fresh environment: ``TextEnv(env)`` for a :data:`~lightning_nb.agents.text_env.TEXT_ENVS` id,
-    ``gem.make(env)`` for other ids, ``env()`` for a callable (``env_kwargs`` go to the constructor).
+    ``TextArenaEnv(id)`` for ``"textarena:<id>"``, ``gem.make(env)`` for other ids, ``env()`` for a callable
+    (``env_kwargs`` go to the constructor).
 
     Raises:
-        ConfigError: an id neither GEM nor TextEnv knows (the message lists where to look).
-        MissingDependencyError: gem-llm (or gymnasium) is not installed.
+        ConfigError: an id neither GEM, TextEnv nor TextArena knows (the message lists where to look).
+        MissingDependencyError: gem-llm (or gymnasium, or textarena for a ``"textarena:"`` id) is not installed.
     """
     kwargs = dict(env_kwargs or {})
     if callable(env):
         return env(**kwargs)
     if env in TEXT_ENVS:
         return TextEnv(env, **kwargs)
+    if env.startswith(TEXTARENA_PREFIX):
+        return TextArenaEnv(env[len(TEXTARENA_PREFIX):], **kwargs)
     try:
         import gem
         from gem.envs.registration import ENV_REGISTRY
@@ -60,7 +68,8 @@ def make_env(env: Union[str, Callable[[], Any]], env_kwargs: Optional[Mapping[st
     if env not in ENV_REGISTRY:
         games = sorted(k for k in ENV_REGISTRY if k.startswith("game:"))[:6]
         raise ConfigError(f"GEMRunner env {env!r} is neither a GEM id (e.g. {games}; all: gem.print_envs()) nor a "
-                          f"gymnasium text env {sorted(TEXT_ENVS)}")
+                          f"gymnasium text env {sorted(TEXT_ENVS)} nor a TextArena id with its prefix "
+                          f"('{TEXTARENA_PREFIX}GuessTheNumber-v0-raw')")
     return gem.make(env, **kwargs)
 
 
@@ -113,10 +122,11 @@ def _shape(out: Any) -> str:
 
 
 class GEMRunner(AgentRunner):
-    """Play a GEM or gymnasium text environment, one LLM call per step (see the module docstring).
+    """Play a GEM, gymnasium or TextArena text environment, one LLM call per step (see the module docstring).
 
     Args:
-        env: a GEM id, a :data:`~lightning_nb.agents.text_env.TEXT_ENVS` id, or a factory ``env(**env_kwargs)``.
+        env: a GEM id, a :data:`~lightning_nb.agents.text_env.TEXT_ENVS` id, ``"textarena:"`` + a TextArena id, or
+            a factory ``env(**env_kwargs)``.
         env_kwargs: keyword arguments for the environment's constructor.
         max_steps: most LLM calls (= env steps) per episode (>= 1); an episode cut there ends ``"max_steps"``.
         system_prompt: the first message of every episode (None: no system message).
