@@ -20,7 +20,7 @@ from lightning_nb import semconv
 from lightning_nb.errors import ConfigError, SpanSchemaError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import final_reward
-from lightning_nb.types import Span, Triplet
+from lightning_nb.types import GROUP_ID_KEY, Span, Triplet
 
 __all__ = ["TripletAdapter", "attribute_intermediate_rewards", "triplets_df"]
 
@@ -79,7 +79,7 @@ class TripletAdapter:
     REASONS = ("not_succeeded", "no_reward", "no_llm_calls", "no_token_ids", "no_matching_llm_calls")
     COUNTS = ("llm_spans_without_token_ids", "llm_spans_not_matched", "intermediate_rewards_dropped")
 
-    def __init__(self, group_key: str = "group_id", agent_match: Optional[str] = None) -> None:
+    def __init__(self, group_key: str = GROUP_ID_KEY, agent_match: Optional[str] = None) -> None:
         self.group_key = group_key
         self.agent_match = agent_match
         try:
@@ -218,13 +218,13 @@ def triplets_df(triplets: Sequence[Triplet], advantages: Optional[dict[Any, floa
     or by ``(rollout_id, turn)`` (one per transition, ``trainer.last_turn_advantages``); a
     ``(rollout_id, turn)`` key wins over the rollout id.
     """
-    columns = ["rollout_id", "group_id", "turn", "reward", "step_reward", "agent_name", "advantage",
+    columns = ["rollout_id", GROUP_ID_KEY, "turn", "reward", "step_reward", "agent_name", "advantage",
                "prompt_tokens", "response_tokens", "response_text"]
     adv = advantages or {}
     rows = []
     for t in triplets:
         rows.append({
-            "rollout_id": t.rollout_id, "group_id": t.group_id, "turn": t.turn, "reward": t.reward,
+            "rollout_id": t.rollout_id, GROUP_ID_KEY: t.group_id, "turn": t.turn, "reward": t.reward,
             "step_reward": t.step_reward, "agent_name": t.agent_name,
             "advantage": adv.get((t.rollout_id, t.turn), adv.get(t.rollout_id)), "prompt_tokens": len(t.prompt_ids),
             "response_tokens": len(t.response_ids), "response_text": t.response_text,

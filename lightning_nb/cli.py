@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from lightning_nb.errors import ConfigError
+from lightning_nb.types import MAIN_LLM
 
 # The demo's defaults against the two-operation plateau (issue 14; measured in README, "Past the one-step plateau"):
 DEMO_ALL_NUMBERS_BONUS = 0.2  # calc_agent's shaping term for a CALC that uses every number of the question
@@ -157,7 +158,7 @@ def _serving(runners: int, engine_kind: str = "vllm", all_numbers_bonus: float =
     print(f"[lightning-nb] engine ready in {time.time() - t0:.1f} s", flush=True)
     store = InMemoryStore()
     proxy = LLMProxy(engine, store).start()
-    store.add_resources({"main_llm": proxy.as_resource()})
+    store.add_resources({MAIN_LLM: proxy.as_resource()})
     agent = functools.partial(calc_agent, all_numbers_bonus=all_numbers_bonus) if all_numbers_bonus else calc_agent
     group = start_runners(agent, store, n=runners)
     try:

@@ -62,6 +62,9 @@ __all__ = [
     "new_id",
     "ROLLOUT_TERMINAL",
     "ATTEMPT_TERMINAL",
+    "GROUP_ID_KEY",
+    "SAMPLING_PARAMETERS_KEY",
+    "MAIN_LLM",
 ]
 
 RolloutStatus = Literal["queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled"]
@@ -70,6 +73,14 @@ RolloutMode = Literal["train", "val", "test"]
 #: Rollout metadata key marking traffic a user started (``LLMProxy``'s ``/traffic`` route: ``"proxy"``;
 #: ``Runner.step``: ``"runner"``), which :class:`~lightning_nb.algorithm.traffic.TrafficLearner` may train on.
 TRAFFIC_KEY = "traffic"
+#: Rollout metadata key naming a rollout's GRPO group (``LightningRL`` writes it, ``TripletAdapter`` and
+#: ``GroupJudge`` read it; each takes ``group_key=`` to use another key, and LightningRL writes its adapter's).
+GROUP_ID_KEY = "group_id"
+#: Rollout metadata key of the rollout's own sampling parameters (``{"temperature": ..., "max_tokens": ...}``),
+#: which runners hand the agent in ``llm.sampling_parameters`` and the LLM proxy applies on the rollout's URL.
+SAMPLING_PARAMETERS_KEY = "sampling_parameters"
+#: The name of the LLM resource agents are given (``store.add_resources({MAIN_LLM: proxy.as_resource()})``).
+MAIN_LLM = "main_llm"
 WorkerStatus = Literal["idle", "busy", "stopped", "unresponsive"]
 
 ROLLOUT_TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
@@ -200,102 +211,6 @@ class Span(_Model):
     end_time: float
     status: Literal["ok", "error", "unset"] = "unset"
     attributes: dict[str, Any] = Field(default_factory=dict)
-
-
-_SPAN_FIELDS = tuple(Span.model_fields)
-_new_object, _set = object.__new__, object.__setattr__
-
-
-def _span_new(rollout_id: str, attempt_id: str, sequence_id: int, trace_id: str, span_id: str,
-              parent_id: Optional[str], name: str, start_time: float, end_time: float, status: str,
-              attributes: dict[str, Any]) -> Span:
-    """What ``Span.model_construct`` makes from all eleven fields, in a third of its time (no per-field loop).
-
-    Use :data:`span_construct`, which is this only where the import-time check passed.
-    """
-    span = _new_object(Span)
-    _set(span, "__dict__", {"rollout_id": rollout_id, "attempt_id": attempt_id, "sequence_id": sequence_id,
-                            "trace_id": trace_id, "span_id": span_id, "parent_id": parent_id, "name": name,
-                            "start_time": start_time, "end_time": end_time, "status": status,
-                            "attributes": attributes})
-    _set(span, "__pydantic_fields_set__", set(_SPAN_FIELDS))
-    _set(span, "__pydantic_extra__", None)
-    _set(span, "__pydantic_private__", None)
-    return span
-
-
-def _span_new_matches_model_construct() -> bool:
-    """Whether :func:`_span_new` builds exactly what this pydantic's ``model_construct`` does (checked at import)."""
-    fields = dict(rollout_id="r", attempt_id="a", sequence_id=1, trace_id="t", span_id="s", parent_id=None,
-                  name="n", start_time=1.0, end_time=2.0, status="ok", attributes={"k": [1]})
-    try:
-        fast, slow = _span_new(**fields), Span.model_construct(**fields)
-        return (list(fast.__dict__.items()) == list(slow.__dict__.items()) and Span.__pydantic_post_init__ is None
-                and all(getattr(fast, a) == getattr(slow, a) for a in ("__pydantic_fields_set__",
-                                                                       "__pydantic_extra__", "__pydantic_private__"))
-                and fast == slow and fast.model_dump_json() == slow.model_dump_json())
-    except Exception:
-        return False
-
-
-def _span_model_construct(rollout_id: str, attempt_id: str, sequence_id: int, trace_id: str, span_id: str,
-                          parent_id: Optional[str], name: str, start_time: float, end_time: float, status: str,
-                          attributes: dict[str, Any]) -> Span:
-    return Span.model_construct(rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_id,
-                                trace_id=trace_id, span_id=span_id, parent_id=parent_id, name=name,
-                                start_time=start_time, end_time=end_time, status=status, attributes=attributes)
-
-
-# span_construct(rollout_id, attempt_id, sequence_id, trace_id, span_id, parent_id, name, start_time, end_time,
-# status, attributes) -> Span: a Span from trusted, already valid values, without validation, exactly as
-# Span.model_construct makes it. The tracer and the stores build one per span written and read, so it skips
-# pydantic's per-field loop where an import-time check shows the result is identical, and is model_construct
-# itself otherwise (a pydantic whose internals differ).
-span_construct = _span_new if _span_new_matches_model_construct() else _span_model_construct
-
-
-def _span_with_sequence_id_fast(span: Span, sequence_id: int) -> Span:
-    fields = span.__dict__.copy()
-    fields["sequence_id"] = sequence_id
-    new = _new_object(Span)
-    _set(new, "__dict__", fields)
-    _set(new, "__pydantic_fields_set__", span.__pydantic_fields_set__ | _SEQUENCE_ID)
-    _set(new, "__pydantic_extra__", None)
-    _set(new, "__pydantic_private__", None)
-    return new
-
-
-def _span_with_sequence_id_pydantic(span: Span, sequence_id: int) -> Span:
-    return span.model_copy(update={"sequence_id": sequence_id})
-
-
-def span_with_sequence_id(span: Span, sequence_id: int) -> Span:
-    """A new Span equal to ``span.model_copy(update={"sequence_id": sequence_id})`` (sharing ``span``'s
-    attributes dict, as that does) without pydantic's copy machinery (a dict copy and four slot writes, about
-    half the time of the former keyword-argument rebuild), where an import-time check shows it is the same."""
-    if _SPAN_COPY_OK and span.__pydantic_extra__ is None and span.__pydantic_private__ is None:
-        return _span_with_sequence_id_fast(span, sequence_id)
-    return _span_with_sequence_id_pydantic(span, sequence_id)
-
-
-_SEQUENCE_ID = frozenset({"sequence_id"})
-
-
-def _span_copy_matches_model_copy() -> bool:
-    """Whether :func:`_span_with_sequence_id_fast` makes exactly what ``model_copy(update=...)`` does (at import)."""
-    try:
-        span = Span(rollout_id="r", attempt_id="a", trace_id="t", span_id="s", name="n", start_time=1.0,
-                    end_time=2.0, attributes={"k": [1]})
-        fast, slow = _span_with_sequence_id_fast(span, 3), span.model_copy(update={"sequence_id": 3})
-        return (list(fast.__dict__.items()) == list(slow.__dict__.items()) and fast.attributes is span.attributes
-                and all(getattr(fast, a) == getattr(slow, a) for a in ("__pydantic_fields_set__",
-                                                                       "__pydantic_extra__", "__pydantic_private__"))
-                and fast == slow and fast.model_dump_json() == slow.model_dump_json())
-    except Exception:
-        return False
-
-
-_SPAN_COPY_OK = _span_copy_matches_model_copy()
 
 
 class LLMResource(_Model):

@@ -128,6 +128,31 @@ def test_span_names_and_keys_are_written_only_in_semconv():
     assert not offenders, "span names or attribute keys written as literals:\n" + "\n".join(offenders)
 
 
+# The rollout-metadata and resource keys several packages share: each is a constant of lightning_nb.types.
+SHARED_KEYS = {"group_id": "GROUP_ID_KEY", "sampling_parameters": "SAMPLING_PARAMETERS_KEY", "main_llm": "MAIN_LLM",
+               "traffic": "TRAFFIC_KEY"}
+
+
+def test_rollout_metadata_and_resource_keys_are_written_only_in_types():
+    """No module but ``types.py`` has a string literal (docstrings aside) equal to a shared metadata or resource key:
+    one spelled twice can drift apart (``TripletAdapter(group_key=...)`` once read a key ``LightningRL`` never wrote)."""
+    import lightning_nb.types as types
+
+    assert {getattr(types, name) for name in SHARED_KEYS.values()} == set(SHARED_KEYS)
+    offenders = []
+    for path in _modules():
+        if path == ROOT / "lightning_nb" / "types.py":
+            continue
+        tree = ast.parse(path.read_text())
+        skip = _docstring_nodes(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip \
+                    and node.value in SHARED_KEYS:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r} "
+                                 f"(use lightning_nb.types.{SHARED_KEYS[node.value]})")
+    assert not offenders, "shared keys written as literals:\n" + "\n".join(offenders)
+
+
 def test_widgets_use_only_public_names_of_lightning_nb():
     """The widgets import no ``_private`` module or name from ``lightning_nb``."""
     private = []

@@ -7,6 +7,8 @@ import json
 import re
 from dataclasses import dataclass
 
+import pytest
+
 from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL, start_runners
 from lightning_nb.algorithm.lightning_rl import task_key
 
@@ -65,3 +67,34 @@ def test_the_algorithm_names_groups_of_tasks_without_ids_by_their_content(engine
     assert groups == {f"1.0:{task_key(task)}", f"1.0:{task_key(other)}"}, groups
     assert not {str(id(t)) for t in (task, twin, other)} & {g.split(":", 1)[1] for g in groups}
 
+
+def test_a_custom_group_key_of_the_adapter_is_the_key_the_algorithm_writes(engine, proxied_store):
+    """TripletAdapter(group_key=...) reads the group from that rollout metadata key, so LightningRL must write it
+    there: otherwise every episode is a group of its own and GRPO drops them all."""
+    from openai import OpenAI
+
+    from lightning_nb import TripletAdapter
+    from lightning_nb.errors import ConfigError
+    from lightning_nb.rewards import GroupJudge
+
+    def agent(task, llm):  # one short LLM call, so each episode has a triplet
+        OpenAI(base_url=llm.endpoint, api_key="x", max_retries=0).chat.completions.create(
+            model=llm.model, messages=[{"role": "user", "content": task["question"]}], **llm.sampling_parameters)
+        return 1.0
+
+    store = proxied_store
+    runners = start_runners(agent, store, n=4)
+    tasks = [{"id": "t1", "question": "1 + 1?"}, {"id": "t2", "question": "2 + 2?"}]
+    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+    algo = LightningRL(store, trainer, tasks, adapter=TripletAdapter(group_key="episode_group"),
+                       config=AlgorithmConfig(tasks_per_step=2, group_size=2, max_tokens=2, dynamic_sampling=False))
+    try:
+        triplets, ids = algo.collect()
+    finally:
+        runners.stop()
+    assert {r.metadata.get("episode_group") for r in store.query_rollouts(rollout_ids=ids)} == {"1.0:t1", "1.0:t2"}
+    assert sorted(t.group_id for t in triplets) == ["1.0:t1", "1.0:t1", "1.0:t2", "1.0:t2"]
+    assert len(trainer.signal_groups(triplets)) == 0  # equal rewards; but two groups of two, not four of one
+    with pytest.raises(ConfigError, match="group_key"):  # a group judge reading another key is refused
+        LightningRL(store, trainer, tasks, adapter=TripletAdapter(group_key="episode_group"),
+                    group_judge=GroupJudge(endpoint="http://127.0.0.1:9/v1", model="m"))

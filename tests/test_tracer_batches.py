@@ -122,11 +122,12 @@ def test_span_construct_is_model_construct_without_the_per_field_loop():
     import pickle
 
     from lightning_nb import types
+    from lightning_nb.store import copies
 
-    assert types.span_construct is types._span_new  # the import-time check passed on this pydantic
+    assert copies.span_construct is copies._span_new  # the import-time check passed on this pydantic
     fields = dict(rollout_id="r", attempt_id="a", sequence_id=3, trace_id="t" * 32, span_id="s" * 16,
                   parent_id=None, name="llm", start_time=1.0, end_time=2.0, status="ok", attributes={"x": [1, 2]})
-    span = types.span_construct(*fields.values())
+    span = copies.span_construct(*fields.values())
     assert span == types.Span.model_construct(**fields) == types.Span(**fields)
     assert pickle.loads(pickle.dumps(span)) == span and span.model_copy(update={"sequence_id": 4}).sequence_id == 4
     with pytest.raises(Exception, match="validation error"):
@@ -134,7 +135,7 @@ def test_span_construct_is_model_construct_without_the_per_field_loop():
     span.name = "tool"
     assert span.model_dump()["name"] == "tool"
 
-    moved = types.span_with_sequence_id(span, 9)  # the store's add_spans returns these
+    moved = copies.span_with_sequence_id(span, 9)  # the store's add_spans returns these
     assert moved == span.model_copy(update={"sequence_id": 9}) and moved is not span and span.sequence_id == 3
     assert moved.attributes is span.attributes and moved.sequence_id == 9
 

@@ -32,6 +32,7 @@ from lightning_nb.semconv import REWARD, REWARD_SPAN, WEIGHT_VERSION
 from lightning_nb.slices import slice_labels
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import component_sums, final_reward, reward_or_zero
+from lightning_nb.types import GROUP_ID_KEY
 from widgets._live import LivePanel
 
 __all__ = ["RewardCurve", "rollout_point"]
@@ -58,7 +59,7 @@ def _point_and_spans(store: LightningStore, rollout: Any) -> tuple[Optional[tupl
                                                           if s.name == REWARD_SPAN]))
     x: Optional[int] = None
     if rollout.mode == "train":
-        group = str(rollout.metadata.get("group_id", ""))
+        group = str(rollout.metadata.get(GROUP_ID_KEY, ""))
         head = group.split(":", 1)[0].split(".", 1)[0]  # "<step>:<task>" or "<step>.<round>:<task>"
         x = int(head) if ":" in group and head.isdigit() else None
     else:

@@ -49,7 +49,8 @@ from lightning_nb.algorithm.lightning_rl import task_key
 from lightning_nb.errors import ConfigError, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import reward_or_zero
-from lightning_nb.types import LLMResource, PromptTemplate, ResourcesUpdate, RolloutConfig, new_id
+from lightning_nb.types import (SAMPLING_PARAMETERS_KEY, LLMResource, PromptTemplate, ResourcesUpdate, RolloutConfig,
+                                new_id)
 
 __all__ = ["APO", "APOConfig", "BestPrompt", "Candidate"]
 
@@ -220,7 +221,7 @@ class APO(BackgroundLoop):
                 rollout = self.store.enqueue_rollout(
                     task, mode="val" if held_out else "train", resources_id=self._resources_for(cand),
                     config=RolloutConfig(timeout_seconds=cfg.rollout_timeout_s),
-                    metadata={"sampling_parameters": sampling, "apo": {"run": self.run_id, "round": r,
+                    metadata={SAMPLING_PARAMETERS_KEY: sampling, "apo": {"run": self.run_id, "round": r,
                                                                        "candidate": cand.id}})
                 todo.append((cand, key, rollout.rollout_id))
         ids = [rid for *_, rid in todo]

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional, Sequence
 
 from lightning_nb.algorithm.apo_prompts import CRITIC_PROMPT, CRITIC_VARIABLES, EDITOR_PROMPT, EDITOR_VARIABLES
 from lightning_nb.errors import ConfigError
-from lightning_nb.types import PromptTemplate
+from lightning_nb.types import MAIN_LLM, PromptTemplate
 
 __all__ = ["APOConfig", "BestPrompt", "Candidate"]
 
@@ -32,7 +32,7 @@ class APOConfig:
     editor_prompt: str = field(default=EDITOR_PROMPT, metadata={
         "help": "str.format template: {prompt}, {critique}, {failures}."})
     prompt_name: str = field(default="system_prompt", metadata={"help": "The PromptTemplate's name in the resources."})
-    llm_name: str = field(default="main_llm", metadata={"help": "The LLMResource the proposer uses by default."})
+    llm_name: str = field(default=MAIN_LLM, metadata={"help": "The LLMResource the proposer uses by default."})
     variables: Optional[list[str]] = field(default=None, metadata={
         "help": "The fields the agent fills in the prompt (calc: ['question']); a candidate using another is "
                 "refused. None: the starting prompt's variables."})

@@ -3,7 +3,7 @@
 :class:`LightningRL` is the synchronous on-policy loop of the Agent Lightning
 paper with GRPO groups: each step draws ``tasks_per_step`` distinct training tasks
 (without replacement: a task at most once per step), enqueues each ``group_size``
-times (same ``group_id``), waits for the runners,
+times (one group id, under the adapter's ``group_key``), waits for the runners,
 adapts the spans with :class:`~lightning_nb.adapter.TripletAdapter` and calls the
 trainer's ``update`` (:class:`~lightning_nb.trainers.base.Trainer`). It owns the loop: the
 background thread and its step boundaries (:class:`~lightning_nb.algorithm.control.BackgroundLoop`)
@@ -32,7 +32,7 @@ from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import reward_or_zero
 from lightning_nb.trainers.base import Trainer
 from lightning_nb.trainers.checkpoint import rng_state
-from lightning_nb.types import RolloutConfig
+from lightning_nb.types import SAMPLING_PARAMETERS_KEY, RolloutConfig
 
 __all__ = ["AlgorithmConfig", "LightningRL", "SliceReport", "task_key"]
 
@@ -171,6 +171,11 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         self.id_key = id_key
         self.on_step = on_step
         self.group_judge, self.last_judge = group_judge, {}  # last_judge: the step's judge counts
+        judge_key = getattr(group_judge, "group_key", self.adapter.group_key)
+        if judge_key != self.adapter.group_key:
+            raise ConfigError(f"group_judge reads the GRPO group from rollout metadata key {judge_key!r} but the "
+                              f"adapter from {self.adapter.group_key!r} (TripletAdapter(group_key=...)): the judge "
+                              "would score other groups than the trainer's; give both the same group_key")
         self._rng = random.Random(self.config.seed)
         # (state_dict(), global RNG states) at the start of the step in progress, kept until its update
         # begins: what a checkpoint saved inside the step holds (checkpoint_state)
@@ -261,7 +266,7 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
             # one call per group: one transaction (and one fsync) in a SqliteStore, one lock in memory
             ids += [r.rollout_id for r in self.store.enqueue_rollouts(
                 [self.train_tasks[i]] * cfg.group_size, mode="train", config=self._rollout_config(),
-                metadata={"group_id": group, "sampling_parameters": sampling})]
+                metadata={self.adapter.group_key: group, SAMPLING_PARAMETERS_KEY: sampling})]
         return ids
 
     def collect(self) -> tuple[list, list[str]]:
@@ -371,7 +376,7 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         keys = slice_keys(tasks, by) if by is not None else None
         sampling = {"temperature": 0.0, "max_tokens": self.config.max_tokens}
         ids = [r.rollout_id for r in self.store.enqueue_rollouts(tasks, mode="val", config=self._rollout_config(),
-                                                                 metadata={"sampling_parameters": sampling})]
+                                                                 metadata={SAMPLING_PARAMETERS_KEY: sampling})]
         self.wait_for(ids, desc="evaluating" if progress else None,
                       on_progress=self._reporter("evaluate", self.trainer.step, len(ids)))
         finished = self._finished_rewards(ids)

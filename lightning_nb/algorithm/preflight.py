@@ -27,7 +27,7 @@ from lightning_nb.runners import NO_REWARD_ERROR
 from lightning_nb.semconv import (COMPLETION_TOKEN_IDS, LLM_SPAN, PROMPT_TOKEN_IDS, RESPONSE_FINISH_REASONS,
                                   TOKEN_IDS_MISSING)
 from lightning_nb.trainers.packing import pack_episode
-from lightning_nb.types import RolloutConfig, Triplet
+from lightning_nb.types import SAMPLING_PARAMETERS_KEY, RolloutConfig, Triplet
 
 if TYPE_CHECKING:
     from lightning_nb.algorithm.lightning_rl import LightningRL
@@ -170,7 +170,7 @@ def _enqueue(algo: "LightningRL", n_tasks: int) -> list[str]:
     for i in picks:
         task = algo.train_tasks[i]
         key = task.get(algo.id_key, i) if isinstance(task, dict) else i
-        metadata = {algo.adapter.group_key: f"preflight-{run}:{key}", "sampling_parameters": sampling,
+        metadata = {algo.adapter.group_key: f"preflight-{run}:{key}", SAMPLING_PARAMETERS_KEY: sampling,
                     "preflight": True}
         config = RolloutConfig(max_attempts=cfg.max_attempts, timeout_seconds=cfg.rollout_timeout_s)
         ids += [algo.store.enqueue_rollout(task, mode="train", config=config, metadata=metadata).rollout_id

@@ -51,7 +51,7 @@ from lightning_nb.errors import ConfigError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.trainers.base import Trainer
 from lightning_nb.trainers.checkpoint import restore_checkpoint
-from lightning_nb.types import TRAFFIC_KEY, Rollout, Triplet
+from lightning_nb.types import GROUP_ID_KEY, TRAFFIC_KEY, Rollout, Triplet
 
 __all__ = ["TrafficConfig", "TrafficLearner", "is_traffic", "TRAFFIC_KEY"]
 
@@ -248,7 +248,7 @@ class TrafficLearner(BackgroundLoop, RunCheckpoint):
             sizes[key] = sizes.get(key, 0) + 1
         group = {rid: f"{k}:task:{key}" if sizes[key] >= 2 else f"{k}:pool" for rid, key in keys.items()}
         pool = [rid for rid, g in group.items() if g.endswith(":pool")]
-        regrouped = [t.model_copy(update={"group_id": group[t.rollout_id]}) for t in triplets
+        regrouped = [t.model_copy(update={GROUP_ID_KEY: group[t.rollout_id]}) for t in triplets
                      if len(pool) >= 2 or not group[t.rollout_id].endswith(":pool")]
         with_signal = self.trainer.signal_groups(regrouped) if regrouped else set()
         chosen = [t for t in regrouped if t.group_id in with_signal]

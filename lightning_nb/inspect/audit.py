@@ -31,13 +31,13 @@ from lightning_nb.proxy.splice import ServedCall, splice_previous_reply
 from lightning_nb.semconv import (COMPLETION, COMPLETION_TOKEN_IDS, LLM_SPAN, PROMPT, PROMPT_SPLICED, PROMPT_TOKEN_IDS,
                                   REQUEST_TOOL_CHOICE, REQUEST_TOOLS, RESPONSE_FINISH_REASONS, RESPONSE_TOOL_CALLS)
 from lightning_nb.store.base import LightningStore
-from lightning_nb.types import Span
+from lightning_nb.types import GROUP_ID_KEY, Span
 
 __all__ = ["FIDELITY_COLUMNS", "BATCH_COLUMNS", "token_fidelity", "batch_df", "batch_html"]
 
 FIDELITY_COLUMNS = ["rollout_id", "attempt_id", "turn", "kind", "cause", "position", "served_id", "expected_id",
                     "served", "expected"]
-BATCH_COLUMNS = ["rollout_id", "group_id", "advantage", "tokens", "response_tokens", "mean_ratio",
+BATCH_COLUMNS = ["rollout_id", GROUP_ID_KEY, "advantage", "tokens", "response_tokens", "mean_ratio",
                  "max_abs_logprob_diff", "response_text"]
 
 
@@ -194,7 +194,7 @@ def batch_df(last_batch: Sequence[dict[str, Any]], tokenizer: Any) -> pd.DataFra
         mask = seq["response_mask"]
         diffs = _logprob_diffs(seq)
         rows.append({
-            "rollout_id": seq["rollout_id"], "group_id": seq["group_id"], "advantage": float(seq["advantage"]),
+            "rollout_id": seq["rollout_id"], GROUP_ID_KEY: seq[GROUP_ID_KEY], "advantage": float(seq["advantage"]),
             "tokens": len(seq["input_ids"]), "response_tokens": int(sum(mask)),
             "mean_ratio": sum(math.exp(d) for d in diffs) / len(diffs) if diffs else math.nan,
             "max_abs_logprob_diff": max(abs(d) for d in diffs) if diffs else math.nan,
@@ -265,7 +265,7 @@ def _sequence_html(seq: dict[str, Any], tokenizer: Any, scale: float, clip_ratio
                      f'title="{e(title)}">{e(piece)}</span>')
     diffs = _logprob_diffs(seq)
     ratio_txt = f"{sum(math.exp(d) for d in diffs) / len(diffs):.4f}" if diffs else "–"
-    head = (f"<code>{e(seq['rollout_id'])}</code> · group <code>{e(seq['group_id'])}</code> · advantage "
+    head = (f"<code>{e(seq['rollout_id'])}</code> · group <code>{e(seq[GROUP_ID_KEY])}</code> · advantage "
             f"<b>{adv:+.3f}</b> · {len(seq['input_ids'])} tokens, {int(sum(seq['response_mask']))} trained · "
             f"mean ratio {ratio_txt}")
     return (f'<div class="lnb-seq" data-rollout="{e(seq["rollout_id"])}" data-advantage="{adv}" '

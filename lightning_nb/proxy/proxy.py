@@ -52,7 +52,7 @@ from lightning_nb.proxy.splice import (ServedCall, can_submit_tokens, generation
                                        submit_kwargs)
 from lightning_nb.store.base import LightningStore
 from lightning_nb.tracing.tracer import Tracer
-from lightning_nb.types import TRAFFIC_KEY, LLMResource
+from lightning_nb.types import SAMPLING_PARAMETERS_KEY, TRAFFIC_KEY, LLMResource
 
 __all__ = ["LLMProxy", "ChatCompletionRequest", "TRAFFIC_KEY", "ROLLOUT_ID_HEADER"]
 
@@ -343,7 +343,7 @@ class LLMProxy:
         except NotFoundError as exc:
             raise ProxyHTTPError(404, str(exc), "rollout_id") from None
         check_attempt_open(attempts, rollout_id, attempt_id)
-        return dict(rollout.metadata.get("sampling_parameters") or {})
+        return dict(rollout.metadata.get(SAMPLING_PARAMETERS_KEY) or {})
 
     async def _check_still_open(self, rollout_id: str, attempt_id: str) -> None:
         """409 when the attempt ended while its call was being served: the call is then not recorded."""

@@ -37,7 +37,7 @@ from lightning_nb.rewards.judge import (JudgeError, _clip_text, chat, check_comm
                                         task_text)
 from lightning_nb.rewards.prompts import DEFAULT_RUBRIC, GROUP_EXAMPLES, GROUP_SYSTEM_PROMPT, fmt_score, group_messages
 from lightning_nb.store.base import LightningStore
-from lightning_nb.types import LLMResource, Span
+from lightning_nb.types import GROUP_ID_KEY, MAIN_LLM, LLMResource, Span
 
 __all__ = ["GroupJudge", "parse_group_scores", "trajectory_messages", "GROUP_JUDGE_SOURCE"]
 
@@ -153,7 +153,7 @@ class GroupJudge:
                  api_key: Optional[str] = None, timeout_s: float = 300.0, max_chars: int = 1200,
                  system_prompt: str = GROUP_SYSTEM_PROMPT,
                  examples: Sequence[tuple[str, Sequence[str], Sequence[bool]]] = GROUP_EXAMPLES,
-                 group_key: str = "group_id", llm_resource: str = "main_llm") -> None:
+                 group_key: str = GROUP_ID_KEY, llm_resource: str = MAIN_LLM) -> None:
         self._endpoint = None if endpoint is None else resolve_endpoint(endpoint, model, api_key, "GroupJudge")
         self.model, self.api_key = model, api_key
         self.scale = check_scale(scale, "GroupJudge")

@@ -9,6 +9,8 @@ an attempt fails.
 
 from __future__ import annotations
 
+from lightning_nb.types import MAIN_LLM
+
 import logging
 import threading
 import warnings
@@ -78,7 +80,7 @@ def _host_port(url: str) -> tuple[str, Optional[int]]:
     return (parts.hostname or "").lower(), port or {"http": 80, "https": 443}.get(parts.scheme)
 
 
-def unreachable_endpoint_hint(exc: BaseException, endpoint: str, llm_resource: str = "main_llm") -> Optional[str]:
+def unreachable_endpoint_hint(exc: BaseException, endpoint: str, llm_resource: str = MAIN_LLM) -> Optional[str]:
     """One line saying the LLM ``endpoint`` is unreachable, when ``exc`` came from failing to connect to it; else None.
 
     Looks down the exception chain (``__cause__`` / ``__context__``) for a failed connect:

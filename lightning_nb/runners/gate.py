@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_nb.store.base import LightningStore
-from lightning_nb.types import ResourcesUpdate
+from lightning_nb.types import MAIN_LLM, ResourcesUpdate
 
 __all__ = ["DeadEndpoint", "EndpointGate", "check_llm_endpoint", "llm_endpoint", "probe_endpoint",
            "requeue_after_dead_endpoint", "warn_if_llm_endpoint_dead", "PROBE_TIMEOUT_S"]
@@ -88,7 +88,7 @@ class DeadEndpoint:
                 f"and they put the rollouts that failed only for this back in the queue when it answers")
 
 
-def check_llm_endpoint(store: LightningStore, llm_resource: str = "main_llm",
+def check_llm_endpoint(store: LightningStore, llm_resource: str = MAIN_LLM,
                        timeout_s: float = PROBE_TIMEOUT_S) -> Optional[DeadEndpoint]:
     """Probe the endpoint of ``llm_resource`` in the store's latest resources; a :class:`DeadEndpoint` if it is dead.
 
@@ -119,7 +119,7 @@ def warn_if_llm_endpoint_dead(store: LightningStore, llm_resource: str, stacklev
 
 
 def requeue_after_dead_endpoint(store: LightningStore, dead_endpoint: str, failed_rollout_ids: set[str],
-                                llm_resource: str = "main_llm") -> tuple[int, int]:
+                                llm_resource: str = MAIN_LLM) -> tuple[int, int]:
     """Put rollouts hurt by ``dead_endpoint`` back to work on the store's latest resources.
 
     * each rollout in ``failed_rollout_ids`` (their attempt failed because ``dead_endpoint``
@@ -174,7 +174,7 @@ class EndpointGate:
         check_interval_s: seconds between probes while closed.
     """
 
-    def __init__(self, store: LightningStore, llm_resource: str = "main_llm", *, check_interval_s: float = 1.0) -> None:
+    def __init__(self, store: LightningStore, llm_resource: str = MAIN_LLM, *, check_interval_s: float = 1.0) -> None:
         self.store, self.llm_resource, self.check_interval_s = store, llm_resource, check_interval_s
         self._lock = threading.Lock()
         self._dead: Optional[str] = None  # the endpoint that refused; None while open

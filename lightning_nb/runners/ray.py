@@ -65,6 +65,7 @@ from lightning_nb.store.base import LightningStore
 from lightning_nb.store.client import StoreClient
 from lightning_nb.store.server import StoreServer
 from lightning_nb.tracing.tracer import Tracer
+from lightning_nb.types import MAIN_LLM
 
 __all__ = ["RayRunnerGroup", "start_ray_runners", "import_ray", "init_local_ray"]
 
@@ -242,7 +243,7 @@ class RayRunnerGroup(GroupLifecycle):
 
 
 def start_ray_runners(agent: Any, store: LightningStore, n: int = 2, *, default_timeout_s: Optional[float] = 300.0,
-                      llm_resource: str = "main_llm", heartbeat_interval_s: float = 5.0,
+                      llm_resource: str = MAIN_LLM, heartbeat_interval_s: float = 5.0,
                       num_cpus: float = 1.0, address: Optional[str] = None,
                       actor_options: Optional[dict[str, Any]] = None,
                       start_timeout_s: float = 120.0, hooks: Optional[list[Any]] = None) -> RayRunnerGroup:

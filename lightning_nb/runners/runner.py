@@ -89,7 +89,8 @@ from lightning_nb.runners.live import LIVE
 from lightning_nb.semconv import REWARD_SPAN
 from lightning_nb.store.base import LightningStore
 from lightning_nb.tracing.tracer import AttemptSpans, Tracer, emit_reward
-from lightning_nb.types import ATTEMPT_TERMINAL, TRAFFIC_KEY, AttemptedRollout, LLMResource, Rollout
+from lightning_nb.types import (ATTEMPT_TERMINAL, MAIN_LLM, SAMPLING_PARAMETERS_KEY, TRAFFIC_KEY, AttemptedRollout,
+                                LLMResource, Rollout)
 
 if TYPE_CHECKING:
     from lightning_nb.runners.group import RunnerGroup
@@ -112,7 +113,7 @@ def attributed_llm(resource: LLMResource, rollout_id: str, attempt_id: str, over
     if base.endswith("/v1") and "/rollout/" not in base:
         endpoint = f"{base[:-3]}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
     sampling = {**resource.sampling_parameters, **(overrides or {})}
-    return resource.model_copy(update={"endpoint": endpoint, "sampling_parameters": sampling})
+    return resource.model_copy(update={"endpoint": endpoint, SAMPLING_PARAMETERS_KEY: sampling})
 
 
 
@@ -149,7 +150,7 @@ class Runner:
     """
 
     def __init__(self, agent: Agent, store: LightningStore, tracer: Tracer, *,
-                 default_timeout_s: Optional[float] = 300.0, llm_resource: str = "main_llm",
+                 default_timeout_s: Optional[float] = 300.0, llm_resource: str = MAIN_LLM,
                  poll_interval_s: float = 0.2, heartbeat_interval_s: float = 5.0,
                  notices: Optional[FailureNotices] = None, gate: Optional[EndpointGate] = None,
                  hooks: Optional[list[Any]] = None) -> None:
@@ -300,7 +301,7 @@ class Runner:
         self.stats.state, self.stats.current_rollout = "running", rid
         try:
             resource = self._llm_resource(rollout)
-            llm = attributed_llm(resource, rid, aid, rollout.metadata.get("sampling_parameters"))
+            llm = attributed_llm(resource, rid, aid, rollout.metadata.get(SAMPLING_PARAMETERS_KEY))
         except LightningNbError as exc:
             summary = f"{type(exc).__name__}: {exc}"
             self.notices.notify(type(exc).__name__, self.worker_id, rid, summary)

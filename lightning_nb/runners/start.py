@@ -15,12 +15,13 @@ from lightning_nb.runners.hooks import check_hooks
 from lightning_nb.runners.runner import Agent
 from lightning_nb.store.base import LightningStore
 from lightning_nb.tracing.tracer import Tracer
+from lightning_nb.types import MAIN_LLM
 
 __all__ = ["start_runners"]
 
 
 def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Optional[Tracer] = None,
-                  default_timeout_s: Optional[float] = 300.0, llm_resource: str = "main_llm",
+                  default_timeout_s: Optional[float] = 300.0, llm_resource: str = MAIN_LLM,
                   backend: str = "threads", heartbeat_interval_s: float = 5.0, replace: bool = True,
                   hooks: Optional[list[Any]] = None, **backend_options: Any) -> RunnerGroup:
     """Start ``n`` runner threads and return at once. Stop them with ``group.stop()``.

@@ -21,7 +21,7 @@ from lightning_nb.semconv import COMPLETION, LLM_SPAN, REWARD
 from lightning_nb.slices import slice_labels
 from lightning_nb.store.rules import counted_reward_spans, reward_component
 from lightning_nb.store.spanframe import Flatten, check_flatten, frame_from_spans
-from lightning_nb.types import ROLLOUT_TERMINAL, Attempt, Rollout, RolloutMode, Worker
+from lightning_nb.types import GROUP_ID_KEY, ROLLOUT_TERMINAL, Attempt, Rollout, RolloutMode, Worker
 
 __all__ = ["FrameViews"]
 
@@ -176,7 +176,7 @@ class FrameViews:
             attempt = latest.get(r.rollout_id)
             rows.append({
                 "rollout_id": r.rollout_id, "mode": r.mode, "status": r.status,
-                "group_id": r.metadata.get("group_id"), "input": _short(r.input),
+                GROUP_ID_KEY: r.metadata.get(GROUP_ID_KEY), "input": _short(r.input),
                 "completions": "\n---\n".join(completions[r.rollout_id]),
                 "llm_calls": len(completions[r.rollout_id]),
                 "reward": math.nan if reward is None else reward, "attempts": r.num_attempts,
@@ -298,7 +298,7 @@ _ATTEMPT_COLUMNS = [
     "last_heartbeat_time", "duration_s", "error",
 ]
 _EPISODE_COLUMNS = [
-    "rollout_id", "mode", "status", "group_id", "input", "completions", "llm_calls", "reward", "attempts",
+    "rollout_id", "mode", "status", GROUP_ID_KEY, "input", "completions", "llm_calls", "reward", "attempts",
     "duration_s", "error",
 ]
 _MODES = get_args(RolloutMode)

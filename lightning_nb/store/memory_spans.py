@@ -25,11 +25,12 @@ import pandas as pd
 
 from lightning_nb.errors import ConfigError, NotFoundError
 from lightning_nb.semconv import REWARD, REWARD_SPAN
+from lightning_nb.store.copies import span_with_sequence_id
+from lightning_nb.store.otel import check_ids, otel_rows, span_of_row
 from lightning_nb.store.rules import check_span_types, same_span, span_beats, span_sequence_id
 from lightning_nb.store.spanframe import Flatten, check_flatten, frame_from_spans, spans_frame
-from lightning_nb.store.otel import check_ids, otel_rows, span_of_row
 from lightning_nb.store.spantable import SpanTable, cells_of, row_of, spans_from_raws
-from lightning_nb.types import ROLLOUT_TERMINAL, Attempt, Rollout, Span, span_with_sequence_id
+from lightning_nb.types import ROLLOUT_TERMINAL, Attempt, Rollout, Span
 
 __all__ = ["InMemorySpans"]
 

@@ -17,7 +17,8 @@ from opentelemetry.trace import StatusCode
 
 from lightning_nb import semconv
 from lightning_nb.errors import ConfigError
-from lightning_nb.types import Span, span_construct
+from lightning_nb.store.copies import span_construct
+from lightning_nb.types import Span
 
 __all__ = ["span_from_otel", "otel_row", "otel_rows", "otel_spans", "span_of_row", "check_ids"]
 

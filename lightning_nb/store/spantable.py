@@ -25,9 +25,10 @@ import numpy as np
 import pandas as pd
 
 from lightning_nb.errors import LightningNbError
+from lightning_nb.store.copies import span_construct
 from lightning_nb.store.spanframe import CATEGORY_COLUMNS as _CODED
 from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES, NUMBER_COLUMNS, copy_lists, holds_list, known_cells
-from lightning_nb.types import Span, span_construct
+from lightning_nb.types import Span
 
 __all__ = ["SpanTable", "SpanSpill", "span_from_raw", "spans_from_raws", "cells_of", "row_of"]
 _KNOWN_KEYS = frozenset(KNOWN_ATTRIBUTES.values())

@@ -22,10 +22,11 @@ from pydantic_core import from_json
 
 from lightning_nb.errors import ConfigError, NotFoundError
 from lightning_nb.semconv import REWARD, REWARD_SPAN
+from lightning_nb.store.copies import span_with_sequence_id
 from lightning_nb.store.rules import check_span_types, same_span, span_beats, span_sequence_id
 from lightning_nb.store.spanframe import CATEGORY_COLUMNS, Flatten, check_flatten, spans_frame
 from lightning_nb.store.sqlite_file import to_json
-from lightning_nb.types import Span, span_with_sequence_id
+from lightning_nb.types import Span
 
 __all__ = ["SqliteSpans"]
 

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from lightning_nb import semconv
 from lightning_nb.errors import ConfigError, LightningNbError, MissingDependencyError
 from lightning_nb.store.base import LightningStore, span_summary
-from lightning_nb.types import Span, Triplet
+from lightning_nb.types import GROUP_ID_KEY, Span, Triplet
 
 __all__ = ["spans_to_parquet", "triplets_to_parquet", "spans_to_otlp", "OTLPExportError", "SPAN_SCHEMA",
            "TRIPLET_SCHEMA", "redact_attributes", "live_otlp_exporter"]
@@ -55,7 +55,7 @@ SPAN_SCHEMA = pa.schema([
 #: Columns of :func:`triplets_to_parquet`: the Triplet fields, token IDs as list<int64>,
 #: ``logprobs`` as list<double> (null when the triplet has none).
 TRIPLET_SCHEMA = pa.schema([
-    ("rollout_id", pa.string()), ("attempt_id", pa.string()), ("group_id", pa.string()), ("turn", pa.int64()),
+    ("rollout_id", pa.string()), ("attempt_id", pa.string()), (GROUP_ID_KEY, pa.string()), ("turn", pa.int64()),
     ("prompt_ids", _IDS), ("response_ids", _IDS), ("logprobs", pa.list_(pa.float64())),
     ("reward", pa.float64()), ("temperature", pa.float64()),
     ("prompt_text", pa.string()), ("response_text", pa.string()),

@@ -33,7 +33,7 @@ from typing import Any, Optional
 from lightning_nb import semconv
 from lightning_nb.tracing.tracer import emit_intermediate_reward, tool_span
 from lightning_nb.errors import ConfigError
-from lightning_nb.types import LLMResource, PromptTemplate
+from lightning_nb.types import MAIN_LLM, LLMResource, PromptTemplate
 
 __all__ = ["calc_agent", "calc_reward", "calculator", "parse_final_number", "SYSTEM_PROMPT", "build_messages",
            "uses_all_numbers", "ALL_NUMBERS_COMPONENT", "SYSTEM_PROMPT_RESOURCE", "PROMPT_VARIABLES",
@@ -127,7 +127,7 @@ def calc_resources(llm: LLMResource, prompt: str | PromptTemplate = SYSTEM_PROMP
     if unknown:
         raise ConfigError(f"calc_resources(prompt=...): the calc agent fills only {list(PROMPT_VARIABLES)}, "
                           f"the template also uses {unknown}")
-    return {"main_llm": llm, SYSTEM_PROMPT_RESOURCE: template}
+    return {MAIN_LLM: llm, SYSTEM_PROMPT_RESOURCE: template}
 
 
 def system_prompt(task: dict[str, Any], resources: Optional[dict[str, Any]] = None) -> str:
