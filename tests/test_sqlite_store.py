@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import lightning_nb.store.sqlite as sqlite_mod
+import lightning_nb.store.sqlite.store as sqlite_mod
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
 from lightning_nb.store import SqliteStore
 from lightning_nb.types import LLMResource, RolloutConfig, Span
@@ -276,7 +276,7 @@ def test_enqueue_rollouts_is_one_durable_commit_all_or_none(tmp_path, monkeypatc
 # line per acknowledged write and keeps writing until it is killed.
 _ZYGOTE = r'''
 import os, sys, time
-from lightning_nb.store.sqlite import SqliteStore
+from lightning_nb.store.sqlite.store import SqliteStore
 from lightning_nb.types import RolloutConfig, Span
 
 MAX_ATTEMPTS = [1, 2, 2, 1]

@@ -1,4 +1,4 @@
-"""StoreClient's keep-alive connections (lightning_nb/store/client.py over lightning_nb/store/curl.py, libcurl
+"""StoreClient's keep-alive connections (lightning_nb/store/http/client.py over lightning_nb/store/http/curl.py, libcurl
 handles in a pool): shared by threads, replaced when the server closed one while idle, connect errors retried, no
 environment proxy, and no call goes out after close()."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from lightning_nb.store import InMemoryStore, StoreClient, StoreServer
 from lightning_nb.errors import ConfigError
-from lightning_nb.store.client import StoreConnectionError
+from lightning_nb.store.http.client import StoreConnectionError
 
 
 def test_a_connection_the_server_closed_while_idle_is_replaced_before_the_next_call():

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from lightning_nb.store import InMemoryStore
-from lightning_nb.store.locks import PARK_S, RunningThreadLock
+from lightning_nb.store.memory.locks import PARK_S, RunningThreadLock
 
 
 def _in_thread(fn, *args):
@@ -167,7 +167,7 @@ def test_acquire_with_a_timeout_gives_up_and_the_lock_still_works():
 
 def test_a_release_wakes_a_parked_thread_without_waiting_for_its_retry(monkeypatch):
     """A release in a non-main thread wakes one parked thread at once (PARK_S, the retry period, made 30 s)."""
-    from lightning_nb.store import locks
+    from lightning_nb.store.memory import locks
 
     monkeypatch.setattr(locks, "PARK_S", 30.0)
     lock, go = RunningThreadLock(), threading.Event()

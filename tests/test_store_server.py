@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from lightning_nb.errors import ConfigError, NotFoundError
 from lightning_nb.store import InMemoryStore, StoreClient, StoreServer
-from lightning_nb.store.client import StoreConnectionError
-from lightning_nb.store.server import DEFAULT_MAX_BODY_BYTES
+from lightning_nb.store.http.client import StoreConnectionError
+from lightning_nb.store.http.server import DEFAULT_MAX_BODY_BYTES
 from lightning_nb.types import ATTEMPT_TERMINAL, AttemptStatus, RolloutConfig, Span
 
 TOKEN = "s3cret-token"
@@ -151,7 +151,7 @@ MALFORMED = [
     ("POST", "/spans", {**_span_body("{rid}", "{aid}"), "start_time": "yesterday"}, 400, "start_time"),
     ("POST", "/spans", _span_body("{rid}", "at-missing"), 404, "attempt_id"),
     ("GET", "/spans?attempt_id=at-1", None, 400, "attempt_id"),
-    # the hot routes (plain Starlette routes, store/server_hot.py) answer as the FastAPI ones did
+    # the hot routes (plain Starlette routes, store/http/hot.py) answer as the FastAPI ones did
     ("POST", "/rollouts/dequeue", b"worker", 400, "body"),
     ("POST", "/rollouts/dequeue", b"", 400, "body"),
     ("PATCH", "/rollouts/{rid}/attempts/{aid}", [1], 400, "body"),

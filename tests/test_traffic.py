@@ -11,7 +11,7 @@ from lightning_nb import semconv
 from lightning_nb.algorithm.traffic import TrafficConfig, TrafficLearner, is_traffic
 from lightning_nb.errors import ConfigError, InvalidRewardError, NotFoundError
 from lightning_nb.runners import Runner
-from lightning_nb.store.memory import InMemoryStore
+from lightning_nb.store.memory.store import InMemoryStore
 from lightning_nb.tracing import Tracer
 from lightning_nb.types import LLMResource
 

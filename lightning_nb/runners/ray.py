@@ -2,8 +2,8 @@
 
 Each of the ``K`` runners is a Ray actor (its own process, possibly on another
 machine) holding one :class:`~lightning_nb.runners.runner.Runner` whose store is a
-:class:`~lightning_nb.store.client.StoreClient`. The actors talk to the store over
-HTTP, so the store must be served by a :class:`~lightning_nb.store.server.StoreServer`:
+:class:`~lightning_nb.store.http.client.StoreClient`. The actors talk to the store over
+HTTP, so the store must be served by a :class:`~lightning_nb.store.http.server.StoreServer`:
 
 * pass an in-process store (``InMemoryStore``, ``SqliteStore``, ...) and, on a
   one-machine Ray cluster, it is served for you on ``127.0.0.1`` (a free port,
@@ -62,8 +62,8 @@ from lightning_nb.runners.group import GroupLifecycle, RunnerGroup
 from lightning_nb.runners.hooks import check_hooks
 from lightning_nb.runners.runner import Runner
 from lightning_nb.store.base import LightningStore
-from lightning_nb.store.client import StoreClient
-from lightning_nb.store.server import StoreServer
+from lightning_nb.store.http.client import StoreClient
+from lightning_nb.store.http.server import StoreServer
 from lightning_nb.tracing.tracer import Tracer
 from lightning_nb.types import MAIN_LLM
 

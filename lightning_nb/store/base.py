@@ -21,7 +21,7 @@ Implementations must:
 * also run the watchdog, at most every ``watchdog_interval_s`` seconds, from the calls a
   polling caller makes (``query_rollouts``, ``get_rollout_by_id``, ``query_attempts``,
   so :meth:`completed_since` too), so a caller that polls instead of waiting still sees
-  a dead runner's attempt end; :class:`~lightning_nb.store.server.StoreServer` also
+  a dead runner's attempt end; :class:`~lightning_nb.store.http.server.StoreServer` also
   sweeps in the background while it serves;
 * keep one :class:`~lightning_nb.types.Worker` record per ``worker_id``:
   created or stamped by ``dequeue_rollout``/``start_rollout`` with a worker id,

@@ -3,8 +3,8 @@
 :class:`InMemorySpans` is mixed into ``InMemoryStore``. It applies the span rules of the
 contract to a batch (:func:`~lightning_nb.store.rules.span_sequence_id`,
 :func:`~lightning_nb.store.rules.same_span`, spans as heartbeats), keeps spans as columns
-(:class:`~lightning_nb.store.spantable.SpanTable`), sheds the spans of finished rollouts
-past ``max_spans`` (spilled to a :class:`~lightning_nb.store.spantable.SpanSpill` file or
+(:class:`~lightning_nb.store.memory.spantable.SpanTable`), sheds the spans of finished rollouts
+past ``max_spans`` (spilled to a :class:`~lightning_nb.store.memory.spantable.SpanSpill` file or
 evicted, keeping their final rewards; the policy is in ``InMemoryStore``'s docstring) and
 builds ``spans_df`` and the reward lookups straight from the columns.
 
@@ -29,7 +29,7 @@ from lightning_nb.store.copies import span_with_sequence_id
 from lightning_nb.store.otel import check_ids, otel_rows, span_of_row
 from lightning_nb.store.rules import check_span_types, same_span, span_beats, span_sequence_id
 from lightning_nb.store.spanframe import Flatten, check_flatten, frame_from_spans, spans_frame
-from lightning_nb.store.spantable import SpanTable, cells_of, row_of, spans_from_raws
+from lightning_nb.store.memory.spantable import SpanTable, cells_of, row_of, spans_from_raws
 from lightning_nb.types import ROLLOUT_TERMINAL, Attempt, Rollout, Span
 
 __all__ = ["InMemorySpans"]

@@ -1,7 +1,7 @@
 """A :class:`~lightning_nb.store.base.LightningStore` that talks to a :class:`StoreServer` over HTTP.
 
 Every contract method is one JSON request, sent by libcurl (pycurl; a thread-safe pool of
-keep-alive connections, :mod:`lightning_nb.store.curl`: about a third of urllib3's client CPU
+keep-alive connections, :mod:`lightning_nb.store.http.curl`: about a third of urllib3's client CPU
 per request); error responses come back
 as the same exception classes the server's store raised, with its message, so
 code written against :class:`~lightning_nb.store.memory.InMemoryStore` behaves the
@@ -30,7 +30,7 @@ from pydantic_core import PydanticSerializationError, from_json, to_json, to_jso
 from lightning_nb import errors
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.store.base import LightningStore
-from lightning_nb.store.curl import CurlTransport, TransportError
+from lightning_nb.store.http.curl import CurlTransport, TransportError
 from lightning_nb.store.otel import otel_spans
 from lightning_nb.store.rules import check_span_types
 from lightning_nb.types import (

@@ -1,7 +1,7 @@
 """Serve any :class:`~lightning_nb.store.base.LightningStore` over HTTP (FastAPI + uvicorn).
 
 Use it to let runners in other processes or machines share one store; they talk to
-it through :class:`~lightning_nb.store.client.StoreClient`.
+it through :class:`~lightning_nb.store.http.client.StoreClient`.
 
 Security defaults:
 
@@ -45,12 +45,13 @@ from lightning_nb.errors import ConfigError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import DEFAULT_WATCHDOG_INTERVAL_S
 # the request bodies are module level there, so FastAPI resolves the routes' postponed annotations
-from lightning_nb.store.server_bodies import (
+from lightning_nb.store.http.bodies import (
     AddResourcesRequest, EnqueueManyRequest, QueryRolloutsRequest, StartAttemptRequest, StartRequest,
     UpdateRolloutRequest, UpdateWorkerRequest,
 )
-from lightning_nb.store.server_hot import _INLINE_STORES, _call, hot_routes
-from lightning_nb.store.server_responses import _JSON, _error, _exception_response, _plain, _validation_error
+from lightning_nb.store.http.hot import INLINE_STORES, call_store, hot_routes
+from lightning_nb.store.http.responses import (StoreJSONResponse, error_response, exception_response, plain_json,
+                                               validation_response)
 
 __all__ = ["StoreServer", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_WAIT_S"]
 
@@ -75,12 +76,12 @@ class _Guard:
         if self.token is not None and not secrets.compare_digest(
             headers.get("authorization", "").encode(), f"Bearer {self.token}".encode()
         ):
-            response = _error(401, "ConfigError", "missing or wrong bearer token; send Authorization: Bearer "
+            response = error_response(401, "ConfigError", "missing or wrong bearer token; send Authorization: Bearer "
                                                   "<token> (StoreClient(url, token=...))", "token")
         elif "content-length" not in headers and "chunked" in headers.get("transfer-encoding", ""):
-            response = _error(411, "ConfigError", "send the body with a Content-Length header", "body")
+            response = error_response(411, "ConfigError", "send the body with a Content-Length header", "body")
         elif length.isdigit() and int(length) > self.max_body_bytes:
-            response = _error(413, "ConfigError", f"request body is {length} bytes; this store server accepts "
+            response = error_response(413, "ConfigError", f"request body is {length} bytes; this store server accepts "
                                                   f"at most {self.max_body_bytes} (max_body_bytes)", "body")
         if response is not None:
             return await response(scope, receive, send)
@@ -180,7 +181,7 @@ class StoreServer:
 
     # ----- calling the store ----------------------------------------------------------
     async def _wait(self, request: Request, budget: float, attempt: Callable[[float], Any],
-                    done: Callable[[Any], bool], abandon: Optional[Callable[[Any], Any]] = None) -> _JSON:
+                    done: Callable[[Any], bool], abandon: Optional[Callable[[Any], Any]] = None) -> StoreJSONResponse:
         """Call ``attempt(slice_s)`` until ``done(result)``, ``budget`` seconds pass, the client leaves or we stop.
 
         Waiting threads use their own limiter so they never starve quick calls. If the
@@ -190,7 +191,7 @@ class StoreServer:
             self._wait_limiter = anyio.CapacityLimiter(256)
         deadline = time.monotonic() + min(max(budget, 0.0), self.max_wait_s)
         try:
-            if type(self.store) in _INLINE_STORES:  # a first look without waiting needs no thread
+            if type(self.store) in INLINE_STORES:  # a first look without waiting needs no thread
                 result = attempt(0.0)
                 if done(result) or budget <= 0:
                     return await self._answer(request, result, done, abandon)
@@ -199,21 +200,21 @@ class StoreServer:
                 result = await anyio.to_thread.run_sync(attempt, min(remaining, _SLICE_S), limiter=self._wait_limiter)
                 if done(result) and abandon is not None and await request.is_disconnected():
                     await anyio.to_thread.run_sync(abandon, result)
-                    return _JSON(None)
+                    return StoreJSONResponse(None)
                 if done(result) or remaining <= _SLICE_S or self._stopping.is_set():
-                    return _JSON(_plain(result))
+                    return StoreJSONResponse(plain_json(result))
                 if await request.is_disconnected():
-                    return _JSON(_plain(result))
+                    return StoreJSONResponse(plain_json(result))
         except Exception as exc:
-            return _exception_response(exc)
+            return exception_response(exc)
 
     async def _answer(self, request: Request, result: Any, done: Callable[[Any], bool],
-                      abandon: Optional[Callable[[Any], Any]]) -> _JSON:
+                      abandon: Optional[Callable[[Any], Any]]) -> StoreJSONResponse:
         """The response to a wait that ended with ``result`` (undone by ``abandon`` if the client left)."""
         if done(result) and abandon is not None and await request.is_disconnected():
             await anyio.to_thread.run_sync(abandon, result)
-            return _JSON(None)
-        return _JSON(_plain(result))
+            return StoreJSONResponse(None)
+        return StoreJSONResponse(plain_json(result))
 
     # ----- HTTP app -------------------------------------------------------------------
     def app(self) -> Any:
@@ -268,91 +269,91 @@ def _store(request: Request) -> LightningStore:
     return request.app.state.server.store
 
 
-async def _invalid(request: Request, exc: RequestValidationError) -> _JSON:
-    return _validation_error(list(exc.errors()), strip_source=True)
+async def _invalid(request: Request, exc: RequestValidationError) -> StoreJSONResponse:
+    return validation_response(list(exc.errors()), strip_source=True)
 
 
-async def _http_error(request: Request, exc: StarletteHTTPException) -> _JSON:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> StoreJSONResponse:
     if exc.status_code == 404:
-        return _error(404, "NotFoundError", f"{request.method} {request.url.path}: no such object or "
+        return error_response(404, "NotFoundError", f"{request.method} {request.url.path}: no such object or "
                                             f"endpoint; check the ids in the path", "path")
-    return _error(exc.status_code, "ConfigError", f"{request.method} {request.url.path}: {exc.detail}")
+    return error_response(exc.status_code, "ConfigError", f"{request.method} {request.url.path}: {exc.detail}")
 
 
-async def _health(request: Request) -> _JSON:
+async def _health(request: Request) -> StoreJSONResponse:
     server = _server(request)
-    return _JSON({"status": "ok", "store": type(server.store).__name__, "max_wait_s": server.max_wait_s,
+    return StoreJSONResponse({"status": "ok", "store": type(server.store).__name__, "max_wait_s": server.max_wait_s,
                   "max_body_bytes": server.max_body_bytes})
 
 
 # rollouts
-async def _enqueue_many(req: EnqueueManyRequest, request: Request) -> _JSON:
-    return await _call(_store(request).enqueue_rollouts, req.inputs, mode=req.mode, resources_id=req.resources_id,
+async def _enqueue_many(req: EnqueueManyRequest, request: Request) -> StoreJSONResponse:
+    return await call_store(_store(request).enqueue_rollouts, req.inputs, mode=req.mode, resources_id=req.resources_id,
                        config=req.config, metadata=req.metadata)
 
 
-async def _start(req: StartRequest, request: Request) -> _JSON:
-    return await _call(_store(request).start_rollout, req.input, mode=req.mode, resources_id=req.resources_id,
+async def _start(req: StartRequest, request: Request) -> StoreJSONResponse:
+    return await call_store(_store(request).start_rollout, req.input, mode=req.mode, resources_id=req.resources_id,
                        config=req.config, metadata=req.metadata, worker_id=req.worker_id)
 
 
-async def _query_rollouts_post(req: QueryRolloutsRequest, request: Request) -> _JSON:
-    return await _call(_store(request).query_rollouts, status=req.status, rollout_ids=req.rollout_ids)
+async def _query_rollouts_post(req: QueryRolloutsRequest, request: Request) -> StoreJSONResponse:
+    return await call_store(_store(request).query_rollouts, status=req.status, rollout_ids=req.rollout_ids)
 
 
 async def _query_rollouts(request: Request, status: Optional[list[str]] = Query(None),
-                          ids: Optional[list[str]] = Query(None)) -> _JSON:
-    return await _call(_store(request).query_rollouts, status=status, rollout_ids=ids)
+                          ids: Optional[list[str]] = Query(None)) -> StoreJSONResponse:
+    return await call_store(_store(request).query_rollouts, status=status, rollout_ids=ids)
 
 
-async def _get_rollout(rollout_id: str, request: Request) -> _JSON:
-    return await _call(_store(request).get_rollout_by_id, rollout_id)
+async def _get_rollout(rollout_id: str, request: Request) -> StoreJSONResponse:
+    return await call_store(_store(request).get_rollout_by_id, rollout_id)
 
 
-async def _cancel(rollout_id: str, request: Request) -> _JSON:
-    return await _call(_store(request).cancel_rollout, rollout_id)
+async def _cancel(rollout_id: str, request: Request) -> StoreJSONResponse:
+    return await call_store(_store(request).cancel_rollout, rollout_id)
 
 
-async def _update_rollout(rollout_id: str, req: UpdateRolloutRequest, request: Request) -> _JSON:
-    return await _call(_store(request).update_rollout, rollout_id, input=req.input, mode=req.mode,
+async def _update_rollout(rollout_id: str, req: UpdateRolloutRequest, request: Request) -> StoreJSONResponse:
+    return await call_store(_store(request).update_rollout, rollout_id, input=req.input, mode=req.mode,
                        resources_id=req.resources_id, config=req.config, metadata=req.metadata, status=req.status)
 
 
-async def _start_attempt(rollout_id: str, req: StartAttemptRequest, request: Request) -> _JSON:
-    return await _call(_store(request).start_attempt, rollout_id, req.worker_id)
+async def _start_attempt(rollout_id: str, req: StartAttemptRequest, request: Request) -> StoreJSONResponse:
+    return await call_store(_store(request).start_attempt, rollout_id, req.worker_id)
 
 
 # attempts
-async def _query_attempts(request: Request, rollout_id: Optional[str] = None) -> _JSON:
-    return await _call(_store(request).query_attempts, rollout_id)
+async def _query_attempts(request: Request, rollout_id: Optional[str] = None) -> StoreJSONResponse:
+    return await call_store(_store(request).query_attempts, rollout_id)
 
 
-async def _sweep_attempts(request: Request) -> _JSON:
-    return await _call(_store(request).sweep_attempts)
+async def _sweep_attempts(request: Request) -> StoreJSONResponse:
+    return await call_store(_store(request).sweep_attempts)
 
 
 # workers
-async def _update_worker(worker_id: str, req: UpdateWorkerRequest, request: Request) -> _JSON:
-    return await _call(_store(request).update_worker, worker_id, status=req.status,
+async def _update_worker(worker_id: str, req: UpdateWorkerRequest, request: Request) -> StoreJSONResponse:
+    return await call_store(_store(request).update_worker, worker_id, status=req.status,
                        heartbeat_stats=req.heartbeat_stats)
 
 
-async def _query_workers(request: Request) -> _JSON:
-    return await _call(_store(request).query_workers)
+async def _query_workers(request: Request) -> StoreJSONResponse:
+    return await call_store(_store(request).query_workers)
 
 
 # resources
-async def _add_resources(req: AddResourcesRequest, request: Request) -> _JSON:
-    return await _call(_store(request).add_resources, req.resources, req.resources_id)
+async def _add_resources(req: AddResourcesRequest, request: Request) -> StoreJSONResponse:
+    return await call_store(_store(request).add_resources, req.resources, req.resources_id)
 
 
-async def _resources_by_query(request: Request, resources_id: Optional[str] = None) -> _JSON:
+async def _resources_by_query(request: Request, resources_id: Optional[str] = None) -> StoreJSONResponse:
     if resources_id is None:
-        return await _call(_store(request).query_resources)
-    return await _call(_store(request).get_resources_by_id, resources_id)
+        return await call_store(_store(request).query_resources)
+    return await call_store(_store(request).get_resources_by_id, resources_id)
 
 
-async def _resources_by_id(resources_id: str, request: Request) -> _JSON:
-    return await _call(_store(request).get_resources_by_id, resources_id)
+async def _resources_by_id(resources_id: str, request: Request) -> StoreJSONResponse:
+    return await call_store(_store(request).get_resources_by_id, resources_id)
 
 

@@ -25,7 +25,7 @@ from lightning_nb.semconv import REWARD, REWARD_SPAN
 from lightning_nb.store.copies import span_with_sequence_id
 from lightning_nb.store.rules import check_span_types, same_span, span_beats, span_sequence_id
 from lightning_nb.store.spanframe import CATEGORY_COLUMNS, Flatten, check_flatten, spans_frame
-from lightning_nb.store.sqlite_file import to_json
+from lightning_nb.store.sqlite.file import to_json
 from lightning_nb.types import Span
 
 __all__ = ["SqliteSpans"]

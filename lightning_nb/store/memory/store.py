@@ -2,7 +2,7 @@
 
 This module holds the rollouts, attempts, workers and resources; the spans (how a batch is
 stored, the memory policy that spills or evicts them, the fast span views) are in
-:mod:`lightning_nb.store.memory_spans`.
+:mod:`lightning_nb.store.memory.spans`.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundEr
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.copies import construct, deepen, snapshot
 from lightning_nb.store.copies import deep_copy as _deep_copy
-from lightning_nb.store.locks import RunningThreadLock
-from lightning_nb.store.memory_spans import InMemorySpans
+from lightning_nb.store.memory.locks import RunningThreadLock
+from lightning_nb.store.memory.spans import InMemorySpans
 from lightning_nb.store.rules import (
     ACTIVE, DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, check_manual_attempt, coerce_resources,
     follow_attempt, new_rollout, next_resources, overdue, resources_not_found, start_attempt, updated_rollout,
     worker_on_attempt, worker_on_dequeue, worker_update,
 )
-from lightning_nb.store.spantable import SpanSpill, SpanTable
+from lightning_nb.store.memory.spantable import SpanSpill, SpanTable
 from lightning_nb.types import (
     ROLLOUT_TERMINAL,
     Attempt,
@@ -46,7 +46,7 @@ class InMemoryStore(InMemorySpans, LightningStore):
 
     Calls never block on I/O while holding the lock; ``dequeue_rollout`` and
     ``wait_for_rollouts`` wait on a condition, which releases the lock. The lock is a
-    :class:`~lightning_nb.store.locks.RunningThreadLock`: with many runner threads busy in store
+    :class:`~lightning_nb.store.memory.locks.RunningThreadLock`: with many runner threads busy in store
     calls, a released lock is taken by a thread that runs, not handed to one still waiting for
     the GIL (which made every store call a GIL hand-over: 0.89–0.93 s against 0.74–0.79 s with 32
     runner threads on agent-lightning's benchmark workload, bench/README.md).
@@ -57,7 +57,7 @@ class InMemoryStore(InMemorySpans, LightningStore):
     never changes the store, and neither does changing a dict of ``spans_df``'s ``attributes``
     column.
 
-    Spans are stored as columns (:mod:`lightning_nb.store.spantable`), so
+    Spans are stored as columns (:mod:`lightning_nb.store.memory.spantable`), so
     ``spans_df()`` over a million spans builds in about a second, and over 100k spans
     whose attribute keys never repeat in well under two.
 
@@ -127,7 +127,7 @@ class InMemoryStore(InMemorySpans, LightningStore):
         self._workers: OrderedDict[str, Worker] = OrderedDict()
         # one lock, two conditions: runners waiting in dequeue_rollout are woken only when a rollout
         # is queued (one per rollout), callers of wait_for_rollouts only when a rollout's status changes
-        # (RunningThreadLock: under contention only a running thread takes it; see lightning_nb/store/locks.py)
+        # (RunningThreadLock: under contention only a running thread takes it; see lightning_nb/store/memory/locks.py)
         self._locks = RunningThreadLock()
         self._queued = threading.Condition(self._locks)
         self._changed = threading.Condition(self._locks)

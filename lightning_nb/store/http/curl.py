@@ -1,4 +1,4 @@
-"""The HTTP transport of :class:`~lightning_nb.store.client.StoreClient`: libcurl, through pycurl.
+"""The HTTP transport of :class:`~lightning_nb.store.http.client.StoreClient`: libcurl, through pycurl.
 
 A small pool of libcurl easy handles, each keeping its connection to the server alive between
 requests (libcurl checks an idle connection before it reuses it and opens a fresh one when the

@@ -2,8 +2,8 @@
 
 This module holds the store's rollouts, attempts, workers and resources, and how a write
 becomes durable (one transaction per call, the WAL fsync shared by concurrent commits).
-Its spans are in :mod:`lightning_nb.store.sqlite_spans`; the file's schema
-(:data:`MIGRATIONS`) and its one-writer lock in :mod:`lightning_nb.store.sqlite_file`.
+Its spans are in :mod:`lightning_nb.store.sqlite.spans`; the file's schema
+(:data:`MIGRATIONS`) and its one-writer lock in :mod:`lightning_nb.store.sqlite.file`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from lightning_nb.store.rules import (
     follow_attempt, new_rollout, next_resources, overdue, resources_not_found, start_attempt, updated_rollout,
     worker_on_attempt, worker_on_dequeue, worker_update,
 )
-from lightning_nb.store.sqlite_file import MIGRATIONS, lock_file, statements, to_json
-from lightning_nb.store.sqlite_spans import SqliteSpans
+from lightning_nb.store.sqlite.file import MIGRATIONS, lock_file, statements, to_json
+from lightning_nb.store.sqlite.spans import SqliteSpans
 from lightning_nb.types import (
     ROLLOUT_TERMINAL, Attempt, AttemptedRollout, AttemptStatus, ResourcesUpdate, Rollout, RolloutConfig, RolloutMode,
     Worker, new_id,
@@ -67,8 +67,8 @@ class SqliteStore(SqliteSpans, LightningStore):
     ``SqliteStore`` on the same file, in this process or another one, raises
     :class:`~lightning_nb.errors.ConfigError` naming the file, and changes nothing
     in it. To use one file from several places, share one store object, or serve it
-    with :class:`~lightning_nb.store.server.StoreServer` and connect with
-    :class:`~lightning_nb.store.client.StoreClient`.
+    with :class:`~lightning_nb.store.http.server.StoreServer` and connect with
+    :class:`~lightning_nb.store.http.client.StoreClient`.
 
     Recovery: opening an existing file (the lock proves no live store has it) marks
     every attempt still ``preparing`` or ``running`` as ``unresponsive`` (the process

@@ -1,4 +1,4 @@
-"""The runners' hot requests of :class:`~lightning_nb.store.server.StoreServer` as plain Starlette routes.
+"""The runners' hot requests of :class:`~lightning_nb.store.http.server.StoreServer` as plain Starlette routes.
 
 A runner's loop (dequeue, latest resources, attempt updates, spans) and the algorithm's enqueue, wait and span
 queries are most of a store server's requests. FastAPI's per-request dependency solving cost about half a request's
@@ -19,14 +19,15 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.routing import Route
 
-from lightning_nb.store.memory import InMemoryStore
-from lightning_nb.store.server_bodies import DequeueRequest, EnqueueRequest, UpdateAttemptRequest, WaitRequest
-from lightning_nb.store.server_responses import _JSON, _error, _exception_response, _plain, _validation_error
+from lightning_nb.store.memory.store import InMemoryStore
+from lightning_nb.store.http.bodies import DequeueRequest, EnqueueRequest, UpdateAttemptRequest, WaitRequest
+from lightning_nb.store.http.responses import (StoreJSONResponse, error_response, exception_response, plain_json,
+                                               validation_response)
 from lightning_nb.types import AttemptedRollout, Span
 
-__all__: list[str] = []  # internal to the store server
+__all__ = ["INLINE_STORES", "call_store", "hot_routes"]  # for the store server (store/http/server.py)
 
-_INLINE_STORES = (InMemoryStore,)  # exact types whose short calls run on the event loop (_runs_inline)
+INLINE_STORES = (InMemoryStore,)  # exact types whose short calls run on the event loop (_runs_inline)
 _INLINE_CALLS = frozenset({
     "enqueue_rollout", "start_rollout", "get_rollout_by_id", "cancel_rollout", "update_rollout", "start_attempt",
     "update_attempt", "update_worker", "add_span", "add_spans", "add_resources", "get_latest_resources",
@@ -36,8 +37,8 @@ _WAIT, _UPDATE_ATTEMPT = TypeAdapter(WaitRequest), TypeAdapter(UpdateAttemptRequ
 _SPAN, _SPANS = TypeAdapter(Span), TypeAdapter(list[Span])
 
 
-async def _call(fn: Callable[..., Any], *args: Any, _reply: Optional[Callable[[Any], Any]] = None,
-                **kwargs: Any) -> _JSON:
+async def call_store(fn: Callable[..., Any], *args: Any, _reply: Optional[Callable[[Any], Any]] = None,
+                **kwargs: Any) -> StoreJSONResponse:
     """Run a store call and turn its result (``_reply(result)`` when given) or error into JSON: in a worker
     thread, or right here when the store never blocks (:func:`_runs_inline`)."""
     try:
@@ -46,8 +47,8 @@ async def _call(fn: Callable[..., Any], *args: Any, _reply: Optional[Callable[[A
         else:
             result = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
     except Exception as exc:
-        return _exception_response(exc)
-    return _JSON(_plain(result if _reply is None else _reply(result)))
+        return exception_response(exc)
+    return StoreJSONResponse(plain_json(result if _reply is None else _reply(result)))
 
 
 def _runs_inline(fn: Callable[..., Any], args: tuple) -> bool:
@@ -56,19 +57,19 @@ def _runs_inline(fn: Callable[..., Any], args: tuple) -> bool:
     loop costs less than the two thread hand-offs of a worker thread. Listings of the whole store stay in
     threads (other requests go on meanwhile), as do all calls of other stores (a SqliteStore call may wait
     for an fsync)."""
-    if type(getattr(fn, "__self__", None)) not in _INLINE_STORES:
+    if type(getattr(fn, "__self__", None)) not in INLINE_STORES:
         return False
     name = fn.__name__
     return name in _INLINE_CALLS or (name == "query_spans" and bool(args) and args[0] is not None)
 
 
-async def _parse(request: Request, adapter: TypeAdapter) -> tuple[Any, Optional[_JSON]]:
+async def _parse(request: Request, adapter: TypeAdapter) -> tuple[Any, Optional[StoreJSONResponse]]:
     """``(value, None)``: the request's JSON body validated by ``adapter``; ``(None, response)``: a 400 naming the
     field, as FastAPI's body validation gave it (a body that is not JSON, or sent as another content type, names
     ``body``)."""
     content_type = request.headers.get("content-type")
     if content_type and not _is_json(content_type):
-        return None, _error(400, "ValidationError", f"invalid field 'body': send it as JSON (Content-Type: "
+        return None, error_response(400, "ValidationError", f"invalid field 'body': send it as JSON (Content-Type: "
                                                     f"application/json), not {content_type!r}", "body")
     body = await request.body()
     try:
@@ -76,15 +77,15 @@ async def _parse(request: Request, adapter: TypeAdapter) -> tuple[Any, Optional[
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
     if errors[0].get("type") != "json_invalid":
-        return None, _validation_error(errors, strip_source=False)
+        return None, validation_response(errors, strip_source=False)
     try:  # e.g. an escaped lone surrogate or NaN spelt otherwise: the standard library's reader, as FastAPI's
         data = json.loads(body)
     except ValueError:
-        return None, _validation_error(errors, strip_source=False)
+        return None, validation_response(errors, strip_source=False)
     try:
         return adapter.validate_python(data), None
     except ValidationError as exc:
-        return None, _validation_error(exc.errors(include_url=False), strip_source=False)
+        return None, validation_response(exc.errors(include_url=False), strip_source=False)
 
 
 def _is_json(content_type: str) -> bool:
@@ -97,15 +98,15 @@ def _server(request: Request) -> Any:
 
 
 # ----- the routes ----------------------------------------------------------------------------------
-async def _enqueue(request: Request) -> _JSON:
+async def _enqueue(request: Request) -> StoreJSONResponse:
     req, bad = await _parse(request, _ENQUEUE)
     if bad is not None:
         return bad
-    return await _call(_server(request).store.enqueue_rollout, req.input, mode=req.mode,
+    return await call_store(_server(request).store.enqueue_rollout, req.input, mode=req.mode,
                        resources_id=req.resources_id, config=req.config, metadata=req.metadata)
 
 
-async def _dequeue(request: Request) -> _JSON:
+async def _dequeue(request: Request) -> StoreJSONResponse:
     req, bad = await _parse(request, _DEQUEUE)
     if bad is not None:
         return bad
@@ -120,7 +121,7 @@ async def _dequeue(request: Request) -> _JSON:
                               lambda item: item is not None, abandon)
 
 
-async def _wait_for_rollouts(request: Request) -> _JSON:
+async def _wait_for_rollouts(request: Request) -> StoreJSONResponse:
     req, bad = await _parse(request, _WAIT)
     if bad is not None:
         return bad
@@ -131,31 +132,31 @@ async def _wait_for_rollouts(request: Request) -> _JSON:
                               lambda done: len(done) == len(req.rollout_ids))
 
 
-async def _update_attempt(request: Request) -> _JSON:
+async def _update_attempt(request: Request) -> StoreJSONResponse:
     req, bad = await _parse(request, _UPDATE_ATTEMPT)
     if bad is not None:
         return bad
     params = request.path_params
-    return await _call(_server(request).store.update_attempt, params["rollout_id"], params["attempt_id"],
+    return await call_store(_server(request).store.update_attempt, params["rollout_id"], params["attempt_id"],
                        status=req.status, worker_id=req.worker_id, error=req.error, heartbeat=req.heartbeat)
 
 
-async def _add_span(request: Request) -> _JSON:
+async def _add_span(request: Request) -> StoreJSONResponse:
     span, bad = await _parse(request, _SPAN)
-    return bad if bad is not None else await _call(_server(request).store.add_span, span)
+    return bad if bad is not None else await call_store(_server(request).store.add_span, span)
 
 
-async def _add_spans(request: Request) -> _JSON:
+async def _add_spans(request: Request) -> StoreJSONResponse:
     """``POST /spans/batch``: the stored spans, or with ``?reply=sequence_ids`` only their sequence ids (what
     ``StoreClient.add_otel_spans``, the runners' tracer, needs: no span is rendered and parsed back)."""
     reply = request.query_params.get("reply")
     if reply not in (None, "spans", "sequence_ids"):
-        return _error(400, "ValidationError", f"invalid field 'reply': {reply!r}; use 'spans' (the default) or "
+        return error_response(400, "ValidationError", f"invalid field 'reply': {reply!r}; use 'spans' (the default) or "
                                               f"'sequence_ids'", "reply")
     spans, bad = await _parse(request, _SPANS)
     if bad is not None:
         return bad
-    return await _call(_server(request).store.add_spans, spans,
+    return await call_store(_server(request).store.add_spans, spans,
                        _reply=_sequence_ids if reply == "sequence_ids" else None)
 
 
@@ -163,13 +164,13 @@ def _sequence_ids(spans: list[Span]) -> list[int]:
     return [span.sequence_id for span in spans]
 
 
-async def _query_spans(request: Request) -> _JSON:
+async def _query_spans(request: Request) -> StoreJSONResponse:
     query = request.query_params
-    return await _call(_server(request).store.query_spans, query.get("rollout_id"), query.get("attempt_id"))
+    return await call_store(_server(request).store.query_spans, query.get("rollout_id"), query.get("attempt_id"))
 
 
-async def _latest_resources(request: Request) -> _JSON:
-    return await _call(_server(request).store.get_latest_resources)
+async def _latest_resources(request: Request) -> StoreJSONResponse:
+    return await call_store(_server(request).store.get_latest_resources)
 
 
 def hot_routes() -> list[Route]:

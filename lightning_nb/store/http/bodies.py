@@ -1,4 +1,4 @@
-"""The JSON request bodies of :class:`~lightning_nb.store.server.StoreServer`'s HTTP API (pydantic models).
+"""The JSON request bodies of :class:`~lightning_nb.store.http.server.StoreServer`'s HTTP API (pydantic models).
 
 Unknown fields are refused (``extra="forbid"``), so a misspelt argument is a 400 naming it, not a
 silently ignored value. The store validates the values themselves (statuses, resources, configs).
