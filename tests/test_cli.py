@@ -94,7 +94,7 @@ def test_demo_rejects_bad_shaping_and_sampling_flags(capsys, args, message):
 def test_parse_slice_weights():
     import argparse
 
-    from lightning_nb.cli import _parse_slice_weights
+    from lightning_nb.cli.commands import _parse_slice_weights
 
     parser = argparse.ArgumentParser()
     assert _parse_slice_weights("ops=2:3, ops=1:0.5", parser) == {"ops=2": 3.0, "ops=1": 0.5}
@@ -115,16 +115,16 @@ def _resolved(*argv):
 
 
 def test_cpu_defaults_are_unchanged():
-    import inspect
+    import dataclasses
 
-    from lightning_nb.cli import build_parser, run_demo
+    from lightning_nb.cli import DemoSettings, build_parser
 
     assert _resolved("demo") == CPU
     assert _resolved("demo", "--device", "cpu") == CPU
     assert _resolved("eval") == {"dtype": "float32", "runners": 16}
-    # the same numbers as run_demo's keyword defaults: the CPU demo runs as before; the micro-batch is left to the
+    # the same numbers as DemoSettings' defaults (run_demo's settings): the CPU demo runs as before; the micro-batch is left to the
     # trainer config (None: not passed) unless set
-    defaults = {k: p.default for k, p in inspect.signature(run_demo).parameters.items()}
+    defaults = {f.name: f.default for f in dataclasses.fields(DemoSettings)}
     assert {k: defaults[k] for k in CPU} == CPU and defaults["micro_batch_size"] is None
     assert build_parser().parse_args(["demo"]).micro_batch_size is None
 
@@ -184,7 +184,7 @@ def test_a_cuda_request_without_cuda_fails_fast_naming_device(command):
 
 
 def test_the_resolved_settings_are_printed_with_what_the_user_set(capsys):
-    from lightning_nb.cli import _device_settings, build_parser
+    from lightning_nb.cli.commands import _device_settings, build_parser
 
     settings = _device_settings(build_parser().parse_args(["demo", "--runners", "8", "--dtype", "bfloat16"]))
     assert settings == {**CPU, "runners": 8, "dtype": "bfloat16"}

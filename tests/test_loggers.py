@@ -348,7 +348,8 @@ def test_a_failed_loop_closes_the_loggers_as_failed(engine, proxied_store, tmp_p
 
 
 def test_the_demo_cli_puts_its_loggers_under_out(tmp_path, monkeypatch):
-    from lightning_nb.cli import _demo_loggers, main
+    from lightning_nb.cli import main
+    from lightning_nb.cli.demo import _demo_loggers
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     tb, ml, wb = _demo_loggers(["tensorboard", "mlflow", "tensorboard", "wandb"], tmp_path)  # repeats count once

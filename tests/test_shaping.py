@@ -178,7 +178,7 @@ def _one_call_then_shaped(task, llm):
 
 @pytest.mark.slow
 def test_step_row_has_one_column_per_component_and_the_trainer_adds_it(engine, pristine, proxied_store, tmp_path):
-    from lightning_nb.cli import _plot
+    from lightning_nb.cli.demo import _plot
 
     store = proxied_store
     runners = start_runners(_one_call_then_shaped, store, n=2)

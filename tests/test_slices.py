@@ -147,7 +147,7 @@ def test_episodes_df_by_adds_a_slice_column(graded):
 
 # ----- the reward curve (PNG) and the live curve --------------------------------------------------
 def test_reward_curve_png_draws_one_line_per_slice(tmp_path):
-    from lightning_nb.cli import _plot
+    from lightning_nb.cli.demo import _plot
 
     csv = tmp_path / "metrics.csv"
     pd.DataFrame({"step": [1, 2], "reward_mean": [0.2, 0.4], "val_reward": [math.nan, 0.6],
@@ -207,7 +207,7 @@ def _one_call_then_graded(task, llm):
 
 @pytest.mark.slow
 def test_slice_by_puts_val_reward_per_slice_in_the_metrics_row_and_curve(engine, pristine, proxied_store, tmp_path):
-    from lightning_nb.cli import _plot
+    from lightning_nb.cli.demo import _plot
 
     store = proxied_store
     runners = start_runners(_one_call_then_graded, store, n=2)
