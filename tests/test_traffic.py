@@ -144,3 +144,46 @@ def test_traffic_config_refuses_what_it_cannot_do():
         TrafficConfig(min_labelled=8, max_batch=4)
     with pytest.raises(ConfigError, match="poll_s"):
         TrafficConfig(poll_s=0)
+
+
+def test_the_learners_own_checkpoint_folder_goes_with_it_and_a_named_one_stays(engine, tmp_path):
+    """Issue 43: following the README (learner.stop()) left ~0.5 GB per checkpoint in /tmp after the kernel ended."""
+    import gc
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lightning_nb.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    store = InMemoryStore()
+    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+    own = TrafficLearner(store, trainer)
+    folder = own.checkpoint_dir
+    assert folder.is_dir() and folder.name.startswith("lightning_nb_traffic_")
+    (folder / "before_update_1.pt").write_bytes(b"weights")
+    assert own.stop(timeout=10) and not folder.exists()  # stop() removes it
+    own.close()  # idempotent
+    named = TrafficLearner(store, trainer, checkpoint_dir=tmp_path / "mine")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "before_update_1.pt").write_bytes(b"weights")
+    assert named.stop(timeout=10)
+    named.close()
+    assert (tmp_path / "mine" / "before_update_1.pt").exists()  # a folder the user named is never removed
+    # garbage collection: the learner with its trainer (the trainer holds the algorithm it drives)
+    other = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+    collected = TrafficLearner(store, other)
+    folder = collected.checkpoint_dir
+    del collected, other
+    gc.collect()
+    assert not folder.exists()
+    # interpreter exit, the kernel shut down without stop() or close()
+    code = ("from lightning_nb import GRPOConfig, GRPOTrainer, InMemoryStore, TrafficLearner\n"
+            "from lightning_nb.engines.transformers import TransformersEngine\n"
+            "engine = TransformersEngine.from_default()\n"
+            "learner = TrafficLearner(InMemoryStore(), GRPOTrainer(engine, GRPOConfig(track_reference_kl=False)))\n"
+            "(learner.checkpoint_dir / 'before_update_1.pt').write_bytes(b'weights')\n"
+            "print(learner.checkpoint_dir)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    left = out.stdout.strip().splitlines()[-1]
+    assert "lightning_nb_traffic_" in left and not Path(left).exists()

@@ -39,6 +39,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -114,8 +115,12 @@ class TrafficLearner(BackgroundLoop, RunCheckpoint):
         config: :class:`TrafficConfig`.
         select: ``rollout -> bool``, which finished rollouts are traffic (default :func:`is_traffic`).
         since: only rollouts that ended after this time (float seconds since the epoch; 0: all in the store).
-        checkpoint_dir: where the checkpoint before each update goes (``before_update_<k>.pt``);
-            None: a new temporary folder (:attr:`checkpoint_dir`), removed by :meth:`close`.
+        checkpoint_dir: where the checkpoint before each update goes (``before_update_<k>.pt``, ~0.5-1.6 GB each
+            for SmolLM2-135M; ``keep_checkpoints`` of them). None: a new temporary folder (:attr:`checkpoint_dir`,
+            ``lightning_nb_traffic_*`` under the system's temporary directory) that goes with the learner: removed
+            by :meth:`stop` and :meth:`close`, when the learner is garbage-collected (with its trainer, which
+            holds it) and at interpreter exit; :meth:`undo` needs it, so name a folder to undo after ``stop()``.
+            A folder you name is never removed.
         adapter: spans to triplets (default ``TripletAdapter()``).
         id_key: the task field naming a task's group (:func:`task_key`).
 
@@ -137,8 +142,7 @@ class TrafficLearner(BackgroundLoop, RunCheckpoint):
         self.adapter = adapter or TripletAdapter()
         self.id_key = id_key
         self._own_dir = checkpoint_dir is None
-        self.checkpoint_dir = Path(tempfile.mkdtemp(prefix="lightning_nb_traffic_") if checkpoint_dir is None
-                                   else checkpoint_dir)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else self._temporary_dir()
         self._since = float(since)
         self._seen: set[str] = set()
         self.pending: dict[str, float] = {}  # traffic rollout id -> end_time, not yet used
@@ -286,7 +290,16 @@ class TrafficLearner(BackgroundLoop, RunCheckpoint):
 
     def _checkpoint(self, update: int) -> Path:
         """Save the run (trainer state: the weights before ``update``) to ``checkpoint_dir``; returns the path."""
+        if self._own_dir and not self._remove_dir.alive:  # removed by stop()/close(), and started again
+            self.checkpoint_dir = self._temporary_dir()
         return self.save(self.checkpoint_dir / f"before_update_{update}.pt")
+
+    def _temporary_dir(self) -> Path:
+        """A new temporary checkpoint folder, removed when this learner is collected or the interpreter exits
+        (``weakref.finalize``: it holds the path, not the learner) unless :meth:`close` removed it first."""
+        folder = tempfile.mkdtemp(prefix="lightning_nb_traffic_")
+        self._remove_dir = weakref.finalize(self, shutil.rmtree, folder, True)
+        return Path(folder)
 
     def _prune_checkpoints(self) -> None:
         """Delete the checkpoints older than the last ``keep_checkpoints`` (their rows' ``checkpoint`` becomes None)."""
@@ -353,9 +366,18 @@ class TrafficLearner(BackgroundLoop, RunCheckpoint):
         self._since, self.pending = 0.0, {}
         self._step_start = None
 
+    def stop(self, timeout: float = 600.0) -> bool:
+        """End the loop (:meth:`BackgroundLoop.stop`); once it ended, delete the temporary ``checkpoint_dir``
+        (:meth:`close`; a folder you named stays). Returns True once the loop has ended."""
+        ended = super().stop(timeout)
+        if ended:
+            self.close()
+        return ended
+
     def close(self) -> None:
-        """Delete the temporary ``checkpoint_dir`` made when none was given (undo is refused afterwards)."""
-        if self._own_dir:
-            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
+        """Delete the temporary ``checkpoint_dir`` made when none was given (undo is refused afterwards; a
+        folder you named is left as it is). Idempotent."""
+        if self._own_dir and self._remove_dir.alive:
+            self._remove_dir()
             for row in self.updates:
                 row["checkpoint"] = None
