@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   train the default calc agent on SmolLM2-135M (CPU) and show reward rising
 #   make test   run the test suite (CI runs exactly this)
+# make docs: build the manual (mkdocs.yml, docs/) into site/ with warnings as errors
 # make setup-vllm: a separate venv .venv-vllm with vLLM (CPU build) for lightning_nb.engines.vllm.VLLMEngine (demo and test run it)
 PY ?= python3
 VENV := .venv
@@ -18,7 +19,7 @@ DTYPE ?=
 # ARGS: further `python -m lightning_nb demo` options, e.g. ARGS='--trainer verl' or ARGS='--runners 32'
 ARGS ?=
 
-.PHONY: setup setup-vllm demo test
+.PHONY: setup setup-vllm demo test docs
 
 setup: $(VENV)/.installed
 
@@ -50,6 +51,11 @@ TEST_WORKERS ?= logical
 test:
 	$(MAKE) -j2 setup setup-vllm
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
+# the manual: docs/ and the API pages mkdocstrings writes from the docstrings; --strict turns every warning (a broken
+# link or anchor, a docstring griffe cannot read) into an error. tests/test_docs.py runs the same build in `make test`.
+docs: setup
+	$(BIN)/python -m mkdocs build --strict --site-dir site
 
 # vLLM lives in its own venv (its pins clash with the main one); VLLMEngine starts its server from there.
 setup-vllm: $(VLLM_VENV)/.installed

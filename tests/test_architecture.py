@@ -205,12 +205,18 @@ def test_readme_module_table_lists_exactly_the_real_modules():
         assert (ROOT / other).exists(), f"the README module table names {other}, which does not exist"
 
 
+def _readme_and_docs() -> str:
+    """README.md and the manual's pages (docs/*.md, where the README's longer examples moved)."""
+    return "\n".join([_readme(), *(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))])
+
+
 def test_readme_imports_only_public_names():
-    """Every name the README imports ``from lightning_nb import ...`` is in ``lightning_nb.__all__``."""
+    """Every name the README or a docs page imports ``from lightning_nb import ...`` is in ``lightning_nb.__all__``."""
     names = set()
-    for match in re.finditer(r"from lightning_nb import (\([^)]*\)|[^\n]*)", _readme()):
+    for match in re.finditer(r"from lightning_nb import (\([^)]*\)|[^\n]*)", _readme_and_docs()):
         statement = ast.parse("from lightning_nb import " + match.group(1)).body[0]
         names |= {alias.name for alias in statement.names}
     assert {"AlgorithmConfig", "GRPOTrainer", "start_runners"} <= names, names  # the parse found the ten lines
     missing = sorted(names - set(lightning_nb.__all__))
-    assert not missing, f"the README imports {missing} from lightning_nb, which lightning_nb.__all__ leaves out"
+    assert not missing, (f"README.md or docs/ imports {missing} from lightning_nb, which lightning_nb.__all__ "
+                         "leaves out")

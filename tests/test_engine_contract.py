@@ -307,7 +307,7 @@ def test_an_endpoint_without_token_ids_is_traced_but_never_trained_on(engine):
     assert OpenAIEndpoint(engine.base_url, engine.model_name).returns_token_ids
 
 
-# ----- the README's table of chat parameters, sent to each engine ---------------------------------------
+# ----- docs/engines.md's table of chat parameters, sent to each engine ----------------------------------
 CALC_TOOL = {"type": "function", "function": {"name": "calculator", "description": "Evaluate an expression.",
                                               "parameters": {"type": "object", "properties": {
                                                   "expression": {"type": "string"}}, "required": ["expression"]}}}
@@ -330,8 +330,9 @@ PROBES = {
 
 
 def _readme_parameter_table() -> list[tuple[list[str], str, str]]:
-    """``(parameter names, TransformersEngine cell, VLLMEngine cell)`` per row of README's parameter table."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    """``(parameter names, TransformersEngine cell, VLLMEngine cell)`` per row of the parameter table in
+    docs/engines.md (the manual's "Chat parameters the proxy takes"; it was README's)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "engines.md").read_text()
     table = text[text.index("| parameter | TransformersEngine | VLLMEngine |"):].split("\n\n")[0].splitlines()[2:]
     rows = []
     for line in table:
@@ -341,7 +342,8 @@ def _readme_parameter_table() -> list[tuple[list[str], str, str]]:
 
 
 def _probe(proxy, store, eng, name):
-    """Send ``name``'s probe on an attempt's URL: the HTTP status (a second call on the attempt for response_mask)."""
+    """Send ``name``'s probe on an attempt's URL: the HTTP status (a second call on the attempt for response_mask;
+    the attempt's own rollout id for rollout_id)."""
     rid = store.enqueue_rollout("t").rollout_id
     aid = store.dequeue_rollout().attempt.attempt_id
     url = f"{proxy.endpoint(rid, aid)}/chat/completions"
@@ -354,6 +356,8 @@ def _probe(proxy, store, eng, name):
         added = len(eng.apply_chat_template(history)) - len(first["prompt_token_ids"]) \
             - len(first["choices"][0]["token_ids"])
         body = {**body, "messages": history, "response_mask": [0] * added}
+    elif name == "rollout_id":  # doc 002's callback names its rollout: this attempt's
+        body["rollout_id"] = rid
     else:
         body.update(PROBES[name])
     return httpx.post(url, json=body, timeout=120)
@@ -361,7 +365,7 @@ def _probe(proxy, store, eng, name):
 
 @pytest.mark.parametrize("kind", ["transformers", "vllm"])
 def test_the_readme_parameter_table_is_what_each_engine_does(kind, engine, request):
-    """Every parameter of README's table, sent to the engine of each column: a 200 where its column says yes
+    """Every parameter of docs/engines.md's table, sent to the engine of each column: a 200 where its column says yes
     (or recorded), a 400 naming the parameter where it says otherwise."""
     eng = engine if kind == "transformers" else request.getfixturevalue("vllm_engine")
     store = InMemoryStore()
@@ -371,7 +375,7 @@ def test_the_readme_parameter_table_is_what_each_engine_does(kind, engine, reque
 
 def _check_table(kind, eng, proxy, store):
     rows = _readme_parameter_table()
-    assert {n for names, *_ in rows for n in names} == set(PROBES) | {"response_mask"}
+    assert {n for names, *_ in rows for n in names} == set(PROBES) | {"response_mask", "rollout_id"}
     for names, transformers_cell, vllm_cell in rows:
         cell = vllm_cell if kind == "vllm" else transformers_cell
         for name in names:

@@ -99,7 +99,9 @@ def test_library_does_not_import_ui_packages():
 
 
 def _readme_python_blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+    """The ```python blocks of README.md and of the manual's pages (docs/*.md), where the longer examples moved."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [b for p in pages for b in re.findall(r"^```python\n(.*?)^```", p.read_text(), re.S | re.M)]
 
 
 def _ten_lines_block() -> str:
@@ -119,12 +121,13 @@ def test_every_public_name_imports():
     namespace: dict = {}
     exec("from lightning_nb import *", namespace)
     assert set(lightning_nb.__all__) <= set(namespace)
-    for name in ("SqliteStore", "StoreServer", "StoreClient", "Tracer", "RolloutConfig"):  # documented in README
+    for name in ("SqliteStore", "StoreServer", "StoreClient", "Tracer", "RolloutConfig"):  # documented in docs/stores.md
         assert name in lightning_nb.__all__, name
 
 
 def test_readme_python_blocks_parse_and_their_lightning_nb_imports_exist():
-    """Fast check (no model): every README python block compiles and its `from lightning_nb... import` names exist."""
+    """Fast check (no model): every python block of README.md and docs/*.md compiles and its
+    `from lightning_nb... import` names exist."""
     import importlib
 
     blocks = _readme_python_blocks()
