@@ -187,13 +187,13 @@ class LightningStore(FrameViews, ABC):
         applies to the running attempt's watchdog and to later attempts); ``input``,
         ``mode`` and ``resources_id`` while it waits in the queue. ``status="cancelled"``
         cancels it; ``status="queuing"`` puts a finished rollout back in the queue for one
-        more attempt, and then every field may change in the same call.
+        more attempt, and then every field may change in the same call. A call that raises leaves the store
+        unchanged.
 
         Raises:
             NotFoundError: unknown ``rollout_id`` or ``resources_id``.
             ConfigError: an unknown ``status``/``mode`` or a bad ``config``/``metadata``.
             InvalidStatusTransition: the change is not allowed in the rollout's status.
-            In each case the store is unchanged.
         """
 
     # ----- attempts -------------------------------------------------------------------
@@ -421,7 +421,8 @@ class LightningStore(FrameViews, ABC):
                 finished yet, is ``failed`` (its final reward is 0.0 by rule, whatever a label says) or
                 ``cancelled`` (no final reward by rule); the message names the status and the fix.
             NotFoundError: ``rollout_id`` is not in the store.
-            In each case nothing is written.
+
+        A call that raises writes nothing.
         """
         if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
             raise InvalidRewardError(f"reward must be a finite real number such as 0.0 or 1.0, got {reward!r} "
