@@ -1,4 +1,4 @@
-"""The GRPO trainer's own math (lightning_nb.trainers.grpo.advantages and .losses) against verl's core_algos.
+"""The GRPO trainer's own math (lightning_nb.trainers.advantages and .grpo.losses) against verl's core_algos.
 
 On random inputs (several seeds and shapes, masks with zero tokens and fully masked rows, groups of one
 and of several, every mode GRPOConfig accepts) each pure function equals its verl counterpart: values
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainers.grpo.advantages import group_relative_advantages
+from lightning_nb.trainers.advantages import group_relative_advantages
 from lightning_nb.trainers.grpo.losses import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,

@@ -12,7 +12,8 @@ import torch
 
 from lightning_nb import GRPOConfig, GRPOTrainer
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainers.grpo.trainer import group_advantages, response_logprobs
+from lightning_nb.trainers.credit import group_advantages
+from lightning_nb.trainers.grpo.trainer import response_logprobs
 from lightning_nb.types import Triplet
 
 pytestmark = pytest.mark.slow

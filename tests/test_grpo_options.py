@@ -15,7 +15,9 @@ import torch
 
 from lightning_nb import GRPOConfig, GRPOTrainer
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainers.grpo.trainer import group_advantages, lr_factor, overlong_penalty, pack_episode, response_logprobs
+from lightning_nb.trainers.config import lr_factor
+from lightning_nb.trainers.credit import group_advantages, overlong_penalty
+from lightning_nb.trainers.grpo.trainer import pack_episode, response_logprobs
 from lightning_nb.types import Triplet
 
 pytestmark = pytest.mark.slow

@@ -104,7 +104,8 @@ def test_lightning_nb_imports_without_verl(core_python, tmp_path):
         import json, sys
         import lightning_nb
         from lightning_nb import GRPOConfig, GRPOTrainer, VerlTrainer
-        from lightning_nb.trainers.grpo import advantages, losses
+        from lightning_nb.trainers import advantages
+        from lightning_nb.trainers.grpo import losses
         print(json.dumps({"file": lightning_nb.__file__, "names": len(lightning_nb.__all__),
                           "verl_imported": "verl" in sys.modules}))
     """), tmp_path, timeout=300)

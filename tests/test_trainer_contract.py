@@ -16,6 +16,7 @@ import torch
 
 from lightning_nb.errors import MissingDependencyError
 from lightning_nb.trainers.base import LoopProgress, Trainer
+from lightning_nb.trainers.config import TrainerConfig
 from lightning_nb.trainers.grpo import GRPOConfig, GRPOTrainer
 from lightning_nb.trainers.verl import VerlConfig, VerlTrainer
 
@@ -48,7 +49,9 @@ def test_two_implementations_side_by_side():
     for cls, _ in TRAINERS.values():
         assert issubclass(cls, Trainer)
     assert not issubclass(VerlTrainer, GRPOTrainer) and not issubclass(GRPOTrainer, VerlTrainer)
-    assert issubclass(VerlConfig, GRPOConfig)  # one name per concept: the same fields
+    # one name per concept: the same fields, from the shared base (siblings, as the trainers are)
+    assert issubclass(VerlConfig, TrainerConfig) and issubclass(GRPOConfig, TrainerConfig)
+    assert not issubclass(VerlConfig, GRPOConfig) and not issubclass(GRPOConfig, VerlConfig)
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from lightning_nb.models.device import place_model, set_gradient_checkpointing
 from lightning_nb.models.lora import adapter_state_dict, add_lora, base_state_dict, has_lora, write_hf_folder
 from lightning_nb.trainers.base import Trainer, config_edits
 from lightning_nb.trainers.checkpoint import check_signature, model_signature, plain, weights_fingerprint
-from lightning_nb.trainers.grpo.config import GRPOConfig, lr_factor
+from lightning_nb.trainers.config import TrainerConfig, lr_factor
 
 __all__ = ["InPlaceTrainer"]
 
@@ -35,7 +35,7 @@ class InPlaceTrainer(Trainer):
     Args:
         engine: serves the policy; its ``model`` is updated in place, and moved to
             ``config.device`` / ``config.dtype`` on construction (the engine follows it).
-        config: a :class:`~lightning_nb.trainers.grpo.config.GRPOConfig` (or a subclass).
+        config: a :class:`~lightning_nb.trainers.config.TrainerConfig` (a ``GRPOConfig`` or a ``VerlConfig``).
 
     Raises:
         ConfigError: ``config.device`` is not available here, ``config.gradient_checkpointing``
@@ -43,7 +43,7 @@ class InPlaceTrainer(Trainer):
             already has LoRA adapters.
     """
 
-    def __init__(self, engine: Any, config: GRPOConfig) -> None:
+    def __init__(self, engine: Any, config: TrainerConfig) -> None:
         import torch
 
         from lightning_nb.trainers.optim import make_optimizer

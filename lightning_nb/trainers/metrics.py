@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from lightning_nb.types import Triplet
 
 if TYPE_CHECKING:
-    from lightning_nb.trainers.grpo.batch import Batch
+    from lightning_nb.trainers.batch import Batch
 
 __all__ = ["mean", "std", "batch_metrics"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from lightning_nb.types import Triplet
+from lightning_nb.types import GROUP_ID_KEY, Triplet
 
 __all__ = ["PackedSequence", "pack_episode", "first_difference", "episodes_of"]
 
@@ -60,7 +60,7 @@ class PackedSequence:
 
     def as_row(self) -> dict[str, Any]:
         """The sequence as :attr:`GRPOTrainer.last_batch` holds it (engine/trainer log-probs 0.0 off the mask)."""
-        return {"rollout_id": self.rollout_id, "group_id": self.group_id, "input_ids": list(self.input_ids),
+        return {"rollout_id": self.rollout_id, GROUP_ID_KEY: self.group_id, "input_ids": list(self.input_ids),
                 "response_mask": list(self.mask), "advantage": float(self.advantage),
                 "advantages": [a if m else 0.0 for a, m in zip(self.token_advantages, self.mask)],
                 "engine_logprobs": [lp if m else 0.0 for lp, m in zip(self.old_logprobs, self.mask)],

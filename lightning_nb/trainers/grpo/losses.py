@@ -2,10 +2,10 @@
 
 Small pure functions of torch tensors, each with its formula and paper, that
 :class:`~lightning_nb.trainers.grpo.trainer.GRPOTrainer` composes into one micro-batch's loss
-(the advantages going in are :mod:`lightning_nb.trainers.grpo.advantages`'). They are verl's
+(the advantages going in are :mod:`lightning_nb.trainers.advantages`'). They are verl's
 ``core_algos.compute_policy_loss_vanilla``, ``agg_loss`` and ``kl_penalty`` and
 ``rollout_corr_helper.compute_rollout_correction_weights`` for the options
-:class:`~lightning_nb.trainers.grpo.trainer.GRPOConfig` accepts, written out so the plain trainer
+:class:`~lightning_nb.trainers.grpo.config.GRPOConfig` accepts, written out so the plain trainer
 needs no verl; ``tests/test_advantages.py`` checks each equal to verl's on random inputs wherever
 verl is installed.
 

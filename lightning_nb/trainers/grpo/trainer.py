@@ -3,8 +3,8 @@
 The trainer is the only thing that updates weights. It shares the ``nn.Module``
 with :class:`~lightning_nb.engines.transformers.TransformersEngine` (no weight copy) and holds
 the engine's lock while it changes them. :meth:`GRPOTrainer.update` reads top to bottom: build the
-batch (:mod:`~lightning_nb.trainers.grpo.batch`: kept episodes, packed sequences, advantages from
-:mod:`~lightning_nb.trainers.grpo.credit`), then PPO epochs over mini-batches of micro-batches
+batch (:mod:`~lightning_nb.trainers.batch`: kept episodes, packed sequences, advantages from
+:mod:`~lightning_nb.trainers.credit`), then PPO epochs over mini-batches of micro-batches
 (the losses of :mod:`~lightning_nb.trainers.grpo.losses`), then the new weights to the engine.
 The loop around it (pause, resume, checkpoints of the run) is the algorithm's
 (:class:`~lightning_nb.algorithm.lightning_rl.LightningRL`); the verbs ``trainer.start(algo)``,
@@ -19,9 +19,10 @@ from typing import Any, Callable, Optional, Sequence
 
 from lightning_nb.engines.transformers import TransformersEngine
 from lightning_nb.trainers.base import ProgressCallback
-from lightning_nb.trainers.grpo.batch import Batch, build_batch, check_batch, per_triplet_turn, signal_groups
-from lightning_nb.trainers.grpo.config import GRPOConfig, lr_factor
-from lightning_nb.trainers.grpo.credit import group_advantages, overlong_penalty, reward_to_go, transition_advantages
+from lightning_nb.trainers.batch import Batch, build_batch, check_batch, per_triplet_turn, signal_groups
+from lightning_nb.trainers.config import lr_factor
+from lightning_nb.trainers.credit import group_advantages, overlong_penalty, reward_to_go, transition_advantages
+from lightning_nb.trainers.grpo.config import GRPOConfig
 from lightning_nb.trainers.grpo.logprobs import response_logprobs, shift_pad
 from lightning_nb.trainers.grpo.losses import aggregate_loss, kl_estimate, policy_loss, truncated_is_weights
 from lightning_nb.trainers.inplace import InPlaceTrainer
@@ -30,7 +31,8 @@ from lightning_nb.trainers.microbatch import MicroBatcher, auto_micro_batch_toke
 from lightning_nb.trainers.packing import PackedSequence, pack_episode
 from lightning_nb.types import Triplet
 
-# the names this module has always exported (their homes: config, credit, packing, logprobs)
+# the names this module has always exported (their homes: trainers.config, trainers.credit, trainers.packing,
+# grpo.config, grpo.logprobs)
 __all__ = ["GRPOConfig", "GRPOTrainer", "group_advantages", "lr_factor", "overlong_penalty", "pack_episode",
            "response_logprobs", "reward_to_go", "transition_advantages"]
 
@@ -86,15 +88,15 @@ class GRPOTrainer(InPlaceTrainer):
         """One GRPO step on ``triplets``; returns its metrics (also appended to :attr:`metrics`).
 
         Steps, top to bottom:
-          1. :func:`~lightning_nb.trainers.grpo.batch.build_batch`: drop episodes sampled more than
+          1. :func:`~lightning_nb.trainers.batch.build_batch`: drop episodes sampled more than
              ``max_staleness`` weight versions ago; pack each episode's turns into sequences with a
              response mask (:func:`~lightning_nb.trainers.packing.pack_episode`; forks are counted, or
              refused with ``fail_on_fork``); episode reward (final reward + intermediate rewards, with
              DAPO's soft overlong penalty, and the KL penalty of ``kl_mode="reward"``) → group-relative
-             advantage (:func:`~lightning_nb.trainers.grpo.credit.group_advantages`;
+             advantage (:func:`~lightning_nb.trainers.credit.group_advantages`;
              groups = ``Triplet.group_id``; groups under ``min_group_size`` are dropped), given to
              every token of the episode (LightningRL); with ``credit="reward_to_go"`` each turn's
-             discounted return → a group-relative advantage per turn (:mod:`~lightning_nb.trainers.grpo.credit`'s
+             discounted return → a group-relative advantage per turn (:mod:`~lightning_nb.trainers.credit`'s
              ``reward_to_go``, ``transition_advantages``), given to that turn's tokens;
           2. :meth:`_optimize`: ``ppo_epochs`` passes over mini-batches of ``mini_batch_size``
              sequences, one AdamW step each with gradient-norm clipping; each mini-batch is
@@ -108,7 +110,7 @@ class GRPOTrainer(InPlaceTrainer):
              (the algorithm's loop shows it as ``progress``, phase ``"update"``);
           3. ``engine.load_weights(model)`` serves the new weights and bumps
              ``engine.weight_version`` (only when the weights changed); the learning rate
-             moves one step along its schedule (:func:`~lightning_nb.trainers.grpo.config.lr_factor`).
+             moves one step along its schedule (:func:`~lightning_nb.trainers.config.lr_factor`).
 
         The loss of a mini-batch M, over the response tokens t of its sequences i, with
         ``r = π_θ(t) / π_old(t)`` and A_it the advantage of the turn token t came with::
@@ -298,7 +300,7 @@ class GRPOTrainer(InPlaceTrainer):
 
     def signal_groups(self, triplets: Sequence[Triplet]) -> set[str]:
         """Group ids of ``triplets`` that :meth:`update` would learn from: kept groups with a non-zero advantage
-        (:func:`lightning_nb.trainers.grpo.batch.signal_groups` with this config)."""
+        (:func:`lightning_nb.trainers.batch.signal_groups` with this config)."""
         return signal_groups(self.config, triplets)
 
     def _inputs(self, micro: list[PackedSequence]) -> tuple[int, Any, Any, Any, Any, Any]:

@@ -26,7 +26,7 @@ from typing import Any, Optional
 from lightning_nb.trainers.packing import pack_episode
 from lightning_nb.trainers.verl.actor import IN_PROCESS_OVERRIDES, VerlActor, ppo_config
 from lightning_nb.trainers.verl.patches import require_verl
-from lightning_nb.types import Triplet
+from lightning_nb.types import GROUP_ID_KEY, Triplet
 
 __all__ = ["triplets_to_dataproto", "grpo_advantages", "ppo_config", "VerlActor", "IN_PROCESS_OVERRIDES",
            "require_verl"]
@@ -128,7 +128,7 @@ def triplets_to_dataproto(triplets: Sequence[Triplet], *, pad_token_id: int, max
     if advantages is not None:
         tensors["advantages"] = torch.tensor([right(r["advantages"], R, 0.0) for r in rows], dtype=torch.float32)
     non_tensors = {
-        "uid": np.array([r["group_id"] for r in rows], dtype=object),
+        "uid": np.array([r[GROUP_ID_KEY] for r in rows], dtype=object),
         "rollout_id": np.array([r["rollout_id"] for r in rows], dtype=object),
         "turn": np.array([r["turn"] for r in rows], dtype=object),
     }
@@ -172,7 +172,7 @@ def _rows(triplets: Sequence[Triplet], pack_turns: bool,
                 "has_logprobs": s.has_old, "scores": scores,
                 "temperature": _temperature(first),
                 "advantages": _row_advantages(advantages, rollout_id, ordered, turns, mask),
-                "group_id": first.group_id, "rollout_id": rollout_id, "turn": first.turn,
+                GROUP_ID_KEY: first.group_id, "rollout_id": rollout_id, "turn": first.turn,
             })
     return rows
 
@@ -217,7 +217,7 @@ def grpo_advantages(data: Any, *, norm_adv_by_std: bool = True, min_group_size: 
     per episode, and every row of the episode gets its advantage times its ``response_mask``. With one
     row per episode this is the same as calling verl on the batch's ``token_level_scores``,
     ``response_mask`` and ``uid`` directly; per episode, a forked episode does not count twice in its
-    group. The values equal :func:`lightning_nb.trainers.grpo.credit.group_advantages` of the episodes' rewards.
+    group. The values equal :func:`lightning_nb.trainers.credit.group_advantages` of the episodes' rewards.
     The result is on the batch's device (that of ``token_level_scores``).
 
     Raises:

@@ -1,4 +1,5 @@
-"""``VerlConfig``: :class:`~lightning_nb.trainers.grpo.config.GRPOConfig`'s fields mapped onto verl's Hydra config.
+"""``VerlConfig``: :class:`~lightning_nb.trainers.config.TrainerConfig`'s fields (``GRPOConfig``'s) mapped onto verl's
+Hydra config.
 
 Building a ``VerlConfig`` needs no verl; :meth:`VerlConfig.verl_config` (and so building a
 :class:`~lightning_nb.trainers.verl.trainer.VerlTrainer`) imports it, or raises
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainers.grpo.config import GRPOConfig
+from lightning_nb.trainers.config import TrainerConfig
 from lightning_nb.trainers.microbatch import auto_micro_batch_tokens
 
 __all__ = ["VerlConfig", "MAPPED_KEYS"]
@@ -50,12 +51,13 @@ _VERL_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
-class VerlConfig(GRPOConfig):
-    """:class:`~lightning_nb.GRPOConfig` for :class:`VerlTrainer`, mapped onto verl's Hydra config.
+class VerlConfig(TrainerConfig):
+    """The fields of :class:`~lightning_nb.GRPOConfig` for :class:`VerlTrainer`, mapped onto verl's Hydra config.
 
-    The fields keep their ``GRPOConfig`` meaning (one name per concept) and each becomes the verl key
-    that means the same (:meth:`hydra_overrides`; :data:`MAPPED_KEYS` lists them). ``overrides``
-    passes further Hydra overrides of verl's ``ppo_trainer.yaml`` to verl's actor, e.g.
+    A :class:`~lightning_nb.trainers.config.TrainerConfig`, as ``GRPOConfig`` is (the two are siblings: a
+    ``VerlConfig`` is not a ``GRPOConfig``). The fields keep their ``GRPOConfig`` meaning (one name per
+    concept) and each becomes the verl key that means the same (:meth:`hydra_overrides`; :data:`MAPPED_KEYS`
+    lists them). ``overrides`` passes further Hydra overrides of verl's ``ppo_trainer.yaml`` to verl's actor, e.g.
     ``["actor_rollout_ref.actor.entropy_coeff=0.001"]`` or
     ``["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"]``. :meth:`verl_config` composes verl's
     own defaults with both and runs verl's own checks (``verl.utils.config.validate_config``); print
@@ -104,7 +106,8 @@ class VerlConfig(GRPOConfig):
                 "(lightning_nb.trainers.verl.config.MAPPED_KEYS) are refused: set the field."})
 
     def validate(self) -> None:
-        """GRPOConfig's checks, then the options VerlTrainer does not have, then the overrides' form.
+        """The shared checks (:meth:`TrainerConfig.validate`), then the options VerlTrainer does not have, then the
+        overrides' form.
 
         Raises:
             ConfigError: naming the field and the fix.

@@ -43,11 +43,11 @@ from typing import Any, Optional, Sequence
 from lightning_nb.errors import ConfigError
 from lightning_nb.trainers.base import ProgressCallback
 from lightning_nb.trainers.checkpoint import write_file
-from lightning_nb.trainers.grpo.batch import Batch, build_batch, check_batch, signal_groups
+from lightning_nb.trainers.batch import Batch, build_batch, check_batch, signal_groups
 from lightning_nb.trainers.inplace import InPlaceTrainer
 from lightning_nb.trainers.metrics import batch_metrics
 from lightning_nb.trainers.verl.config import MAPPED_KEYS, VerlConfig
-from lightning_nb.types import Triplet
+from lightning_nb.types import GROUP_ID_KEY, Triplet
 
 __all__ = ["VerlConfig", "VerlTrainer", "MAPPED_KEYS"]
 
@@ -321,7 +321,7 @@ def _batch_rows(data: Any) -> list[dict[str, Any]]:
         zeros = [0.0] * len(prompt)
         adv = b["advantages"][i][:n].tolist()
         rows.append({
-            "rollout_id": data.non_tensor_batch["rollout_id"][i], "group_id": data.non_tensor_batch["uid"][i],
+            "rollout_id": data.non_tensor_batch["rollout_id"][i], GROUP_ID_KEY: data.non_tensor_batch["uid"][i],
             "input_ids": prompt + response, "response_mask": [0] * len(prompt) + mask,
             "advantage": float(next((a for a, m in zip(adv, mask) if m), 0.0)),
             "advantages": zeros + [a if m else 0.0 for a, m in zip(adv, mask)],

@@ -1,9 +1,9 @@
 """Group-relative advantages of GRPO and Dr. GRPO, as small pure functions of torch tensors.
 
-What :class:`~lightning_nb.trainers.grpo.trainer.GRPOTrainer` turns rewards into before the loss
-(the loss itself is in :mod:`lightning_nb.trainers.grpo.losses`). The function here is verl's
-``core_algos.compute_grpo_outcome_advantage`` for the options the trainer uses, written out so the
-plain trainer needs no verl; ``tests/test_advantages.py`` checks it equal to verl's on random inputs
+What the shared batch (:mod:`lightning_nb.trainers.batch`, through :mod:`lightning_nb.trainers.credit`) turns
+rewards into before the loss (GRPOTrainer's loss is in :mod:`lightning_nb.trainers.grpo.losses`). The function
+here is verl's ``core_algos.compute_grpo_outcome_advantage`` for the options the trainers use, written out so
+the GRPO trainer needs no verl; ``tests/test_advantages.py`` checks it equal to verl's on random inputs
 wherever verl is installed.
 
 torch is imported inside the function, so importing this module stays cheap.

@@ -4,7 +4,8 @@ Both trainers keep episodes by the same rule (:func:`build_batch`: fresh enough 
 groups of at least ``min_group_size``, forks counted or refused), so
 :class:`~lightning_nb.trainers.grpo.trainer.GRPOTrainer` and
 :class:`~lightning_nb.trainers.verl.trainer.VerlTrainer` train on the same episodes and report the same
-counts. The advantages follow ``GRPOConfig.credit`` (:func:`advantages`).
+counts. The advantages follow ``GRPOConfig.credit`` (:func:`advantages`, from :mod:`lightning_nb.trainers.credit`).
+It reads the config's shared fields only (:class:`~lightning_nb.trainers.config.TrainerConfig`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainers.grpo.config import GRPOConfig
-from lightning_nb.trainers.grpo.credit import group_advantages, overlong_penalty, reward_to_go, transition_advantages
+from lightning_nb.trainers.config import TrainerConfig
+from lightning_nb.trainers.credit import group_advantages, overlong_penalty, reward_to_go, transition_advantages
 from lightning_nb.trainers.packing import PackedSequence, episodes_of, pack_episode
 from lightning_nb.types import Triplet
 
@@ -56,7 +57,7 @@ def check_batch(triplets: Sequence[Triplet]) -> None:
             "top_p=1 (the default; do not pass top_p in the agent's training calls)")
 
 
-def build_batch(cfg: GRPOConfig, triplets: Sequence[Triplet], weight_version: int,
+def build_batch(cfg: TrainerConfig, triplets: Sequence[Triplet], weight_version: int,
                 score_kl: Optional[Callable[[list[PackedSequence]], None]] = None) -> Batch:
     """Episodes → packed sequences carrying per-token advantages (step 1 of ``GRPOTrainer.update``).
 
@@ -71,7 +72,7 @@ def build_batch(cfg: GRPOConfig, triplets: Sequence[Triplet], weight_version: in
     With ``credit="reward_to_go"`` each turn gets its own advantage (:func:`advantages`), and
     the tokens of a packed sequence carry the advantage of the turn they came with.
 
-    * the soft overlong penalty of DAPO (:func:`~lightning_nb.trainers.grpo.credit.overlong_penalty`), summed
+    * the soft overlong penalty of DAPO (:func:`~lightning_nb.trainers.credit.overlong_penalty`), summed
       over the episode's LLM calls (one call: DAPO's single response);
     * kl_t: the ``kl_penalty`` estimator of ``log π_start(t) − log π_ref(t)`` on each response
       token of the episode, π_start the trainer before this update. That is the per-token
@@ -116,17 +117,17 @@ def build_batch(cfg: GRPOConfig, triplets: Sequence[Triplet], weight_version: in
                  stale=stale, forks=len(forks))
 
 
-def advantages(cfg: GRPOConfig, episodes: dict[str, list[Triplet]], groups: dict[str, str],
+def advantages(cfg: TrainerConfig, episodes: dict[str, list[Triplet]], groups: dict[str, str],
                kl_sums: Optional[dict[str, list[float]]] = None,
                ) -> tuple[dict[str, float], dict[str, dict[int, float]], dict[str, int]]:
     """The advantages of ``episodes`` under ``cfg.credit`` (one rule for the update and :func:`signal_groups`).
 
-    * ``"episode"``: :func:`~lightning_nb.trainers.grpo.credit.group_advantages` of :func:`episode_rewards`
+    * ``"episode"``: :func:`~lightning_nb.trainers.credit.group_advantages` of :func:`episode_rewards`
       (minus ``kl_coef`` × each of ``kl_sums[episode]``, the KL penalty of ``kl_mode="reward"``); every turn
       gets its episode's.
-    * ``"reward_to_go"``: :func:`~lightning_nb.trainers.grpo.credit.reward_to_go` of the turns' step rewards
+    * ``"reward_to_go"``: :func:`~lightning_nb.trainers.credit.reward_to_go` of the turns' step rewards
       (``Triplet.step_reward`` plus the turn's overlong penalty) and the final reward, with ``gamma``, then
-      :func:`~lightning_nb.trainers.grpo.credit.transition_advantages` over each group's transitions.
+      :func:`~lightning_nb.trainers.credit.transition_advantages` over each group's transitions.
 
     Returns:
         ``(per_episode, per_turn, dropped)``: kept episode -> advantage (``reward_to_go``: the mean over its
@@ -157,7 +158,7 @@ def advantages(cfg: GRPOConfig, episodes: dict[str, list[Triplet]], groups: dict
     return per_episode, {r: dict.fromkeys(range(len(episodes[r])), a) for r, a in per_episode.items()}, dropped
 
 
-def episode_rewards(cfg: GRPOConfig, episodes: dict[str, list[Triplet]]) -> dict[str, float]:
+def episode_rewards(cfg: TrainerConfig, episodes: dict[str, list[Triplet]]) -> dict[str, float]:
     """Each episode's final reward plus its turns' intermediate rewards (``Triplet.step_reward``) and the
     soft overlong penalty of its responses (0 unless overlong_buffer_len > 0)."""
     shaped = {r: ts[0].reward + sum(t.step_reward for t in ts) for r, ts in episodes.items()}
@@ -168,7 +169,7 @@ def episode_rewards(cfg: GRPOConfig, episodes: dict[str, list[Triplet]]) -> dict
                                for t in ts) for r, ts in episodes.items()}
 
 
-def signal_groups(cfg: GRPOConfig, triplets: Sequence[Triplet]) -> set[str]:
+def signal_groups(cfg: TrainerConfig, triplets: Sequence[Triplet]) -> set[str]:
     """Group ids of ``triplets`` that an update would learn from: kept groups with a non-zero advantage.
 
     The same rule as the update (:func:`advantages` with ``cfg``: ``credit``, intermediate rewards, the

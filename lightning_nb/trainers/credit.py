@@ -1,7 +1,7 @@
 """Credit assignment: how episode rewards become advantages (GRPO, Dr. GRPO, DAPO's overlong penalty, reward-to-go).
 
 Functions of plain dicts and floats (torch only inside :func:`group_advantages`); the trainers
-call them per update through :mod:`lightning_nb.trainers.grpo.batch`.
+call them per update through :mod:`lightning_nb.trainers.batch`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainers.grpo.advantages import group_relative_advantages
+from lightning_nb.trainers.advantages import group_relative_advantages
 
 __all__ = ["overlong_penalty", "group_advantages", "reward_to_go", "transition_advantages"]
 
