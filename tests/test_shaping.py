@@ -141,9 +141,10 @@ def test_a_step_draws_distinct_tasks_without_replacement(served, engine, weights
     assert rounds.last_sample_rounds == 3 and len(tasks) == 9 and sorted(tasks) == sorted(t["id"] for t in TASKS)
     groups = {r.metadata["group_id"] for r in store.query_rollouts(rollout_ids=ids)}
     assert len(groups) == 9  # 4 + 4 + the 1 task left: 9 groups of 2
-    with pytest.raises(ConfigError, match=r"tasks_per_step=10, but train_tasks has 9 distinct task\(s\)"):
-        LightningRL(store, trainer, TASKS + TASKS, (), AlgorithmConfig(tasks_per_step=10, group_size=2))
     before = len(store.query_rollouts())
+    few = LightningRL(store, trainer, TASKS + TASKS, (), AlgorithmConfig(tasks_per_step=10, group_size=2))
+    with pytest.raises(ConfigError, match=r"tasks_per_step=10, but train_tasks has 9 distinct task\(s\)"):
+        few.step()  # built, it may still evaluate(); a step is refused before it enqueues anything
     algo.config.tasks_per_step = 10  # an edit while paused is checked before the next step enqueues anything
     with pytest.raises(ConfigError, match="tasks_per_step=10"):
         algo.step()

@@ -61,7 +61,7 @@ class AlgorithmConfig:
     tasks_per_step: int = field(default=4, metadata={
         "help": "Distinct training tasks per step, drawn without replacement (a task is drawn at most once per "
                 "step, also across dynamic-sampling rounds; tasks with one task_key are one task). At most the "
-                "number of distinct training tasks."})
+                "number of distinct training tasks: a step with more is a ConfigError before it enqueues."})
     group_size: int = field(default=4, metadata={"help": "Rollouts per task (the GRPO group)."})
     temperature: float = field(default=0.7, metadata={
         "help": "Sampling temperature of training rollouts (SmolLM2-135M at 1.0 solves ~6% of train tasks, "
@@ -189,7 +189,6 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         self._train_keys: Optional[list[str]] = None
         self._weights: tuple[Any, Optional[list[float]]] = (None, None)
         self._task_weights()  # a bad slice_weights fails here
-        self._check_tasks_per_step()
         self.loggers = make_loggers(loggers, config=self._logged_config()) if loggers else []
         self._init_loop()
         trainer.attach(self)
@@ -201,7 +200,9 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         self._check_tasks_per_step()
 
     def _check_tasks_per_step(self) -> None:
-        """Raise ConfigError when ``tasks_per_step`` exceeds the distinct training tasks (a step draws each once)."""
+        """Raise ConfigError when ``tasks_per_step`` exceeds the distinct training tasks (a step draws each once).
+        Checked before a step collects and on ``resume()``, not at construction: an algorithm built only to
+        :meth:`evaluate` may have fewer training tasks."""
         distinct = len(set(self._task_keys()))
         if self.config.tasks_per_step > distinct:
             raise ConfigError(f"AlgorithmConfig.tasks_per_step={self.config.tasks_per_step}, but train_tasks has "
