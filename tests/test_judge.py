@@ -152,7 +152,8 @@ def test_rewards_df_has_one_final_row_per_rollout_the_reward_that_counts():
 
 
 # ----- unparsable verdicts (fixed-reply HTTP server) -------------------------------------------------------
-def test_an_unparsable_verdict_fails_the_attempt_naming_the_field_and_keeps_its_spans(fixed_reply):
+def test_with_on_error_raise_an_unparsable_verdict_fails_the_attempt_naming_the_field_and_keeps_its_spans(
+        fixed_reply):
     url = fixed_reply("The response looks fine to me.")
     store = InMemoryStore()
     store.add_resources({"main_llm": LLMResource(endpoint=url, model="fixed")})
@@ -160,7 +161,7 @@ def test_an_unparsable_verdict_fails_the_attempt_naming_the_field_and_keeps_its_
     def agent(task, llm):
         with tool_span("lookup", task["q"]) as span:
             span.set_attribute(semconv.TOOL_OUTPUT, "42")
-        return judge_reward("42", task=task["q"], judge=Judge(url, "fixed"))
+        return judge_reward("42", task=task["q"], judge=Judge(url, "fixed", on_error="raise"))
 
     with start_runners(agent, store, n=1):
         rid = store.enqueue_rollout({"q": "What is 6 * 7?"}).rollout_id
@@ -173,8 +174,53 @@ def test_an_unparsable_verdict_fails_the_attempt_naming_the_field_and_keeps_its_
     judged = df[df.name == semconv.JUDGE_SPAN].iloc[0]
     assert judged[semconv.JUDGE_VERDICT] == "The response looks fine to me." and "field 'score'" in judged[semconv.ERROR]
     assert "What is 6 * 7?" in judged[semconv.JUDGE_PROMPT] and judged.status == "error"
-    assert store.rewards_df().empty  # no score, no reward: a failed rollout's reward is 0 by the final-reward rule
+    df = store.rewards_df()  # no score, no reward: a failed rollout's reward is 0 by the final-reward rule
+    assert list(df.component) == [semconv.JUDGE_SPAN] and df.reward.isna().all()
+    assert "field 'score'" in df.judge_error.iloc[0]
     assert store.final_rewards([rid]) == {rid: 0.0}
+
+
+def test_a_judge_failure_is_recorded_and_the_agents_own_reward_stands(fixed_reply):
+    """Issue 43: 1-2 of 10 rollouts failed with 'judge score 2 ... outside the scale' and lost the agent's 1.0."""
+    out_of_scale = fixed_reply("Correct answer.\nSCORE: 2")
+    store = InMemoryStore()
+    store.add_resources({"main_llm": LLMResource(endpoint=out_of_scale, model="fixed")})
+    judge = Judge(out_of_scale, "fixed")  # on_error="record": the default
+
+    def agent(task, llm):
+        scores.append(judge_reward("42", task=task["q"], judge=judge))
+        return 1.0  # the agent's own, hand-written reward
+
+    scores = []
+    with pytest.warns(RuntimeWarning, match="gave no score .*outside the scale .*recorded, the agent's own reward"):
+        with start_runners(agent, store, n=2) as group:
+            ids = [store.enqueue_rollout({"q": "What is 6 * 7?"}).rollout_id for _ in range(3)]
+            assert len(store.wait_for_rollouts(ids, timeout=60)) == 3
+            assert group.status().judge_errors.sum() == 3  # every failure counted, not only the first
+    assert scores == [None] * 3
+    assert [r.status for r in store.query_rollouts(rollout_ids=ids)] == ["succeeded"] * 3
+    assert store.final_rewards(ids) == {rid: 1.0 for rid in ids}
+    df = store.rewards_df()
+    assert sorted(df.component) == ["final"] * 3 + [semconv.JUDGE_SPAN] * 3
+    errors = df[df.component == semconv.JUDGE_SPAN]
+    assert errors.reward.isna().all() and errors.judge_error.str.contains(r"outside the scale \[0, 1\]").all()
+    assert errors.judge_error.str.contains("clamp=True").all()  # the fix is named
+    assert df[df.component == "final"].judge_error.isna().all()
+    spans = store.spans_df(flatten=JUDGED_KEYS)
+    judged = spans[spans.name == semconv.JUDGE_SPAN]
+    assert len(judged) == 3 and (judged.status == "error").all() and judged[semconv.JUDGE_VERDICT].notna().all()
+    # asked for, the same verdict is clamped to the scale's end and noted
+    clamping = Judge(out_of_scale, "fixed", clamp=True)
+    assert clamping.score("42") == 1.0
+    with start_runners(lambda task, llm: judge_reward("42", task=task, judge=clamping), store, n=1):
+        rid = store.enqueue_rollout("What is 6 * 7?").rollout_id
+        assert store.wait_for_rollouts([rid], timeout=60)
+    [span] = [s for s in store.query_spans(rid) if s.name == semconv.JUDGE_SPAN]
+    assert span.attributes[semconv.REWARD] == 1.0 and "clamped from 2" in span.attributes[semconv.REWARD_NOTE]
+    with pytest.raises(ConfigError, match="on_error"):
+        Judge(out_of_scale, "fixed", on_error="ignore")
+    with pytest.raises(ConfigError, match="set on_error and clamp on the Judge"):
+        judge_reward("42", judge=judge, on_error="raise")
 
 
 def test_a_group_reply_without_one_score_per_trajectory_keeps_the_agents_rewards(fixed_reply):
@@ -193,7 +239,10 @@ def test_a_group_reply_without_one_score_per_trajectory_keeps_the_agents_rewards
     df = store.spans_df(flatten=JUDGED_KEYS)
     judged = df[df.name == semconv.JUDGE_SPAN]
     assert len(judged) == 2 and judged[semconv.ERROR].str.contains("'score 2'").all()
-    assert set(store.rewards_df().component) == {"final"}
+    rewards = store.rewards_df()  # the judge's failure is a row of its own: no reward, the error in judge_error
+    assert set(rewards.component) == {"final", semconv.JUDGE_SPAN}
+    failed = rewards[rewards.component == semconv.JUDGE_SPAN]
+    assert len(failed) == 2 and failed.reward.isna().all() and failed.judge_error.str.contains("'score 2'").all()
 
 
 # ----- the real model as the judge -------------------------------------------------------------------------

@@ -11,9 +11,12 @@ The judge never calls an attempt's URL: given the agent's ``llm`` resource it ca
 (``{proxy}/v1``), where :class:`~lightning_nb.proxy.LLMProxy` serves the call without recording an LLM span, so
 no trainer ever trains on the judge's tokens (the judge span is not an LLM span either: the adapter ignores it).
 
-Unparsable verdicts: :class:`JudgeError` (a ``ValueError``) naming the field, with the verdict text. Inside an
-agent it propagates, so the attempt fails with that error (its spans, the judge span with the verdict and the
-error included, stay stored); catch it in the agent to fall back to a hand-written reward instead.
+A judge that gives no score (a verdict without a usable ``SCORE``, a score outside the scale, a failed judge
+call) is recorded, not fatal, by default (``on_error="record"``): the judge span keeps the verdict and the error
+(status ``error``), :meth:`Judge.score` returns None, and the agent's own reward stays its final reward;
+``store.rewards_df()`` shows the failure in its ``judge_error`` column and the runner group's ``status()`` counts
+it (``judge_errors``). ``on_error="raise"`` raises :class:`JudgeError` (a ``ValueError``, naming the field, with
+the verdict text) or the endpoint's error instead, so the attempt fails with it (its spans stay stored).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -32,10 +36,12 @@ from lightning_nb.tracing.tracer import attempt_span
 from lightning_nb.types import LLMResource
 
 __all__ = ["Judge", "JudgeError", "JudgeVerdict", "judge_reward", "parse_score", "plain_endpoint", "task_text",
-           "JUDGE_SOURCE"]
+           "JUDGE_SOURCE", "ON_ERROR"]
 
 #: :data:`~lightning_nb.semconv.REWARD_SOURCE` of a final reward a single judge gave.
 JUDGE_SOURCE = "judge"
+#: :class:`Judge`'s ``on_error`` choices: record a judge that gave no score and go on, or raise
+ON_ERROR = ("record", "raise")
 _SCORE = re.compile(r"SCORE\s*[:=]\s*\**\s*([-+]?\d+(?:\.\d+)?)", re.IGNORECASE)
 _ATTRIBUTED = re.compile(r"^(?P<base>https?://.+?)/rollout/[^/]+/attempt/[^/]+(?P<v1>/v1)/?$")
 
@@ -70,12 +76,14 @@ def _clip_text(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
-def parse_score(verdict: str, scale: tuple[float, float] = (0.0, 1.0)) -> float:
+def parse_score(verdict: str, scale: tuple[float, float] = (0.0, 1.0), *, clamp: bool = False) -> float:
     """The score of a single judge's reply: the number on its last ``SCORE: <number>`` line (case-insensitive).
 
+    ``clamp``: a number outside ``scale`` is moved to its nearer end instead of refused.
+
     Raises:
-        JudgeError: no such line (``field="score"``), or a number outside ``scale`` (an error, never clipped: a
-            judge that writes 7 on a 0..1 scale did not follow the rubric). The message quotes the verdict.
+        JudgeError: no such line (``field="score"``), or (without ``clamp``) a number outside ``scale`` (a judge
+            that writes 7 on a 0..1 scale did not follow the rubric). The message quotes the verdict.
     """
     found = _SCORE.findall(verdict or "")
     if not found:
@@ -84,10 +92,13 @@ def parse_score(verdict: str, scale: tuple[float, float] = (0.0, 1.0)) -> float:
                          "judge, or give it more examples (Judge(examples=...))", field="score", verdict=verdict)
     score = float(found[-1])
     lo, hi = scale
+    if clamp:
+        return min(max(score, lo), hi)
     if not lo <= score <= hi:
         raise JudgeError(f"judge score {fmt_score(score)} (field 'score') is outside the scale "
-                         f"[{fmt_score(lo)}, {fmt_score(hi)}]; it wrote: {_clip_text(verdict)!r}",
-                         field="score", verdict=verdict)
+                         f"[{fmt_score(lo)}, {fmt_score(hi)}]; it wrote: {_clip_text(verdict)!r}. Pass "
+                         "Judge(clamp=True) to move such a score to the scale's nearer end, or give the judge a "
+                         "rubric and examples on this scale", field="score", verdict=verdict)
     return score
 
 
@@ -182,10 +193,16 @@ class Judge:
         api_key: default the resource's (or ``"not-needed"``).
         timeout_s: seconds per judge call.
         system_prompt, user_template, examples: the prompt (:mod:`lightning_nb.rewards.prompts`).
+        on_error: ``"record"`` (default): a judge that gives no score (:class:`JudgeError`, or the endpoint's
+            ``openai.APIError``) is recorded on the judge span and :meth:`score` returns None; ``"raise"``: it
+            raises (module docstring).
+        clamp: a score outside ``scale`` is moved to the scale's nearer end (the span notes the score written)
+            instead of refused as a :class:`JudgeError`.
 
     Raises:
-        ConfigError: a missing or attempt endpoint, a bad scale, max_tokens or temperature, or a ``{field}`` in the
-            rubric or system prompt other than ``{lo}``/``{hi}``/``{rubric}`` (naming the field).
+        ConfigError: a missing or attempt endpoint, a bad scale, max_tokens or temperature, ``on_error`` not
+            ``"record"``/``"raise"``, or a ``{field}`` in the rubric or system prompt other than
+            ``{lo}``/``{hi}``/``{rubric}`` (naming the field).
     """
 
     def __init__(self, endpoint: Union[str, LLMResource, None] = None, model: Optional[str] = None, *,
@@ -193,7 +210,13 @@ class Judge:
                  max_tokens: int = 64, temperature: float = 0.0, api_key: Optional[str] = None,
                  timeout_s: float = 300.0, system_prompt: str = JUDGE_SYSTEM_PROMPT,
                  user_template: str = JUDGE_USER_TEMPLATE,
-                 examples: Sequence[tuple[str, str, str, bool]] = JUDGE_EXAMPLES) -> None:
+                 examples: Sequence[tuple[str, str, str, bool]] = JUDGE_EXAMPLES, on_error: str = "record",
+                 clamp: bool = False) -> None:
+        if on_error not in ON_ERROR:
+            raise ConfigError(f"Judge(on_error={on_error!r}) must be one of {ON_ERROR}: 'record' keeps the agent's "
+                              "reward and records the failure, 'raise' fails the attempt")
+        self.on_error, self.clamp = on_error, bool(clamp)
+        self._warned = False
         self.base_url, self.model, self.api_key = resolve_endpoint(endpoint, model, api_key, "Judge")
         self.scale = check_scale(scale, "Judge")
         check_common(max_tokens, temperature, "Judge")
@@ -203,7 +226,8 @@ class Judge:
         self.messages("")  # a rubric or prompt with an unknown {field} fails here, not at the first call
 
     def __repr__(self) -> str:
-        return f"Judge({self.base_url!r}, model={self.model!r}, scale={self.scale}, name={self.name!r})"
+        return (f"Judge({self.base_url!r}, model={self.model!r}, scale={self.scale}, name={self.name!r}, "
+                f"on_error={self.on_error!r})")
 
     def messages(self, response: str, *, task: Any = None, rubric: Optional[str] = None) -> list[dict[str, Any]]:
         """The chat messages the judge is sent for ``response`` (``task``: text, or a task dict, see :func:`task_text`)."""
@@ -221,57 +245,90 @@ class Judge:
         messages = self.messages(response, task=task, rubric=rubric)
         text = chat(self.base_url, self.api_key, self.model, messages, max_tokens=self.max_tokens,
                     temperature=self.temperature, timeout_s=self.timeout_s)
-        return JudgeVerdict(parse_score(text, self.scale), text, messages, self.model)
+        return JudgeVerdict(parse_score(text, self.scale, clamp=self.clamp), text, messages, self.model)
 
-    def score(self, response: str, *, task: Any = None, rubric: Optional[str] = None) -> float:
-        """The judge's score of ``response`` (a float in ``scale``).
+    def score(self, response: str, *, task: Any = None, rubric: Optional[str] = None) -> Optional[float]:
+        """The judge's score of ``response`` (a float in ``scale``), or None when it gave none and ``on_error`` is
+        ``"record"``.
 
         Inside an attempt (an agent run by a runner) it records a :data:`~lightning_nb.semconv.JUDGE_SPAN` span:
-        prompt, verdict, model, score (as ``reward``, component ``name``); on a :class:`JudgeError` the span keeps
-        the verdict and the error (and no score), then the error propagates. Outside a rollout nothing is recorded.
+        prompt, verdict, model, component ``name`` and the score (as ``reward``; with ``clamp``, a note of the
+        score written). A judge that gave no score leaves the span's status ``error`` with the error text (and
+        no score); the first one of this judge warns once (``RuntimeWarning``). Outside a rollout nothing is
+        recorded.
 
         Raises:
-            JudgeError: the reply has no usable score.
-            openai.APIError: the endpoint failed or is unreachable.
+            JudgeError: with ``on_error="raise"``: the reply has no usable score.
+            openai.APIError: with ``on_error="raise"``: the endpoint failed or is unreachable.
         """
         messages = self.messages(response, task=task, rubric=rubric)
         with attempt_span(semconv.JUDGE_SPAN) as span:
-            if span is not None:
-                span.set_attribute(semconv.JUDGE_MODEL, self.model)
-                span.set_attribute(semconv.JUDGE_PROMPT, json.dumps(messages))
-            text = chat(self.base_url, self.api_key, self.model, messages, max_tokens=self.max_tokens,
-                        temperature=self.temperature, timeout_s=self.timeout_s)
-            if span is not None:
-                span.set_attribute(semconv.JUDGE_VERDICT, text)
+            _record(span, {semconv.JUDGE_MODEL: self.model, semconv.JUDGE_PROMPT: json.dumps(messages),
+                           semconv.REWARD_NAME: self.name})
             try:
-                value = parse_score(text, self.scale)
-            except JudgeError as exc:
-                if span is not None:
-                    span.set_attribute(semconv.ERROR, str(exc)[:2000])
-                raise
-            if span is not None:
-                span.set_attributes({semconv.JUDGE_SCORE: value, semconv.REWARD: value,
-                                     semconv.REWARD_NAME: self.name})
+                text = chat(self.base_url, self.api_key, self.model, messages, max_tokens=self.max_tokens,
+                            temperature=self.temperature, timeout_s=self.timeout_s)
+                _record(span, {semconv.JUDGE_VERDICT: text})
+                value = parse_score(text, self.scale, clamp=self.clamp)
+            except Exception as exc:
+                if not self._recorded(exc, span):
+                    raise
+                return None
+            written = parse_score(text, (-math.inf, math.inf))
+            _record(span, {semconv.JUDGE_SCORE: value, semconv.REWARD: value})
+            if written != value:
+                _record(span, {semconv.REWARD_NOTE: f"clamped from {fmt_score(written)} to the scale {self.scale}"})
         return value
+
+    def _recorded(self, exc: Exception, span: Any) -> bool:
+        """Record a judge failure on ``span``; whether it is handled here (``on_error="record"`` and a judge's
+        error, not a bug) rather than raised."""
+        import openai
+        from opentelemetry.trace import Status, StatusCode
+
+        text = f"{type(exc).__name__}: {exc}"[:2000]
+        if span is not None:
+            span.set_attribute(semconv.ERROR, text)
+            span.set_status(Status(StatusCode.ERROR, text[:200]))
+        if self.on_error == "raise" or not isinstance(exc, (JudgeError, openai.APIError)):
+            return False
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"{self!r} gave no score ({text[:300]}); recorded, the agent's own reward stands. Every "
+                          "such call: store.rewards_df().judge_error and the runner group's status().judge_errors; "
+                          "Judge(on_error='raise') fails the attempt instead", RuntimeWarning, stacklevel=4)
+        return True
+
+
+def _record(span: Any, attributes: dict[str, Any]) -> None:
+    if span is not None:
+        span.set_attributes(attributes)
 
 
 def judge_reward(response: str, rubric: Optional[str] = None, *, task: Any = None,
-                 llm: Optional[LLMResource] = None, judge: Optional[Judge] = None) -> float:
+                 llm: Optional[LLMResource] = None, judge: Optional[Judge] = None,
+                 on_error: str = "record", clamp: bool = False) -> Optional[float]:
     """Score ``response`` with an LLM judge inside an agent and record the judge span; returns the score.
 
     ``judge`` (a :class:`Judge`) or ``llm`` (the agent's resource: a default :class:`Judge` on its server's plain
-    URL and model) must be given. ``rubric`` replaces the judge's own for this call (None: the judge's,
-    :data:`~lightning_nb.rewards.prompts.DEFAULT_RUBRIC` by default). The agent then returns its
-    final reward: the judge's score, or a hand-written one (both appear in ``store.rewards_df()``: ``"final"`` and
-    the judge's component, ``"judge"`` by default).
+    URL and model, with ``on_error`` and ``clamp``: :class:`Judge`'s) must be given. ``rubric`` replaces the judge's
+    own for this call (None: the judge's, :data:`~lightning_nb.rewards.prompts.DEFAULT_RUBRIC` by default). The
+    agent then returns its final reward: the judge's score, or a hand-written one (both appear in
+    ``store.rewards_df()``: ``"final"`` and the judge's component, ``"judge"`` by default). A judge that gave no
+    score returns None (``on_error="record"``): keep a hand-written reward to return then.
 
     Raises:
-        ConfigError: neither ``judge`` nor ``llm`` given.
-        JudgeError: the judge's reply has no usable score (the attempt fails with it unless the agent catches it).
+        ConfigError: neither ``judge`` nor ``llm`` given; ``on_error``/``clamp`` set beside a ``judge`` (set them
+            on the Judge).
+        JudgeError: with ``on_error="raise"``, the judge's reply has no usable score (the attempt fails with it
+            unless the agent catches it).
     """
     if judge is None:
         if llm is None:
             raise ConfigError("judge_reward needs judge=Judge(...) or llm=<the agent's llm resource> (the judge then "
                               "calls the same server's plain URL with its model)")
-        judge = Judge(llm)
+        judge = Judge(llm, on_error=on_error, clamp=clamp)
+    elif (on_error, clamp) != ("record", False):
+        raise ConfigError("judge_reward(judge=..., on_error=/clamp=): set on_error and clamp on the Judge itself, "
+                          "Judge(..., on_error=..., clamp=...); judge_reward's are for the judge it builds from llm=")
     return judge.score(response, task=task, rubric=rubric)

@@ -72,7 +72,7 @@ __all__ = ["RayRunnerGroup", "start_ray_runners", "import_ray", "init_local_ray"
 log = logging.getLogger(__name__)
 _LOCAL_OBJECT_STORE_BYTES = 200 * 1024 * 1024
 _STATUS_COLUMNS = ["worker_id", "state", "alive", "current_rollout", "succeeded", "failed", "timed_out", "abandoned",
-                   "heartbeat_age_s", "node_ip", "pid"]
+                   "judge_errors", "heartbeat_age_s", "node_ip", "pid"]
 
 
 def import_ray() -> Any:
@@ -117,7 +117,8 @@ class _RunnerActor:
         s, current = self.runner.stats, getattr(self.runner, "current", None)
         return {"worker_id": self.runner.worker_id, "state": s.state, "alive": self.runner.alive,
                 "current_rollout": s.current_rollout, "succeeded": s.succeeded, "failed": s.failed,
-                "timed_out": s.timed_out, "abandoned": getattr(s, "abandoned", 0), "last_heartbeat": s.last_heartbeat,
+                "timed_out": s.timed_out, "abandoned": getattr(s, "abandoned", 0), "judge_errors": s.judge_errors,
+                "last_heartbeat": s.last_heartbeat,
                 "current_attempt": list(current) if current else None,
                 "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
 

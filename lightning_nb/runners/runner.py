@@ -125,6 +125,7 @@ class RunnerStats:
     failed: int = 0
     timed_out: int = 0
     abandoned: int = 0  # attempts ended elsewhere (watchdog, cancel) while the agent still ran
+    judge_errors: int = 0  # LLM-judge calls of its attempts that gave no score (rewards.Judge, on_error="record")
     last_heartbeat: float = field(default_factory=time.time)
 
 
@@ -221,7 +222,8 @@ class Runner:
         try:
             self.store.update_worker(self.worker_id, status=status, heartbeat_stats={
                 "succeeded": self.stats.succeeded, "failed": self.stats.failed,
-                "timed_out": self.stats.timed_out, "abandoned": self.stats.abandoned})
+                "timed_out": self.stats.timed_out, "abandoned": self.stats.abandoned,
+                "judge_errors": self.stats.judge_errors})
         except Exception as exc:
             log.warning("%s: worker heartbeat failed: %s", self.worker_id, exc)
 
@@ -361,6 +363,7 @@ class Runner:
         finally:
             self.current = None
             spans = self.tracer.close_attempt(rid, aid)  # also on the early returns: nothing is left open
+            self.stats.judge_errors += spans.judge_errors
         status, error, kind, summary = self._verdict(outcome, spans, rid, aid, resource.endpoint)
         if kind is not None:
             self.notices.notify(kind, self.worker_id, rid, summary)

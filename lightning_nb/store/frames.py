@@ -17,7 +17,7 @@ from typing import Any, Optional, get_args
 import pandas as pd
 
 from lightning_nb.errors import ConfigError
-from lightning_nb.semconv import COMPLETION, LLM_SPAN, REWARD
+from lightning_nb.semconv import COMPLETION, ERROR, JUDGE_SPAN, LLM_SPAN, REWARD, REWARD_NAME
 from lightning_nb.slices import slice_labels
 from lightning_nb.store.rules import counted_reward_spans, reward_component
 from lightning_nb.store.spanframe import Flatten, check_flatten, frame_from_spans
@@ -232,8 +232,8 @@ class FrameViews:
     def rewards_df(self) -> pd.DataFrame:
         """One row per reward span, the final reward and every named reward component.
 
-        Columns: rollout_id, attempt_id, mode, ``component``, reward (float), time (datetime). ``component`` is
-        :func:`~lightning_nb.store.rules.reward_component`'s:
+        Columns: rollout_id, attempt_id, mode, ``component``, reward (float), time (datetime), ``judge_error``.
+        ``component`` is :func:`~lightning_nb.store.rules.reward_component`'s:
 
         * ``"final"``: the reward span that counts, at most one per rollout
           (:func:`~lightning_nb.store.rules.counted_reward_spans`: the last one of the latest attempt of a rollout
@@ -243,7 +243,9 @@ class FrameViews:
           ``"human"`` (:data:`~lightning_nb.semconv.REWARD_SOURCE`);
         * an intermediate reward (:func:`lightning_nb.emit_intermediate_reward`, a shaping term): its
           ``reward.name``, e.g. ``"calc_uses_all_numbers"``;
-        * an LLM judge's score (:mod:`lightning_nb.rewards`): its ``reward.name``, ``"judge"`` by default.
+        * an LLM judge's score (:mod:`lightning_nb.rewards`): its ``reward.name``, ``"judge"`` by default. A judge
+          that gave no score (an unusable verdict, a failed call: ``Judge(on_error="record")``) has a row too, under
+          its component, with reward NaN and the error in ``judge_error`` (None on every other row).
 
         ``df[df.component == "final"]`` gives the rewards that count alone (a failed rollout's 0 has no row);
         ``df.pivot_table("reward", "rollout_id", "component", aggfunc="sum")`` one column per component, the
@@ -257,19 +259,17 @@ class FrameViews:
             latest[a.rollout_id] = a.attempt_id  # oldest first: the last one seen is the latest
         spans = self.query_spans()
         counted = counted_reward_spans(spans, latest, status)
-        rows = [
-            {
-                "rollout_id": s.rollout_id,
-                "attempt_id": s.attempt_id,
-                "mode": modes.get(s.rollout_id),
-                "component": component,
-                "reward": s.attributes.get(REWARD),
-                "time": pd.to_datetime(s.end_time, unit="s"),
-            }
-            for s in spans
-            if (component := reward_component(s, (s.attempt_id, s.span_id) in counted)) is not None
-        ]
-        return pd.DataFrame(rows, columns=["rollout_id", "attempt_id", "mode", "component", "reward", "time"])
+        rows = []
+        for s in spans:
+            component, error = reward_component(s, (s.attempt_id, s.span_id) in counted), None
+            if component is None and s.name == JUDGE_SPAN and ERROR in s.attributes:
+                component, error = str(s.attributes.get(REWARD_NAME, JUDGE_SPAN)), str(s.attributes[ERROR])
+            if component is not None:
+                rows.append({"rollout_id": s.rollout_id, "attempt_id": s.attempt_id, "mode": modes.get(s.rollout_id),
+                             "component": component, "reward": s.attributes.get(REWARD),
+                             "time": pd.to_datetime(s.end_time, unit="s"), "judge_error": error})
+        return pd.DataFrame(rows, columns=["rollout_id", "attempt_id", "mode", "component", "reward", "time",
+                                           "judge_error"]).astype({"reward": "float64"})
 
 
 def _duration(rollout: Rollout) -> float:

@@ -70,10 +70,13 @@ class AttemptSpans:
 
     Attributes:
         rewards_stored: final-reward spans (:data:`~lightning_nb.semconv.REWARD_SPAN`) written to the store.
+        judge_errors: LLM-judge spans (:data:`~lightning_nb.semconv.JUDGE_SPAN`) written with an error (a verdict
+            without a usable score, a failed judge call): the judge gave no score.
         lost: one line per span that could not be stored, naming the span and the reason.
     """
 
     rewards_stored: int = 0
+    judge_errors: int = 0
     lost: list[str] = field(default_factory=list)
 
 
@@ -97,11 +100,16 @@ class SpanLedger:
         with self._lock:
             return self._open.pop((rollout_id, attempt_id), None) or AttemptSpans()
 
-    def stored(self, rollout_id: str, attempt_id: str, name: str) -> None:
+    def stored(self, rollout_id: str, attempt_id: str, name: str, attributes: Any = None) -> None:
+        """Count a span written to the store: a final reward, or a judge span with an error."""
         with self._lock:
             rec = self._open.get((rollout_id, attempt_id))
-            if rec is not None and name == semconv.REWARD_SPAN:
+            if rec is None:
+                return
+            if name == semconv.REWARD_SPAN:
                 rec.rewards_stored += 1
+            elif name == semconv.JUDGE_SPAN and attributes and semconv.ERROR in attributes:
+                rec.judge_errors += 1
 
     def lost(self, rollout_id: str, attempt_id: str, reason: str) -> bool:
         """Record a lost span; False when the attempt is not open (nobody will look)."""
@@ -291,7 +299,7 @@ class StoreSpanProcessor(SpanProcessor):
             tries, exc = self._tries(lambda: self.store.add_otel_spans(rollout_id, attempt_id, spans))
             if exc is None:
                 for span in spans:
-                    self.ledger.stored(rollout_id, attempt_id, span.name)
+                    self.ledger.stored(rollout_id, attempt_id, span.name, span.attributes)
                 if tries > 1:
                     log.info("%d span(s) of rollout %s stored at try %d", len(spans), rollout_id, tries)
                 return
@@ -313,7 +321,7 @@ class StoreSpanProcessor(SpanProcessor):
                        f"span {record.name!r} could not be stored after {tries} "
                        f"{'try' if tries == 1 else 'tries'}: {type(exc).__name__}: {_first_line(exc)}")
             return
-        self.ledger.stored(rollout_id, attempt_id, record.name)
+        self.ledger.stored(rollout_id, attempt_id, record.name, record.attributes)
         if tries > 1:
             log.info("span %r of rollout %s stored at try %d", record.name, rollout_id, tries)
 
