@@ -66,7 +66,7 @@ def test_rewards_df_lists_each_component_and_final_rewards_stay_final(served, en
                        AlgorithmConfig(rollout_timeout_s=30))
     assert algo.evaluate(progress=False) == pytest.approx(5 / 9)  # the final reward alone: shaping never adds to it
     df = store.rewards_df()
-    assert list(df.columns) == ["rollout_id", "attempt_id", "mode", "component", "reward", "time"]
+    assert list(df.columns) == ["rollout_id", "attempt_id", "mode", "component", "reward", "time", "judge_error"]
     assert Counter(df.component) == {"final": 9, "tidy": 4, "bonus": 2}
     sums = df.pivot_table("reward", "rollout_id", "component", aggfunc="sum", fill_value=0.0)
     by_task = {r.input["id"]: sums.loc[r.rollout_id].to_dict() for r in store.query_rollouts()}
@@ -137,10 +137,14 @@ def test_a_step_draws_distinct_tasks_without_replacement(served, engine, weights
         group_size=2, tasks_per_step=4, max_sample_rounds=3, slice_weights=weights, rollout_timeout_s=30),
         slice_by="ops")
     _, ids = rounds.collect()
-    tasks = [r.input["id"] for r in store.query_rollouts(rollout_ids=ids)][::2]
-    assert rounds.last_sample_rounds == 3 and len(tasks) == 9 and sorted(tasks) == sorted(t["id"] for t in TASKS)
-    groups = {r.metadata["group_id"] for r in store.query_rollouts(rollout_ids=ids)}
-    assert len(groups) == 9  # 4 + 4 + the 1 task left: 9 groups of 2
+    rollouts = store.query_rollouts(rollout_ids=ids)
+    tasks = [r.input["id"] for r in rollouts][::2]
+    assert rounds.last_sample_rounds == 3 and len(tasks) == 12
+    # rounds of 4 distinct tasks; the step's unseen tasks first: rounds 1 and 2 and the first of round 3 are all 9
+    assert all(len(set(tasks[k:k + 4])) == 4 for k in (0, 4, 8))
+    assert sorted(set(tasks[:8])) == sorted(tasks[:8]) and set(tasks) == {t["id"] for t in TASKS}
+    groups = [r.metadata["group_id"] for r in rollouts]
+    assert len(set(groups)) == 12 and all(groups.count(g) == 2 for g in groups)  # a group per task and round
     before = len(store.query_rollouts())
     few = LightningRL(store, trainer, TASKS + TASKS, (), AlgorithmConfig(tasks_per_step=10, group_size=2))
     with pytest.raises(ConfigError, match=r"tasks_per_step=10, but train_tasks has 9 distinct task\(s\)"):

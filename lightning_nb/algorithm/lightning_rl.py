@@ -2,7 +2,7 @@
 
 :class:`LightningRL` is the synchronous on-policy loop of the Agent Lightning
 paper with GRPO groups: each step draws ``tasks_per_step`` distinct training tasks
-(without replacement: a task at most once per step), enqueues each ``group_size``
+(without replacement: one group per task), enqueues each ``group_size``
 times (one group id, under the adapter's ``group_key``), waits for the runners,
 adapts the spans with :class:`~lightning_nb.adapter.TripletAdapter` and calls the
 trainer's ``update`` (:class:`~lightning_nb.trainers.base.Trainer`). It owns the loop: the
@@ -59,9 +59,10 @@ class AlgorithmConfig:
 
     steps: int = field(default=10, metadata={"help": "Training steps run() performs by default."})
     tasks_per_step: int = field(default=4, metadata={
-        "help": "Distinct training tasks per step, drawn without replacement (a task is drawn at most once per "
-                "step, also across dynamic-sampling rounds; tasks with one task_key are one task). At most the "
-                "number of distinct training tasks: a step with more is a ConfigError before it enqueues."})
+        "help": "Distinct training tasks per step, drawn without replacement (tasks with one task_key are one task, "
+                "one GRPO group); a dynamic-sampling round draws tasks the step has not run yet first, earlier "
+                "ones again (a new group each) only once every task ran. At most the number of distinct training "
+                "tasks: a step with more is a ConfigError before it enqueues."})
     group_size: int = field(default=4, metadata={"help": "Rollouts per task (the GRPO group)."})
     temperature: float = field(default=0.7, metadata={
         "help": "Sampling temperature of training rollouts (SmolLM2-135M at 1.0 solves ~6% of train tasks, "
@@ -244,18 +245,28 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         return self._train_keys
 
     def _draw_tasks(self, n: int, taken: set[str]) -> list[int]:
-        """Indices of up to ``n`` training tasks drawn without replacement: no key in ``taken`` (the step's earlier
-        draws, which this updates) and no key twice, uniformly or by ``slice_weights``; fewer once none is left."""
-        keys, weights = self._task_keys(), self._task_weights()
+        """Indices of ``n`` distinct training tasks for one sample round (no task key twice), uniformly or by
+        ``slice_weights``: first tasks whose key is not in ``taken`` (the step's earlier rounds; this updates it),
+        then, once every task ran in this step, tasks of earlier rounds again (each a new group of this round).
+        Fewer only where the weights leave too few tasks."""
+        keys = self._task_keys()
         seen: set[str] = set()
-        free = [i for i, k in enumerate(keys) if k not in taken and not (k in seen or seen.add(k))]
-        if weights is None:
-            picked = self._rng.sample(free, min(n, len(free)))
-        else:
-            picked = []
-            while free and len(picked) < n and any(weights[i] for i in free):
-                picked.append(free.pop(self._rng.choices(range(len(free)), [weights[i] for i in free])[0]))
+        distinct = [i for i, k in enumerate(keys) if not (k in seen or seen.add(k))]
+        picked = self._draw_from([i for i in distinct if keys[i] not in taken], n)
+        if len(picked) < n:  # every task already ran in this step (a dynamic-sampling round): draw them again
+            chosen = set(picked)
+            picked += self._draw_from([i for i in distinct if i not in chosen], n - len(picked))
         taken.update(keys[i] for i in picked)
+        return picked
+
+    def _draw_from(self, pool: list[int], n: int) -> list[int]:
+        """Up to ``n`` of ``pool`` (task indices) without replacement, uniformly or by ``slice_weights``."""
+        weights = self._task_weights()
+        if weights is None:
+            return self._rng.sample(pool, min(n, len(pool)))
+        picked: list[int] = []
+        while pool and len(picked) < n and any(weights[i] for i in pool):
+            picked.append(pool.pop(self._rng.choices(range(len(pool)), [weights[i] for i in pool])[0]))
         return picked
 
     def _enqueue_groups(self, n_tasks: int, round_: int, taken: set[str]) -> list[str]:
@@ -288,14 +299,12 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         ids: list[str] = []
         with_signal = 0
         skipped: dict[str, int] = {}
-        taken: set[str] = set()  # the step's tasks so far: each task at most once per step
+        taken: set[str] = set()  # the step's tasks so far: a later round draws the others first
         self.last_sample_rounds, self.last_judge = 0, {}
         for round_ in range(cfg.max_sample_rounds if cfg.dynamic_sampling else 1):
             if round_ > 0:
                 self.at_boundary("between sample rounds")
             new_ids = self._enqueue_groups(cfg.tasks_per_step - with_signal, round_, taken)
-            if not new_ids:  # every training task already ran in this step
-                break
             self.wait_for(new_ids, on_progress=self._reporter("rollouts", self.trainer.step + 1, len(new_ids),
                                                               before=len(ids)))
             if self.group_judge is not None:  # the judge's rewards replace the agent's before the adapter reads them
