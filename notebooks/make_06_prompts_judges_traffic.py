@@ -96,8 +96,9 @@ apo.save(os.path.join(WORK, "apo.json"))"""),
 A one-sentence summary has no checkable answer. The agent asks a judge: `judge_reward` calls the judge on the
 proxy's plain URL (so the judge's tokens are never trained on), records a `judge` span with the prompt, the verdict
 and the score, and lists the score in `rewards_df()` as the reward component `"judge"`. Here the agent returns the
-judge's score as its final reward, beside a hand-written length check. `Runner.step` runs one rollout in this
-cell's thread."""),
+judge's score as its final reward, beside a hand-written length check. A verdict without a usable score is
+recorded, not raised: `score()` returns None (the agent gives 0 then) and `rewards_df()` shows why in its
+`judge_error` column. `Runner.step` runs one rollout in this cell's thread."""),
     ("code", """from openai import OpenAI
 
 from lightning_nb.rewards import GroupJudge, Judge, JudgeError
@@ -115,16 +116,16 @@ def summary_agent(task, llm):
         {"role": "user", "content": "Write a one-sentence summary of this text: " + task["text"]}])
     summary = reply.choices[0].message.content or ""
     emit_intermediate_reward(1.0 if summary.count(".") <= 1 else 0.0, name="one_sentence")  # hand-written
-    try:
-        return Judge(llm, rubric=RUBRIC).score(summary, task=task["text"])
-    except JudgeError as exc:   # the verdict had no SCORE line: this episode gets 0, and the span keeps the verdict
-        print("judge:", exc)
-        return 0.0
+    score = Judge(llm, rubric=RUBRIC).score(summary, task=task["text"])
+    # None: the judge gave no usable score; recorded (its span keeps the verdict, rewards_df() its judge_error)
+    return 0.0 if score is None else score
 
 
 runner = Runner(summary_agent, store, Tracer(store))
 summaries = [runner.step({"text": TEXT}).rollout_id for _ in range(3)]
-store.rewards_df().query("rollout_id in @summaries").pivot_table("reward", "rollout_id", "component")"""),
+rewards = store.rewards_df().query("rollout_id in @summaries")
+print("judge calls without a score:", rewards["judge_error"].notna().sum())
+rewards.pivot_table("reward", "rollout_id", "component")"""),
     ("code", """from lightning_nb import semconv
 
 spans = store.spans_df(flatten=[semconv.JUDGE_VERDICT, semconv.JUDGE_SCORE]).query("rollout_id in @summaries")

@@ -277,5 +277,8 @@ def test_bfloat16_engine_and_trainer_logprobs_agree_on_cpu(smol):
     # test_device.py's CUDA test, run on CPU). The head's own share, on the same bfloat16 hidden states, is
     # mean 0.024, p99 0.094, max 0.145 nats; the rest is the bfloat16 decoder (the engine's cached,
     # left-padded decode and the trainer's full forward round differently over 30 layers), which the
-    # float32 head cannot remove. A wrong token or temperature costs > 1 nat.
-    assert len(diff_N) >= 64 and 0 < p99 < 0.15 and mx < 0.2
+    # float32 head cannot remove. A wrong token or temperature costs > 1 nat. The bfloat16 kernels differ by CPU:
+    # on this project's AMD EPYC VMs (2026-11-27) the same seeded sample gives 106 tokens, mean 0.032, p99 0.174,
+    # max 0.318 nats with the float32 heads, so the bounds are p99 < 0.2 (still refusing the bfloat16-head
+    # code's 0.204 above) and max < 0.4.
+    assert len(diff_N) >= 64 and 0 < p99 < 0.2 and mx < 0.4
