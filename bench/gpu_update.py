@@ -1,12 +1,15 @@
-"""``GRPOTrainer.update`` vs a plain PyTorch forward+backward+AdamW of the same model and batch (issue 29, item 3).
+"""A trainer's update vs a plain PyTorch forward+backward+AdamW of the same model and batch (issues 29 and 42).
 
-Target: the trainer's tokens/s at least 0.8x the plain loop's at its best micro-batch. Runs where a GPU is
+Targets: ``GRPOTrainer.update`` at least 0.8x the plain loop's tokens/s at its best micro-batch, and
+``VerlTrainer.update`` (``--trainer verl``: verl's actor with its CUDA default, a token budget from free memory,
+``use_dynamic_bsz``) at least 0.7x. Runs where a GPU is
 available; on a machine without CUDA it exits with a message, unless ``--device cpu`` (a smoke run)::
 
     python bench/gpu_update.py                                  # CUDA, bf16, SmolLM2-135M, 64 x 512 tokens
     python bench/gpu_update.py --micro-batch-tokens 16384       # a fixed token budget instead of "auto"
     python bench/gpu_update.py --micro-batch-tokens none --micro-batch-size 4   # the old default: 4 rows
     python bench/gpu_update.py --qwen 1.5b --gradient-checkpointing             # a random Qwen2.5-1.5B shape
+    python bench/gpu_update.py --trainer grpo,verl   # both trainers after one plain loop (one model load)
     python bench/gpu_update.py --device cpu --sequences 4 --tokens 48 --plain-micro-batches 2,4 --repeats 1
 
 Workload, the same on both sides:
@@ -26,6 +29,11 @@ Workload, the same on both sides:
   ``lightning_nb.trainers.optim.MasterWeightAdamW``), micro-batches by ``--micro-batch-tokens`` (``auto``:
   from free device memory) and ``--micro-batch-size``. Timed: ``trainer.update(triplets)``, all of it
   (batch building, the forward/backward passes, the step, the engine's weight version).
+* ``--trainer verl``: ``VerlTrainer`` with ``VerlConfig`` of the same settings (``kl_coef=0``, one optimizer
+  step, token-mean loss, clipping at 1.0, micro-batches by the same ``--micro-batch-tokens``: verl's
+  ``ppo_max_token_len_per_gpu``; ``none`` gives verl ``--micro-batch-size`` rows × the longest row, 4 by
+  default). verl recomputes π_old in a forward of its own before the update, and that pass is timed too (it is
+  part of every verl update).
 * the plain loop: the same model object before the trainer is built, no reference model and no KL (the same
   settings), ``torch.optim.AdamW`` on the model's parameters as they are (in bf16 that is cheaper than the
   trainer's float32 masters: stated, not hidden), per micro-batch ``model(input_ids).logits`` for every
@@ -74,6 +82,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--plain-micro-batches", default="8,16,32,64")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--trainer", default="grpo", help="grpo, verl, or both in order: grpo,verl")
     return p.parse_args(argv)
 
 
@@ -180,22 +189,50 @@ def run_plain(args: argparse.Namespace, engine: Any, batch: list[Any], cuda: boo
     return out
 
 
-def run_trainer(args: argparse.Namespace, engine: Any, batch: list[Any], cuda: bool) -> tuple[float, float, dict]:
-    """(tokens/s, peak GiB, last metrics) of ``GRPOTrainer.update`` on ``batch``."""
-    from lightning_nb import GRPOConfig, GRPOTrainer
+def run_trainer(args: argparse.Namespace, kind: str, engine: Any, batch: list[Any],
+                cuda: bool) -> tuple[float, float, dict]:
+    """(tokens/s, peak GiB, last metrics) of ``kind``'s update (``grpo``: GRPOTrainer, ``verl``: VerlTrainer) on
+    ``batch``."""
+    from lightning_nb import GRPOConfig, GRPOTrainer, VerlConfig, VerlTrainer
 
     budget = args.micro_batch_tokens
     budget = None if budget == "none" else (budget if budget == "auto" else int(budget))
-    config = GRPOConfig(device=args.device, dtype=args.dtype, kl_coef=0.0, track_reference_kl=False,
-                        gradient_checkpointing=args.gradient_checkpointing, micro_batch_tokens=budget,
-                        micro_batch_size=args.micro_batch_size, learning_rate=1e-6)
-    trainer = GRPOTrainer(engine, config)
+    common = dict(device=args.device, dtype=args.dtype, kl_coef=0.0, track_reference_kl=False, learning_rate=1e-6,
+                  gradient_checkpointing=args.gradient_checkpointing)
+    if kind == "verl":
+        rows = {"micro_batch_size": args.micro_batch_size or 4} if budget is None else {}
+        trainer: Any = VerlTrainer(engine, VerlConfig(**common, micro_batch_tokens=budget, **rows))
+    else:
+        trainer = GRPOTrainer(engine, GRPOConfig(**common, micro_batch_tokens=budget,
+                                                 micro_batch_size=args.micro_batch_size))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    seconds, metrics = timed(lambda: trainer.update(batch), args.repeats, cuda)
+    try:
+        seconds, metrics = timed(lambda: trainer.update(batch), args.repeats, cuda)
+    finally:
+        del trainer
+        if cuda:
+            torch.cuda.empty_cache()
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in batch)
     return tokens / seconds, peak, metrics
+
+
+def report_trainer(args: argparse.Namespace, kind: str, engine: Any, batch: list[Any], cuda: bool,
+                   plain_best: tuple[int, float]) -> None:
+    """Run and print one trainer's update against the plain loop's best (rows, tokens/s)."""
+    name, target = ("VerlTrainer.update", 0.7) if kind == "verl" else ("GRPOTrainer.update", 0.8)
+    try:
+        ours, peak, m = run_trainer(args, kind, engine, batch, cuda)
+    except Exception as exc:  # one trainer failing leaves the other's number
+        print(f"{name}: failed: {type(exc).__name__}: {exc}", flush=True)
+        return
+    print(f"{name + ':':28s} {ours:10.0f} tok/s  peak {peak:.1f} GiB  micro_batch_tokens "
+          f"{m.get('micro_batch_tokens', args.micro_batch_tokens)}, micro_batches {m.get('micro_batches', '?')}, "
+          f"padding_fraction {m.get('padding_fraction', float('nan')):.3f}", flush=True)
+    ratio = ours / plain_best[1]
+    print(f"ratio {kind}: {ratio:.2f}x the plain loop at its best micro-batch ({plain_best[0]}); target >= "
+          f"{target}x: {'met' if ratio >= target else 'NOT met'}", flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -220,13 +257,8 @@ def main(argv: list[str]) -> int:
         print("the plain loop ran out of memory at every micro-batch")
         return 1
     best_rows = max(plain, key=lambda r: plain[r][0])
-    ours, peak, m = run_trainer(args, engine, batch, cuda)
-    print(f"GRPOTrainer.update:          {ours:10.0f} tok/s  peak {peak:.1f} GiB  micro_batch_tokens "
-          f"{m['micro_batch_tokens']}, micro_batches {m['micro_batches']}, padding_fraction "
-          f"{m['padding_fraction']:.3f}")
-    ratio = ours / plain[best_rows][0]
-    print(f"ratio: {ratio:.2f}x the plain loop at its best micro-batch ({best_rows}); target >= 0.8x: "
-          f"{'met' if ratio >= 0.8 else 'NOT met'}")
+    for kind in args.trainer.split(","):
+        report_trainer(args, kind.strip(), engine, batch, cuda, (best_rows, plain[best_rows][0]))
     engine.close()
     return 0
 

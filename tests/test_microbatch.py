@@ -117,6 +117,23 @@ def test_the_default_is_rows_on_cpu_and_auto_on_cuda():
         assert GRPOConfig(device="cuda").micro_batch_tokens == "auto"
 
 
+def test_verl_configs_cuda_default_is_the_auto_token_budget(monkeypatch):
+    """Issue 42: on CUDA verl's update gets a token budget from free memory unless a row count is set (the
+    device check is the only part that needs a GPU; it is skipped here so the defaults resolve on CPU)."""
+    import lightning_nb.trainers.config as shared
+    from lightning_nb.trainers.verl.config import VerlConfig
+
+    monkeypatch.setattr(shared, "check_device", lambda device, name: None)
+    cuda = VerlConfig(device="cuda", dtype="bfloat16")
+    assert (cuda.micro_batch_tokens, cuda.micro_batch_size, cuda.tis_cap) == ("auto", None, 2.0)
+    rows = VerlConfig(device="cuda", micro_batch_size=8)  # the user's row count: no budget, nothing dropped
+    assert (rows.micro_batch_tokens, rows.micro_batch_size) == (None, 8)
+    preset = VerlConfig.one_gpu_lora()
+    assert (preset.micro_batch_tokens, preset.micro_batch_size, preset.tis_cap) == ("auto", None, 2.0)
+    cpu = VerlConfig()
+    assert (cpu.micro_batch_tokens, cpu.micro_batch_size, cpu.tis_cap) == (None, 4, None)
+
+
 def test_verl_config_maps_the_budget_to_verls_max_token_len(engine):
     from lightning_nb.trainers.verl.config import MAPPED_KEYS, VerlConfig
 
@@ -124,8 +141,10 @@ def test_verl_config_maps_the_budget_to_verls_max_token_len(engine):
     assert VerlConfig(micro_batch_size=None, micro_batch_tokens=4096).max_token_len(100) == 4096
     auto = VerlConfig(micro_batch_size=None, micro_batch_tokens="auto")
     assert auto.max_token_len(100, engine.model) == CPU_AUTO_TOKENS  # the session engine is on CPU
+    # a budget set resolves the row count's default to None (verl's dynamic micro-batches have no row cap) ...
+    assert VerlConfig(micro_batch_tokens=4096).micro_batch_size is None
     with pytest.raises(ConfigError, match=r"VerlConfig\.micro_batch_size=4 .* set micro_batch_size=None"):
-        VerlConfig(micro_batch_tokens=4096)  # verl's dynamic micro-batches have no row cap: not silently dropped
+        VerlConfig(micro_batch_size=4, micro_batch_tokens=4096)  # ... and both set is refused, not dropped
     with pytest.raises(ConfigError, match=r"VerlConfig\.micro_batch_size=None"):
         VerlConfig(micro_batch_size=None)
     assert MAPPED_KEYS["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] == "micro_batch_tokens"

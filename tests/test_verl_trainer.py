@@ -9,6 +9,7 @@ engine and ``ppo_loss`` in this process, see ``lightning_nb.trainers.verl.bridge
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -50,12 +51,17 @@ def test_fields_become_verls_keys_in_the_config_verl_composes_and_checks():
     # the defaults differ from verl's (lr 1e-6, no KL loss here) the way GRPOConfig's do
     plain = VerlConfig().verl_config().actor_rollout_ref.actor
     assert (plain.optim.lr, plain.use_kl_loss, plain.loss_scale_factor) == (2e-5, False, None)
-    assert VerlConfig(dtype="bfloat16").tis_cap is None  # GRPOConfig's bf16 default (2.0) is not verl's
+    assert VerlConfig().tis_cap is None and cfg.algorithm.rollout_correction.rollout_is is None  # float32: off
+    # bfloat16: verl's token-level truncated IS at 2.0 (GRPOConfig's default), an explicit None kept
+    tis = VerlConfig(dtype="bfloat16").verl_config().algorithm.rollout_correction
+    assert (tis.rollout_is, tis.rollout_is_threshold) == ("token", 2.0)
+    assert VerlConfig(dtype="bfloat16", tis_cap=None).tis_cap is None
+    assert VerlConfig(tis_cap=3.0).verl_config().algorithm.rollout_correction.rollout_is_threshold == 3.0
 
 
 @pytest.mark.parametrize("fields, name", [
     (dict(credit="reward_to_go"), "credit"), (dict(kl_mode="reward", kl_coef=0.1), "kl_mode"),
-    (dict(tis_cap=2.0), "tis_cap"), (dict(overlong_filter=True), "overlong_filter"),
+    (dict(overlong_filter=True), "overlong_filter"),
     (dict(overlong_buffer_len=4, max_response_len=16), "overlong_buffer_len"),
     (dict(skip_zero_advantage=True), "skip_zero_advantage"),
 ])
@@ -129,6 +135,7 @@ def test_an_update_is_verls_ppo_step_on_our_batch_and_the_engine_serves_it(engin
     assert m["episodes"] == 4 and m["groups_with_signal"] == 1 and m["reward_mean"] == 0.25
     assert m["kl"] == 0.0  # π_old and the reference are the same weights before the first step
     assert m["logprob_diff_max"] < 1e-4  # verl's recomputed log-probs = the engine's sampling log-probs
+    assert math.isnan(m["tis_weight_mean"])  # float32: no rollout correction by default
     assert m["grad_norm"] > 0 and m["actor/pg_loss"] == m["pg_loss"] and 0 <= m["actor/pg_clipfrac"] <= 1
     assert engine.weight_version == version + 1
     after = [_seq_logprob(engine.model, t) for t in triplets]
@@ -158,6 +165,26 @@ def test_an_update_is_verls_ppo_step_on_our_batch_and_the_engine_serves_it(engin
         with pytest.raises(ConfigError, match="no_such_key"):
             trainer.update(batch)
     assert all(torch.equal(weights[k], v) for k, v in engine.model.state_dict().items()) and trainer.step == 2
+
+
+@pytest.mark.slow
+def test_tis_cap_weights_each_tokens_loss_by_verls_truncated_is_ratio(engine, pristine, one_group):
+    """The engine's log-probs moved by -1 nat on even tokens (ratio e ≈ 2.72, capped to 2) and +0.5 on odd ones
+    (ratio e^-0.5 ≈ 0.61): verl's weights are those, and its first-step policy loss (ratio π/π_old = 1) is
+    -Σ A·w over the response tokens / their number (token-mean), not the uncorrected -Σ A / N."""
+    triplets = one_group(engine)
+    shifted = [t.model_copy(update={"logprobs": [lp - 1.0 if k % 2 == 0 else lp + 0.5 for k, lp in enumerate(t.logprobs)]})
+               for t in triplets]
+    trainer = VerlTrainer(engine, VerlConfig(learning_rate=1e-6, tis_cap=2.0))
+    m = trainer.update(shifted)
+    weights = [[2.0 if k % 2 == 0 else math.exp(-0.5) for k in range(len(t.response_ids))] for t in shifted]
+    n = sum(len(w) for w in weights)
+    assert m["tis_weight_mean"] == pytest.approx(sum(map(sum, weights)) / n, abs=1e-3)
+    adv = [row["advantage"] for row in trainer.last_batch]
+    expected = -sum(a * sum(w) for a, w in zip(adv, weights)) / n
+    uncorrected = -sum(a * len(w) for a, w in zip(adv, weights)) / n
+    assert m["pg_loss"] == pytest.approx(expected, abs=1e-4) and abs(expected - uncorrected) > 0.01
+    assert 0.5 < m["logprob_diff_max"] < 1.01 and any(k.startswith("rollout_corr/") for k in m)
 
 
 @pytest.mark.slow

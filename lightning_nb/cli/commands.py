@@ -158,7 +158,7 @@ def _add_demo_command(sub: Any) -> None:
                            "forward (default: on for cuda, off for cpu)")
     demo.add_argument("--micro-batch-size", type=int, default=None,
                       help="sequences per forward/backward of the update (default: the trainer config's; "
-                           "GRPOConfig sizes micro-batches by a token budget from free memory on cuda)")
+                           "on cuda both trainers size micro-batches by a token budget from free memory)")
     demo.add_argument("--lr", type=float, default=2e-5, help="learning rate (default 2e-5)")
     demo.add_argument("--temperature", type=float, default=0.7, help="training sampling temperature (default 0.7)")
     demo.add_argument("--max-tokens", type=int, default=32, help="completion token limit per LLM call (default 32)")

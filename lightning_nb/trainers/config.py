@@ -17,7 +17,36 @@ from typing import Optional, Union
 from lightning_nb.errors import ConfigError
 from lightning_nb.models.device import check_device, check_dtype
 
-__all__ = ["TrainerConfig", "lr_factor"]
+__all__ = ["TrainerConfig", "lr_factor", "BF16_TIS_CAP", "DEVICE_DEFAULT", "DTYPE_DEFAULT"]
+
+
+class _DeviceDefault:
+    """The default of ``micro_batch_tokens`` before construction resolves it: 'auto' on CUDA, None on CPU."""
+
+    def __repr__(self) -> str:
+        return "'auto' on CUDA, None on CPU"
+
+
+#: Placeholder default of ``micro_batch_tokens``; ``GRPOConfig`` and ``VerlConfig`` replace it on construction by
+#: the device's default.
+DEVICE_DEFAULT = _DeviceDefault()
+
+
+class _DtypeDefault:
+    """The default of ``tis_cap`` before construction resolves it: BF16_TIS_CAP in bfloat16, else None."""
+
+    def __repr__(self) -> str:
+        return f"{BF16_TIS_CAP} in bfloat16, None in float32"
+
+
+#: Placeholder default of ``tis_cap``; ``GRPOConfig`` and ``VerlConfig`` replace it on construction by the dtype's
+#: default.
+DTYPE_DEFAULT = _DtypeDefault()
+
+#: ``tis_cap`` in bfloat16 unless set: engine and trainer log-probs of the same tokens differ there even with
+#: float32 LM heads on both sides (measured on CPU, SmolLM2-135M: p99 0.15-0.21 nats, max 0.29; issue 29; on an
+#: H200 through verl: 0.5-1.0 nats per step, issue 42).
+BF16_TIS_CAP = 2.0
 
 
 def _is_int(value: object) -> bool:

@@ -11,35 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from lightning_nb.trainers.config import TrainerConfig
+# the placeholders are shared with VerlConfig; re-exported here, where they were defined first
+from lightning_nb.trainers.config import BF16_TIS_CAP, DEVICE_DEFAULT, DTYPE_DEFAULT, TrainerConfig
 
 __all__ = ["GRPOConfig", "DEVICE_DEFAULT", "DTYPE_DEFAULT", "BF16_TIS_CAP"]
-
-
-class _DeviceDefault:
-    """The default of ``GRPOConfig.micro_batch_tokens`` before construction resolves it: 'auto' on CUDA, None on CPU."""
-
-    def __repr__(self) -> str:
-        return "'auto' on CUDA, None on CPU"
-
-
-#: Placeholder default of ``micro_batch_tokens``; ``GRPOConfig.__post_init__`` replaces it by the device's default.
-DEVICE_DEFAULT = _DeviceDefault()
-
-
-class _DtypeDefault:
-    """The default of ``GRPOConfig.tis_cap`` before construction resolves it: BF16_TIS_CAP in bfloat16, else None."""
-
-    def __repr__(self) -> str:
-        return f"{BF16_TIS_CAP} in bfloat16, None in float32"
-
-
-#: Placeholder default of ``tis_cap``; ``GRPOConfig.__post_init__`` replaces it by the dtype's default.
-DTYPE_DEFAULT = _DtypeDefault()
-
-#: ``tis_cap`` in bfloat16 unless set: engine and trainer log-probs of the same tokens differ there even with
-#: float32 LM heads on both sides (measured on CPU, SmolLM2-135M: p99 0.15-0.21 nats, max 0.29; issue 29).
-BF16_TIS_CAP = 2.0
 
 
 @dataclass

@@ -14,10 +14,22 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainers.config import TrainerConfig
+from lightning_nb.trainers.config import BF16_TIS_CAP, DEVICE_DEFAULT, DTYPE_DEFAULT, TrainerConfig
 from lightning_nb.trainers.microbatch import auto_micro_batch_tokens
 
-__all__ = ["VerlConfig", "MAPPED_KEYS"]
+__all__ = ["VerlConfig", "MAPPED_KEYS", "ROWS_DEFAULT"]
+
+
+class _RowsDefault:
+    """The default of ``VerlConfig.micro_batch_size`` before construction resolves it: 4 without a token budget."""
+
+    def __repr__(self) -> str:
+        return "4, or None with micro_batch_tokens"
+
+
+#: Placeholder default of ``VerlConfig.micro_batch_size``; construction replaces it by 4, or by None where
+#: ``micro_batch_tokens`` is set (verl's dynamic micro-batches have no row cap).
+ROWS_DEFAULT = _RowsDefault()
 
 # The verl keys VerlConfig's own fields set (VerlConfig.overrides may not set them too).
 MAPPED_KEYS: dict[str, str] = {
@@ -45,6 +57,8 @@ MAPPED_KEYS: dict[str, str] = {
     "algorithm.adv_estimator": "(VerlTrainer is GRPO)",
     "algorithm.norm_adv_by_std_in_grpo": "norm_adv_by_std",
     "algorithm.use_kl_in_reward": "kl_mode",
+    "algorithm.rollout_correction.rollout_is": "tis_cap",
+    "algorithm.rollout_correction.rollout_is_threshold": "tis_cap",
 }
 
 _VERL_SCHEDULES = ("constant", "cosine")
@@ -71,11 +85,21 @@ class VerlConfig(TrainerConfig):
     adopts that model as it is). Micro-batches are verl's dynamic ones (``use_dynamic_bsz``), by a token
     budget (``ppo_max_token_len_per_gpu``, :meth:`max_token_len`): ``micro_batch_tokens`` when set (an int, or
     ``"auto"`` from free device memory as in ``GRPOTrainer``), else ``micro_batch_size ×`` the longest row's
-    tokens, so a forward holds at least ``micro_batch_size`` rows' worth of memory and never more. Unlike
-    ``GRPOTrainer``, the default ``micro_batch_tokens`` is None on every device (verl's own default is
-    ``use_dynamic_bsz=false``), ``micro_batch_size`` defaults to 4, and setting ``micro_batch_tokens`` needs
-    ``micro_batch_size=None`` (verl's dynamic micro-batches have no row cap). verl counts a micro-batch's real
-    tokens (its rows' lengths), not ``GRPOTrainer``'s rows × longest row.
+    tokens, so a forward holds at least ``micro_batch_size`` rows' worth of memory and never more. Defaults, as
+    ``GRPOConfig``'s: on CUDA ``micro_batch_tokens="auto"`` (and ``micro_batch_size`` None); on CPU
+    ``micro_batch_tokens`` None and ``micro_batch_size`` 4 (as before). Setting one of them resolves the other's
+    default (``micro_batch_size=8`` on CUDA: no token budget; ``micro_batch_tokens=4096``: no row cap); setting
+    both is refused (verl's dynamic micro-batches have no row cap). verl counts a micro-batch's real tokens
+    (its rows' lengths), not ``GRPOTrainer``'s rows × longest row.
+
+    ``tis_cap`` is verl's rollout correction (``algorithm.rollout_correction``: ``rollout_is="token"``,
+    ``rollout_is_threshold=tis_cap``, decoupled mode; Liu et al. 2025, "When Speed Kills Stability"): each
+    response token's policy loss is weighted by ``min(π_old / π_engine, tis_cap)``, π_old being verl's
+    recomputed log-probs and π_engine the engine's (truncated importance sampling, Yao et al. 2025: what
+    ``GRPOConfig.tis_cap`` does in ``GRPOTrainer``). Default as there: :data:`BF16_TIS_CAP` (2.0) when
+    ``dtype="bfloat16"``, None (off) in float32; an explicit None is kept. It needs the engine's log-probs
+    on every triplet; a batch without them trains uncorrected, and the metrics say so (``tis_weight_mean``
+    NaN). The metrics add ``tis_weight_mean`` and verl's ``rollout_corr/*``.
 
     One difference in meaning: verl recomputes π_old with the weights at the start of the update (its
     ``_compute_old_log_prob``), so an episode sampled one weight version earlier (kept by ``max_staleness=1``)
@@ -88,15 +112,19 @@ class VerlConfig(TrainerConfig):
     (verl forwards every row).
     """
 
-    micro_batch_size: Optional[int] = field(default=4, metadata={
+    micro_batch_size: Optional[int] = field(default=ROWS_DEFAULT, metadata={  # type: ignore[assignment]
         "help": "Without micro_batch_tokens: verl's token budget per forward is micro_batch_size × the longest "
-                "row's tokens. Must be None when micro_batch_tokens is set (verl has no row cap)."})
-    micro_batch_tokens: Optional[Union[int, str]] = field(default=None, metadata={
+                "row's tokens. Default: 4, or None where micro_batch_tokens is set or defaults to 'auto' (CUDA); "
+                "must be None with micro_batch_tokens (verl has no row cap)."})
+    micro_batch_tokens: Optional[Union[int, str]] = field(default=DEVICE_DEFAULT, metadata={  # type: ignore[assignment]
         "help": "verl's ppo_max_token_len_per_gpu (and log_prob_max_token_len_per_gpu): tokens per forward, an "
                 "int >= 1 or 'auto' (from free device memory, lightning_nb.trainers.microbatch."
-                "auto_micro_batch_tokens); None = micro_batch_size × the longest row. Needs micro_batch_size=None."})
-    tis_cap: Optional[float] = field(default=None, metadata={
-        "help": "Not supported by VerlTrainer (verl's own rollout correction is not wired here); must stay None."})
+                "auto_micro_batch_tokens); None = micro_batch_size × the longest row. Default: 'auto' on CUDA "
+                "unless micro_batch_size is set, None on CPU."})
+    tis_cap: Optional[float] = field(default=DTYPE_DEFAULT, metadata={  # type: ignore[assignment]
+        "help": "verl's rollout correction, token-level truncated IS (rollout_is='token', rollout_is_threshold="
+                "tis_cap): each token's loss weighted by min(π_old/π_engine, tis_cap). Default: 2.0 when "
+                "dtype='bfloat16', None (off) otherwise; an explicit None is kept."})
     skip_zero_advantage: bool = field(default=False, metadata={
         "help": "Not supported by VerlTrainer (verl forwards every row; a zero-advantage row adds no policy "
                 "gradient); must stay False."})
@@ -104,6 +132,17 @@ class VerlConfig(TrainerConfig):
         "help": "Further Hydra overrides of verl's ppo_trainer.yaml, 'key=value' strings, e.g. "
                 "'actor_rollout_ref.actor.entropy_coeff=0.001'. Keys that a VerlConfig field maps to "
                 "(lightning_nb.trainers.verl.config.MAPPED_KEYS) are refused: set the field."})
+
+    def __post_init__(self) -> None:
+        if self.tis_cap is DTYPE_DEFAULT:  # resolved once, from the dtype the config names
+            self.tis_cap = BF16_TIS_CAP if self.dtype == "bfloat16" else None
+        if self.micro_batch_tokens is DEVICE_DEFAULT:  # resolved once, from the device (and a row count set)
+            cuda = isinstance(self.device, str) and self.device.startswith("cuda")
+            rows_set = self.micro_batch_size is not ROWS_DEFAULT and self.micro_batch_size is not None
+            self.micro_batch_tokens = "auto" if cuda and not rows_set else None
+        if self.micro_batch_size is ROWS_DEFAULT:
+            self.micro_batch_size = 4 if self.micro_batch_tokens is None else None
+        super().__post_init__()
 
     def validate(self) -> None:
         """The shared checks (:meth:`TrainerConfig.validate`), then the options VerlTrainer does not have, then the
@@ -117,14 +156,12 @@ class VerlConfig(TrainerConfig):
             ("credit", self.credit == "episode", "'episode'", "verl's GRPO advantage is per episode"),
             ("kl_mode", self.kl_mode == "loss", "'loss'",
              "verl's in-reward KL needs its KL controller; use kl_mode='loss' (verl's use_kl_loss)"),
-            ("tis_cap", self.tis_cap is None, "None",
-             "use GRPOTrainer for truncated importance sampling, or verl's rollout correction through overrides"),
             ("overlong_filter", not self.overlong_filter, "False", "use GRPOTrainer for DAPO's overlong filter"),
             ("overlong_buffer_len", self.overlong_buffer_len == 0, "0",
              "use GRPOTrainer for DAPO's soft overlong penalty"),
             ("skip_zero_advantage", not self.skip_zero_advantage, "False", "verl forwards every row"),
             ("micro_batch_size", self.micro_batch_size is not None or self.micro_batch_tokens is not None,
-             "an int >= 1 without micro_batch_tokens", "set micro_batch_size (4 is the default) or micro_batch_tokens"),
+             "an int >= 1 without micro_batch_tokens", "set micro_batch_size (e.g. 4) or micro_batch_tokens"),
             ("micro_batch_size", self.micro_batch_size is None or self.micro_batch_tokens is None,
              "None with micro_batch_tokens",
              "verl's dynamic micro-batches have no row cap: set micro_batch_size=None to use micro_batch_tokens"),
@@ -195,6 +232,9 @@ class VerlConfig(TrainerConfig):
             out.append(f"{a}optim.total_training_steps={self.total_steps}")
         if self.mini_batch_size is not None:
             out.append(f"{a}ppo_mini_batch_size={self.mini_batch_size}")
+        if self.tis_cap is not None:  # verl's decoupled token-level TIS; VerlTrainer applies it per update
+            out += ["algorithm.rollout_correction.rollout_is=token",
+                    f"algorithm.rollout_correction.rollout_is_threshold={val(float(self.tis_cap))}"]
         return [*out, *self.overrides]
 
     def verl_config(self) -> Any:
@@ -245,7 +285,9 @@ class VerlConfig(TrainerConfig):
 
         CUDA, bfloat16, gradient checkpointing, LoRA rank 32 / alpha 32 on all linear layers,
         learning rate 3e-5, KL loss 0.001 (low_var_kl) to the base model (adapters disabled),
-        entropy bonus 0.001. ``changes`` replace fields, e.g. ``one_gpu_lora(learning_rate=1e-5)``.
+        entropy bonus 0.001. Micro-batches by a token budget from free memory (``micro_batch_tokens="auto"``,
+        the CUDA default) and verl's token-level truncated IS at ``tis_cap`` 2.0 (the bfloat16 default).
+        ``changes`` replace fields, e.g. ``one_gpu_lora(learning_rate=1e-5)``.
         """
         preset: dict[str, Any] = dict(
             device="cuda", dtype="bfloat16", gradient_checkpointing=True, lora_rank=32, lora_alpha=32.0,

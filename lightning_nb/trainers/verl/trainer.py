@@ -83,6 +83,7 @@ class VerlTrainer(InPlaceTrainer):
             raise ConfigError(f"VerlTrainer takes a VerlConfig, got {type(config).__name__}; build one with "
                               "VerlConfig(...) (same field names as GRPOConfig)")
         verl_cfg = config.verl_config()  # before anything is moved or adapted
+        self._verl_checked: Optional[dict[str, Any]] = asdict(config)  # the fields verl last accepted
         super().__init__(engine, config)
         self.verl_config = verl_cfg
         self._build_actors()
@@ -110,6 +111,8 @@ class VerlTrainer(InPlaceTrainer):
         ``grad_norm``, ``ppo_kl``, ``pg_clipfrac`` (verl's, means over the mini-batches), ``kl`` (the
         ``kl_penalty`` estimator of π_old vs π_ref, mean over response tokens; NaN without a
         reference), ``logprob_diff_max`` (largest |π_old − engine| log-prob on the trained tokens, nats),
+        ``tis_weight_mean`` (with ``tis_cap``: the mean of verl's rollout-correction weights
+        min(π_old / π_engine, tis_cap) over the response tokens; NaN when off or without engine log-probs),
         ``reward_mean``, ``reward_std``, ``episodes``, ``groups``, ``groups_with_signal``,
         ``groups_dropped``, ``episodes_dropped``, ``transitions``, ``stale_episodes_dropped``,
         ``staleness_max``, ``sequences_trained``, ``tokens_trained``, ``optimizer_steps``,
@@ -193,11 +196,29 @@ class VerlTrainer(InPlaceTrainer):
         if "rollout_log_probs" in data.batch.keys() and mask.any():
             diff = (data.batch["old_log_probs"] - data.batch["rollout_log_probs"]).abs()
             stats["logprob_diff_max"] = float(diff[mask].max())
+            data = self._rollout_correction(data, stats)
         else:
-            stats["logprob_diff_max"] = math.nan
+            stats["logprob_diff_max"] = stats["tis_weight_mean"] = math.nan
         stats.update(self.actor.update_policy(data, mini_batch_size=cfg.mini_batch_size, max_token_len=max_tokens))
         report(stages)
         return data, stats
+
+    def _rollout_correction(self, data: Any, stats: dict[str, float]) -> Any:
+        """verl's rollout correction with ``tis_cap`` (:class:`VerlConfig`): ``rollout_is_weights`` (B, R) =
+        min(π_old / π_engine, tis_cap) per response token, which verl's ``ppo_loss`` multiplies the policy loss by.
+        Adds ``tis_weight_mean`` (mean weight over response tokens; NaN when off) and verl's ``rollout_corr/*``
+        metrics to ``stats``. Returns ``data`` with the weights (unchanged when ``tis_cap`` is None)."""
+        if self.config.tis_cap is None:
+            stats["tis_weight_mean"] = math.nan
+            return data
+        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+        data, corr = compute_rollout_correction_and_add_to_batch(data, self.verl_config.algorithm.rollout_correction)
+        mask = data.batch["response_mask"].bool()
+        weights = data.batch["rollout_is_weights"]
+        stats["tis_weight_mean"] = float(weights[mask].mean()) if mask.any() else math.nan
+        stats.update({k: float(v) for k, v in corr.items() if isinstance(v, (int, float))})
+        return data
 
     def _reference_log_prob(self, data: Any, max_tokens: int) -> Any:
         """π_ref's log-probs (B, R): the kept copy of the initial weights, or with LoRA the base model
@@ -219,13 +240,14 @@ class VerlTrainer(InPlaceTrainer):
             "loss": stats.get("loss", math.nan), "pg_loss": stats.get("actor/pg_loss", math.nan),
             "kl": stats.get("kl", math.nan), "ppo_kl": stats.get("actor/ppo_kl", math.nan),
             "pg_clipfrac": stats.get("actor/pg_clipfrac", math.nan),
-            "logprob_diff_max": stats.get("logprob_diff_max", math.nan), **head,
+            "logprob_diff_max": stats.get("logprob_diff_max", math.nan),
+            "tis_weight_mean": stats.get("tis_weight_mean", math.nan), **head,
             "sequences_trained": len(rows), "tokens_trained": sum(sum(r["response_mask"]) for r in rows),
             "grad_norm": stats.get("grad_norm", 0.0), "update_seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "lr": lr, "optimizer_steps": steps, **tail,
         }
         for k, v in stats.items():  # verl's own metric names, as its trainer logs them
-            if k not in ("loss", "grad_norm", "kl", "logprob_diff_max", "lr"):
+            if k not in ("loss", "grad_norm", "kl", "logprob_diff_max", "lr", "tis_weight_mean"):
                 metrics.setdefault(k, v)
         return metrics
 
@@ -239,7 +261,10 @@ class VerlTrainer(InPlaceTrainer):
         super().check_config()
         if not isinstance(self.config, VerlConfig):
             raise ConfigError("VerlTrainer.config must stay a VerlConfig")
-        self.config.verl_config()  # verl's own checks, before resume() lets the loop go on
+        now = asdict(self.config)
+        if now != self._verl_checked:  # composing verl's config costs ~1-2 s: only after an edit
+            self.config.verl_config()  # verl's own checks, before resume() lets the loop go on
+            self._verl_checked = now
 
     # ----- checkpoints (verl's layout) --------------------------------------------------
     def write_checkpoint(self, path: str | Path, state: dict[str, Any]) -> Path:
