@@ -79,13 +79,15 @@ def _slices_json(report) -> dict:
 
 @contextlib.contextmanager
 def _serving(runners: int, engine_kind: str = "vllm", all_numbers_bonus: float = 0.0, *, device: str = "cpu",
-             dtype: str = "float32") -> Iterator[tuple]:
+             dtype: str = "float32", engine_options: Optional[dict] = None) -> Iterator[tuple]:
     """Engine + store + LLM proxy + runner threads for the calc agent; torn down on exit (Ctrl-C included).
 
     ``engine_kind``: ``"transformers"`` (in-process, its model on ``device`` in ``dtype``) or ``"vllm"`` (a
     server from ``make setup-vllm`` on ``device`` in ``dtype``; the trainer moves the in-process copy it trains
     to ``device``).
     ``all_numbers_bonus``: :func:`~lightning_nb.tasks.calc.calc_agent`'s shaping term (0: off).
+    ``engine_options``: extra :class:`~lightning_nb.engines.transformers.TransformersEngine` arguments (e.g.
+    ``{"batching": "continuous"}``; the transformers engine only).
     """
     from lightning_nb import InMemoryStore, LLMProxy, TransformersEngine, start_runners
     from lightning_nb.tasks.calc import calc_agent
@@ -102,7 +104,8 @@ def _serving(runners: int, engine_kind: str = "vllm", all_numbers_bonus: float =
             raise MissingDependencyError(f"{exc}; or pass --engine transformers (in-process, no set-up, "
                                          "slower: see README, Engines)") from None
     else:
-        engine = TransformersEngine.from_default(device=device, dtype=dtype, max_batch_size=runners)
+        engine = TransformersEngine.from_default(device=device, dtype=dtype, max_batch_size=runners,
+                                                 **(engine_options or {}))
     print(f"[lightning-nb] engine ready in {time.time() - t0:.1f} s", flush=True)
     store = InMemoryStore()
     proxy = LLMProxy(engine, store).start()

@@ -1,7 +1,8 @@
 """In-process inference engine: a transformers causal LM served by a background thread that batches requests.
 
 The engine and the trainer share one ``nn.Module`` (no weight copy). Generation
-holds :attr:`TransformersEngine.lock` per batch; the trainer holds it while it
+holds :attr:`TransformersEngine.lock` per batch (with ``batching="continuous"``: while any request
+is in flight, see :mod:`lightning_nb.engines.continuous`); the trainer holds it while it
 changes weights, so every completion comes from exactly one weight version
 (:attr:`TransformersEngine.weight_version`). Its OpenAI-compatible endpoint (for the
 LLM proxy) is :mod:`lightning_nb.engines.app`; the contract it keeps is
@@ -24,6 +25,8 @@ from typing import Any, Optional, Sequence, Union
 # re-exported here: they lived in this module before engines/ was a package.
 from lightning_nb.engines.base import Engine, Generation, default_stop_token_ids
 from lightning_nb.engines.chat_format import prompt_token_ids
+from lightning_nb.engines.continuous import ContinuousDecoder, WaitCountingLock
+from lightning_nb.engines.continuous import check_available as check_continuous_batching
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.models.default import (DEFAULT_MODEL_NAME, IM_END, default_gguf_path, default_model_cache_dir,
                                          load_default_model)
@@ -61,6 +64,7 @@ class _Serving:
         self.server: Any = None
         self.lock = threading.Lock()
         self.closed = False
+        self.decoder: Any = None  # a ContinuousDecoder where batching="continuous"
 
     def shutdown(self, wait_s: float = 0.0) -> None:
         """Stop the server and the batching thread (pending requests fail); wait up to ``wait_s`` seconds for
@@ -75,6 +79,8 @@ class _Serving:
             self.queue.put(None)
         if wait_s and self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout=wait_s)
+        if self.decoder is not None:  # after the batching thread: it may still hand the decoder requests
+            self.decoder.close(wait_s)
 
 
 def _batch_loop(requests: "queue.Queue[Optional[_Request]]") -> None:
@@ -131,6 +137,16 @@ class TransformersEngine(Engine):
         batch_wait_s: how long the batcher waits for more requests after the first (seconds).
         stop_token_ids: tokens that end a completion (default: :func:`default_stop_token_ids`);
             the first one also pads.
+        batching: ``"static"`` (default): each gathered batch is decoded by one ``model.generate`` call and
+            waits for its longest row. ``"continuous"``: transformers' continuous batching
+            (:mod:`lightning_nb.engines.continuous`): a request joins the running batch at the next decode
+            step and leaves when it is done; requests with a ``seed`` still take the static path (decoded
+            alone under ``fork_rng``); ``stop`` strings are applied to the finished completion as on the static
+            path. The default stays ``"static"`` everywhere for now; whether CUDA defaults to
+            ``"continuous"`` is decided after a GPU measurement (on an H100 transformers' continuous batching
+            beat static ``generate`` only with CUDA graphs).
+        continuous_options: extra ``transformers.ContinuousBatchingConfig`` fields for ``batching="continuous"``
+            (e.g. ``{"use_cuda_graph": True}``, ``{"num_blocks": 512}``).
 
     The engine runs on the model's device and in its dtype, read from the model at each
     batch (a :class:`~lightning_nb.trainers.grpo.trainer.GRPOTrainer` may move it after the engine was
@@ -158,9 +174,16 @@ class TransformersEngine(Engine):
         max_batch_size: int = 16,
         batch_wait_s: float = 0.02,
         stop_token_ids: Optional[Sequence[int]] = None,
+        batching: str = "static",
+        continuous_options: Optional[dict[str, Any]] = None,
     ) -> None:
         if max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if batching not in ("static", "continuous"):
+            raise ConfigError(f"batching must be 'static' or 'continuous', got {batching!r}")
+        if batching == "continuous":
+            check_continuous_batching()
+        self.batching = batching
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -169,7 +192,8 @@ class TransformersEngine(Engine):
         ids = stop_token_ids or default_stop_token_ids(model, tokenizer)
         self.stop_token_ids = [int(i) for i in ids]
         self.pad_token_id = self.stop_token_ids[0]
-        self.lock = threading.RLock()
+        # continuous: an RLock that also counts its waiters (the decoder yields to a waiting update)
+        self.lock: Any = WaitCountingLock() if batching == "continuous" else threading.RLock()
         self.weight_version = 0
         self.tokens_generated = 0
         self.model_source: Optional[str] = None  # "default": the weights came from load_default_model()
@@ -178,6 +202,8 @@ class TransformersEngine(Engine):
         # an engine dropped without close() still ends its threads (its finalizer holds only _serving)
         self._finalizer = weakref.finalize(self, self._serving.shutdown)
         self._url: Optional[str] = None
+        if batching == "continuous":
+            self._serving.decoder = ContinuousDecoder(self.lock, model, max_batch_size, continuous_options)
         self._thread.start()
 
     @classmethod
@@ -324,6 +350,10 @@ class TransformersEngine(Engine):
     # ----- batching -------------------------------------------------------------------
     def _decode(self, batch: list[_Request]) -> None:
         """Decode a batch gathered by the batching thread, grouped by sampling settings; resolve its futures."""
+        decoder = self._serving.decoder
+        if decoder is not None:  # continuous: all but seeded requests join the running batch
+            decoder.submit([r for r in batch if r.seed is None])
+            batch = [r for r in batch if r.seed is not None]
         groups: dict[tuple[Any, ...], list[_Request]] = {}
         for i, r in enumerate(batch):  # a seeded request is decoded alone
             groups.setdefault((r.temperature, r.top_p) if r.seed is None else (i,), []).append(r)
