@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_update import plain_pass  # noqa: E402  (bench/ is not a package)
+from gpu_update import plain_pass, timed  # noqa: E402  (bench/ is not a package)
 
 
 class Phases:
@@ -64,7 +64,7 @@ class Phases:
         inner = getattr(obj, name)
 
         @functools.wraps(inner)
-        def timed(*args: Any, **kwargs: Any) -> Any:
+        def clocked(*args: Any, **kwargs: Any) -> Any:
             if sync and self.cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -76,7 +76,7 @@ class Phases:
                 after(out, args)
             return out
 
-        setattr(obj, name, timed)
+        setattr(obj, name, clocked)
 
     def on_batch(self, generations: Any, args: tuple) -> None:
         """After ``TransformersEngine._run_batch``: rows, tokens kept, rows x the longest row."""
@@ -161,14 +161,7 @@ def generation_limit(engine: Any, prompts: list[list[int]], max_tokens: int, cud
             n += next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
         return n
 
-    run()
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    tokens = run()
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    seconds, tokens = timed(run, 1, cuda)  # one warm-up call, then one timed
     return {"limit": "generation", "rows": len(prompts), "tokens": tokens, "seconds": seconds,
             "tok_s": tokens / seconds}
 
@@ -182,15 +175,9 @@ def update_limit(engine: Any, triplets: list[Any], cuda: bool) -> dict[str, Any]
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in triplets)
     best: dict[str, Any] = {}
     for rows in (16, 64):
-        fn = functools.partial(plain_pass, model, optimizer, triplets, rows, engine.pad_token_id)
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        rate = tokens / (time.perf_counter() - t0)
+        seconds, _ = timed(functools.partial(plain_pass, model, optimizer, triplets, rows, engine.pad_token_id), 1,
+                           cuda)
+        rate = tokens / seconds
         if rate > best.get("tok_s", 0):
             best = {"limit": "update", "rows": rows, "tokens": tokens, "tok_s": rate}
     model.eval()
@@ -267,7 +254,8 @@ def run_steps(args: argparse.Namespace, engine: Any, store: Any, phases: Phases)
     records = []
     for k in range(1, args.steps + 1):
         phases.reset()
-        row = profiled(algo.step, args.out) if args.profile and k == args.steps else algo.step()
+        one = functools.partial(algo.step, progress=False)
+        row = profiled(one, args.out) if args.profile and k == args.steps else one()
         rec = step_record(k, row, phases, engine)
         last = list(getattr(trainer, "last_triplets", []) or [])
         trained = trained_triplets(trainer, last)

@@ -92,7 +92,7 @@ def test_groups_with_signal_counts_only_groups_the_trainer_can_learn_from(engine
     assert trainer.signal_groups(triplets) == set()
 
 
-def test_a_rollout_without_llm_calls_is_counted_in_the_step(engine, pristine, proxied_store):
+def test_a_rollout_without_llm_calls_is_counted_in_the_step(engine, pristine, proxied_store, capsys):
     store = proxied_store
     # per group of 3: 1.0 and 0.0 with an LLM call, then one rollout that returns 0.0 without calling the LLM
     agent = _llm_agent(lambda task, i: [1.0, 0.0, "no_llm"][i % 3])
@@ -105,6 +105,9 @@ def test_a_rollout_without_llm_calls_is_counted_in_the_step(engine, pristine, pr
     finally:
         runners.stop()
     assert row["skipped_no_llm_calls"] == 1 and row["rollouts"] == 3 and row["episodes"] == 2
+    # a step run from a cell shows its phases (issue 43): the rollouts, then the update's micro-batches
+    shown = capsys.readouterr().err
+    assert "step 1: rollouts" in shown and "3/3 rollouts" in shown and "step 1: update" in shown
     assert row["reward_mean"] == pytest.approx(1 / 3)  # every rollout of the step counts in the train reward
     assert row["batch_reward_mean"] == pytest.approx(0.5)  # the episodes the trainer saw
     adapter = TripletAdapter()

@@ -21,11 +21,12 @@ wait here is a short, interruptible ``Event.wait``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from lightning_nb.errors import LightningNbError
 # the progress record and the config-edit rule live with the trainers, which report and apply them too
@@ -126,6 +127,7 @@ class BackgroundLoop:
         self._loop_steps: Optional[tuple[int, int]] = None  # (first step, last step) of the running loop
         self._parked_since = 0.0  # time.monotonic() when the loop parked
         self._progress = LoopProgress()
+        self._cell_bar: Optional[_Bar] = None  # step_bar(): a step run from a cell shows its phase
 
     # ----- the loop's side ------------------------------------------------------------
     def start(self, steps: Optional[int] = None) -> "BackgroundLoop":
@@ -264,6 +266,27 @@ class BackgroundLoop:
         if not self._done.is_set() and threading.current_thread() is not self._thread:
             return
         self._progress = LoopProgress(step=step, phase=phase, done=done, total=total, unit=unit)
+        bar = self._cell_bar
+        if bar is not None:  # a step run from a cell: its bar follows the phase
+            if bar.key != (step, phase, total):
+                bar.key = (step, phase, total)
+                bar.restart(total or None, done, f"step {step}: {phase}", unit)
+            bar.move(done, "")
+
+    @contextlib.contextmanager
+    def step_bar(self, show: bool) -> Iterator[None]:
+        """While the block runs, a tqdm.auto bar that :meth:`report_progress` moves: the phase of the step being
+        run (``step N: rollouts``, then ``step N: update`` micro-batches, then ``evaluate``). ``show`` False, or a
+        bar already open: none."""
+        if not show or self._cell_bar is not None:
+            yield
+            return
+        self._cell_bar = _Bar(self, None, 0, "step", "rollouts", decimals=0)
+        try:
+            yield
+        finally:
+            bar, self._cell_bar = self._cell_bar, None
+            bar.close()
 
     @property
     def progress(self) -> LoopProgress:

@@ -413,8 +413,12 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         self._applied_config = now
         return [text for *_, text in edits]
 
-    def step(self) -> dict[str, Any]:
+    def step(self, progress: bool = True) -> dict[str, Any]:
         """One full step: collect → update (→ evaluate when due). Returns the metrics row.
+
+        ``progress`` (default True): a tqdm.auto bar of the step's phase while it runs (its rollouts, then
+        the update's micro-batches, then the evaluation when due), for a step run from a cell; :meth:`run`
+        (the background loop, whose bar is ``wait(progress=True)``'s) passes False.
 
         Step boundaries (where ``trainer.pause()`` parks the loop and ``trainer.stop()``
         ends it): before the step collects, between sample rounds, before the update and
@@ -436,6 +440,11 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         Raises:
             LightningNbError: no rollout of the step gave a triplet.
         """
+        with self.step_bar(progress):
+            return self._step()
+
+    def _step(self) -> dict[str, Any]:
+        """:meth:`step`'s work."""
         self.report_progress("rollouts", 0, 0, unit="rollouts", step=self.trainer.step + 1)
         self.at_boundary("before collect")
         self._step_start = (self.state_dict(), rng_state())  # what a checkpoint saved inside this step holds
@@ -529,7 +538,7 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
             for _ in range(n):
                 if self.stop_requested:
                     raise TrainerStopped(f"stopped at step {self.trainer.step}")
-                self.step()
+                self.step(progress=False)
         except BaseException as exc:
             self.close_loggers("stopped" if isinstance(exc, TrainerStopped) else "failed")
             raise

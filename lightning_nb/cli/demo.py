@@ -279,7 +279,7 @@ def _train(algo: Any, trainer: Any, steps: int, checkpoint_every: int, checkpoin
 
     bar = tqdm(total=steps, initial=trainer.step, desc="training", unit="step", file=sys.stdout, mininterval=0)
     while trainer.step < steps:
-        row = algo.step()
+        row = algo.step(progress=False)  # this bar counts the steps
         bar.update(1)
         bar.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{row['loss']:.3f}", kl=f"{row['kl']:.4f}")
         if "val_reward" in row:
