@@ -39,12 +39,14 @@ import json
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_update import plain_pass, timed  # noqa: E402  (bench/ is not a package)
+from gpu_generate import static_call  # noqa: E402  (bench/ is not a package)
+from gpu_update import plain_pass, timed  # noqa: E402
 
 
 class Phases:
@@ -144,24 +146,11 @@ def step_record(k: int, row: dict[str, Any], phases: Phases, engine: Any) -> dic
     }
 
 
-def generation_limit(engine: Any, prompts: list[list[int]], max_tokens: int, cuda: bool) -> dict[str, Any]:
-    """tokens/s of ``prompts`` as one static left-padded batch through ``model.generate`` (after a warm-up)."""
-    model, pad, stops = engine.model, engine.pad_token_id, engine.stop_token_ids
-    device = next(model.parameters()).device
-    P = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (P - len(p)) + p for p in prompts], device=device)
-    attn = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)
-
-    def run() -> int:
-        with engine.lock, torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_tokens, do_sample=True,
-                                 temperature=1.0, top_k=0, eos_token_id=stops, pad_token_id=pad)
-        n = 0
-        for row in out[:, P:].tolist():
-            n += next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
-        return n
-
-    seconds, tokens = timed(run, 1, cuda)  # one warm-up call, then one timed
+def generation_limit(engine: Any, prompts: list[list[int]], max_tokens: int, device: str) -> dict[str, Any]:
+    """tokens/s of ``prompts`` as one static left-padded batch through ``model.generate`` (gpu_generate's
+    ``static_call``: after a warm-up call)."""
+    static_call(engine, prompts, device, max_tokens)
+    tokens, seconds = static_call(engine, prompts, device, max_tokens)
     return {"limit": "generation", "rows": len(prompts), "tokens": tokens, "seconds": seconds,
             "tok_s": tokens / seconds}
 
@@ -268,6 +257,12 @@ def run_steps(args: argparse.Namespace, engine: Any, store: Any, phases: Phases)
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.engine != "transformers" and (args.batching != "static" or args.cb_options is not None):
+        print("--batching and --cb-options are TransformersEngine's: pass --engine transformers, or drop them")
+        return 2
+    if args.cb_options is not None and args.batching != "continuous":
+        print("--cb-options configures continuous batching: add --batching continuous, or drop it")
+        return 2
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         print(f"bench/gpu_step.py needs a CUDA GPU: torch {torch.__version__} sees none; --device cpu for a smoke run")
@@ -292,24 +287,17 @@ def main(argv: list[str]) -> int:
         val = algo.evaluate(progress=False)
         emit(args.out, {"evaluate_s": time.perf_counter() - t1, "val_reward": val, "val_size": args.val_size})
         last = list(trainer.last_triplets)
-        gen = upd = {}
-        if hasattr(engine, "model") and hasattr(engine, "_run_batch"):
-            gen = generation_limit(engine, [t.prompt_ids for t in last], 32, cuda)
+        gen: dict[str, Any] = {}
+        in_process = hasattr(engine, "_run_batch")  # TransformersEngine: its module is the trainer's
+        if in_process:
+            gen = generation_limit(engine, [t.prompt_ids for t in last], 32, args.device)
             emit(args.out, gen)
-        model_owner = engine if hasattr(engine, "_run_batch") else trainer
-        if hasattr(model_owner, "model"):
-            upd = update_limit(model_owner if model_owner is engine else _ModelView(trainer, engine),
-                               trained_triplets(trainer, last), cuda)
-            emit(args.out, upd)
+        # VLLMEngine serves a copy elsewhere: the plain loop runs on the trainer's in-process model
+        owner = engine if in_process else SimpleNamespace(model=trainer.model, pad_token_id=engine.pad_token_id)
+        upd = update_limit(owner, trained_triplets(trainer, last), cuda)
+        emit(args.out, upd)
         summarize(records, gen, upd, args.out)
     return 0
-
-
-class _ModelView:
-    """The trainer's in-process model with the engine's pad token (VLLMEngine keeps its own copy elsewhere)."""
-
-    def __init__(self, trainer: Any, engine: Any) -> None:
-        self.model, self.pad_token_id = trainer.model, engine.pad_token_id
 
 
 if __name__ == "__main__":

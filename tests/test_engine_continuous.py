@@ -132,3 +132,10 @@ def test_close_stops_manager_threads():
 def test_bogus_batching_is_config_error():
     with pytest.raises(ConfigError, match="batching"):
         TransformersEngine(torch.nn.Linear(1, 1), None, batching="bogus", stop_token_ids=[0])
+
+
+def test_continuous_options_without_continuous_batching_is_refused():
+    """Nothing set is silently ignored: the static engine has no continuous-batching config to apply them to."""
+    with pytest.raises(ConfigError, match="continuous_options"):
+        TransformersEngine(torch.nn.Linear(1, 1), None, continuous_options={"use_cuda_graph": True},
+                           stop_token_ids=[0])

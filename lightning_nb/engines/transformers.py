@@ -181,6 +181,9 @@ class TransformersEngine(Engine):
             raise ConfigError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if batching not in ("static", "continuous"):
             raise ConfigError(f"batching must be 'static' or 'continuous', got {batching!r}")
+        if continuous_options is not None and batching != "continuous":
+            raise ConfigError("continuous_options configures batching='continuous'; set batching='continuous' or "
+                              "drop continuous_options")
         if batching == "continuous":
             check_continuous_batching()
         self.batching = batching

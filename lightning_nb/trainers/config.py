@@ -191,6 +191,8 @@ class TrainerConfig:
                 "Set at construction."})
 
     def __post_init__(self) -> None:
+        if self.tis_cap is DTYPE_DEFAULT:  # a subclass's dtype-following default, resolved once from the dtype named
+            self.tis_cap = BF16_TIS_CAP if self.dtype == "bfloat16" else None
         self.validate()
 
     def validate(self) -> None:

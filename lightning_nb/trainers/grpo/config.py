@@ -46,8 +46,6 @@ class GRPOConfig(TrainerConfig):
                 "they were)."})
 
     def __post_init__(self) -> None:
-        if self.tis_cap is DTYPE_DEFAULT:  # resolved once, from the dtype the config names
-            self.tis_cap = BF16_TIS_CAP if self.dtype == "bfloat16" else None
         if self.micro_batch_tokens is DEVICE_DEFAULT:  # resolved once, from the device the config names
             cuda = isinstance(self.device, str) and self.device.startswith("cuda")
             self.micro_batch_tokens = "auto" if cuda else None

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainers.config import BF16_TIS_CAP, DEVICE_DEFAULT, DTYPE_DEFAULT, TrainerConfig
+from lightning_nb.trainers.config import DEVICE_DEFAULT, DTYPE_DEFAULT, TrainerConfig
 from lightning_nb.trainers.microbatch import auto_micro_batch_tokens
 
 __all__ = ["VerlConfig", "MAPPED_KEYS", "ROWS_DEFAULT"]
@@ -96,7 +96,7 @@ class VerlConfig(TrainerConfig):
     ``rollout_is_threshold=tis_cap``, decoupled mode; Liu et al. 2025, "When Speed Kills Stability"): each
     response token's policy loss is weighted by ``min(π_old / π_engine, tis_cap)``, π_old being verl's
     recomputed log-probs and π_engine the engine's (truncated importance sampling, Yao et al. 2025: what
-    ``GRPOConfig.tis_cap`` does in ``GRPOTrainer``). Default as there: :data:`BF16_TIS_CAP` (2.0) when
+    ``GRPOConfig.tis_cap`` does in ``GRPOTrainer``). Default as there: ``BF16_TIS_CAP`` (2.0) when
     ``dtype="bfloat16"``, None (off) in float32; an explicit None is kept. It needs the engine's log-probs
     on every triplet; a batch without them trains uncorrected, and the metrics say so (``tis_weight_mean``
     NaN). The metrics add ``tis_weight_mean`` and verl's ``rollout_corr/*``.
@@ -134,8 +134,6 @@ class VerlConfig(TrainerConfig):
                 "(lightning_nb.trainers.verl.config.MAPPED_KEYS) are refused: set the field."})
 
     def __post_init__(self) -> None:
-        if self.tis_cap is DTYPE_DEFAULT:  # resolved once, from the dtype the config names
-            self.tis_cap = BF16_TIS_CAP if self.dtype == "bfloat16" else None
         if self.micro_batch_tokens is DEVICE_DEFAULT:  # resolved once, from the device (and a row count set)
             cuda = isinstance(self.device, str) and self.device.startswith("cuda")
             rows_set = self.micro_batch_size is not ROWS_DEFAULT and self.micro_batch_size is not None
