@@ -77,7 +77,8 @@ def run_variant(name: str, engine: TransformersEngine, proposer_engine: Any, arg
         apo.start()
         while not apo.wait(timeout=30):
             print(f"  [{name}] {time.perf_counter() - t0:.0f} s {apo.progress}", flush=True)
-        best, score = apo.best()
+        best = apo.best()  # the start and the winner on the same val tasks; published only if the winner beat it
+        print(f"  [{name}] {best}", flush=True)
         calls = apo.calls_df()
         editor = calls[calls["role"] == "editor"]
         proposed = int(editor["replies"].map(len).sum()) if len(editor) else 0
@@ -86,8 +87,8 @@ def run_variant(name: str, engine: TransformersEngine, proposer_engine: Any, arg
         for _, row in calls.iterrows():
             print(f"  {row['role']} of {row['parent']} (round {row['round']}, {row['seconds']:.1f} s): "
                   f"{[r[:160] for r in row['replies']]} errors={row['errors']}")
-        return {"proposer": name, "start": start_score, "best": score, "best_id": apo.winner().id,
-                "best_prompt": best.template, "proposed": proposed, "valid": valid,
+        return {"proposer": name, "start": start_score, "best": best.winner_score, "best_id": best.winner_id,
+                "best_prompt": best.winner.template, "kept": best.candidate_id, "proposed": proposed, "valid": valid,
                 "published_version": store.get_latest_resources().version,
                 "minutes": (time.perf_counter() - t0) / 60}
     finally:
@@ -117,11 +118,11 @@ def main() -> None:
         if second is not None:
             second.close()
     print("\n| proposer | start prompt, held-out | best prompt, held-out | best (id) | editor replies / valid "
-          "new prompts | published version | minutes |")
-    print("|---|---|---|---|---|---|---|")
+          "new prompts | kept | published version | minutes |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['proposer']} | {r['start']:.3f} | {r['best']:.3f} | {r['best_id']}: {r['best_prompt']!r} | "
-              f"{r['proposed']} / {r['valid']} | {r['published_version']} | {r['minutes']:.1f} |")
+              f"{r['proposed']} / {r['valid']} | {r['kept']} | {r['published_version']} | {r['minutes']:.1f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -41,6 +41,7 @@ import argparse
 import json
 import time
 
+from lightning_nb import semconv
 from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy,
                           TransformersEngine, start_runners)
 from lightning_nb.agents.agent_runner import seed_tasks
@@ -60,8 +61,8 @@ def evaluate(store, tasks, sampling: dict) -> dict:
         final = next((s.attributes for s in spans if s.name == "reward"), None)
         if final is None:
             continue
-        steps = [float(s.attributes["reward"]) for s in spans if s.name == "intermediate_reward"]
-        rewards.append(float(final["reward"]))
+        steps = [float(s.attributes[semconv.REWARD]) for s in spans if s.name == "intermediate_reward"]
+        rewards.append(float(final[semconv.REWARD]))
         finished += final.get("episode.exit_reason") == "terminated"
         goal += any(x > 0 for x in steps)
         moves += len(steps)
@@ -109,7 +110,7 @@ def main() -> None:
         after = evaluate(store, held_out, sampling) if args.steps else before
         print("after ", json.dumps(after), flush=True)
     finally:
-        trainer.stop()
+        algo.stop()
         runners.stop()
         proxy.stop()
         engine.stop()

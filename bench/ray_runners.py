@@ -21,13 +21,13 @@ import os
 import sys
 import time
 
-from lightning_nb import InMemoryStore, start_runners, tool_span
+from lightning_nb import InMemoryStore, semconv, start_runners, tool_span
 from lightning_nb.types import LLMResource
 
 
 def cheap_agent(task, llm):
     with tool_span("square", task) as span:
-        span.set_attribute("tool.output", str(task * task))
+        span.set_attribute(semconv.TOOL_OUTPUT, str(task * task))
     return float(task % 2)
 
 

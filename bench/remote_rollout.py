@@ -39,7 +39,7 @@ import threading
 import time
 from typing import Any
 
-from lightning_nb import InMemoryStore, LLMProxy, start_runners
+from lightning_nb import InMemoryStore, LLMProxy, semconv, start_runners
 from lightning_nb.agents.remote import RemoteRolloutAgent, final_text
 from lightning_nb.agents.rollout_server import CALCULATOR_TOOLS, RolloutServer, run_tool
 from lightning_nb.engines.transformers import TransformersEngine
@@ -101,7 +101,7 @@ def one(store: InMemoryStore, timed: Timed, task: str) -> dict[str, Any]:
     calls = [s for s in store.query_spans(rid, "latest") if s.name == LLM_SPAN]
     llm_ms = sum((s.end_time - s.start_time) * 1e3 for s in calls)
     return {"ms": timed.ms[rid], "llm_ms": llm_ms, "calls": len(calls),
-            "tokens": [tuple(s.attributes["completion_token_ids"]) for s in calls]}
+            "tokens": [tuple(s.attributes[semconv.COMPLETION_TOKEN_IDS]) for s in calls]}
 
 
 def main(argv: list[str] | None = None) -> int:

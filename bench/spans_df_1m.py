@@ -19,6 +19,7 @@ import resource
 import sys
 import time
 
+from lightning_nb import semconv
 from lightning_nb.store import InMemoryStore
 from lightning_nb.types import Span
 
@@ -49,7 +50,7 @@ def main() -> None:
         for k in range(n):
             t = 1.7e9 + added + k
             if k == n - 1:
-                attrs = {"reward": float(k % 2)}
+                attrs = {semconv.REWARD: float(k % 2)}
                 name = "reward"
             else:
                 attrs = {"gen_ai.usage.input_tokens": 100 + k, "gen_ai.usage.output_tokens": 20 + k,

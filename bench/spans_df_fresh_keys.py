@@ -30,6 +30,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from lightning_nb import semconv
 from lightning_nb.store import InMemoryStore, SqliteStore
 from lightning_nb.types import Span
 
@@ -59,7 +60,7 @@ def fill(store, n_spans: int) -> tuple[float, int]:
             attrs.update({"gen_ai.request.model": "SmolLM2-135M-Instruct", "gen_ai.usage.input_tokens": 100 + k,
                           "gen_ai.usage.output_tokens": 20 + k})
             if k == n - 1:
-                attrs["reward"] = float(i % 2)
+                attrs[semconv.REWARD] = float(i % 2)
             keys.update(attrs)
             t = 1.7e9 + i
             store.add_span(Span(rollout_id=rid, attempt_id=aid, trace_id=f"{added:032x}", span_id=f"{i:016x}",

@@ -4,7 +4,7 @@
 computes no reward); a stand-in "human" reads each reply (the last LLM call's completion in the store) and
 labels it with ``calc_reward`` through ``store.label``, leaving a share unlabelled; :class:`TrafficLearner`
 updates on the labelled ones. Each round's traffic mixes repeated questions (GRPO groups) and questions asked
-once (the pooled singleton baseline). The held-out reward is LightningRL.evaluate's (greedy, val tasks).
+once (trained against the running baseline). The held-out reward is LightningRL.evaluate's (greedy, val tasks).
 
     .venv/bin/python bench/traffic_learning.py --rounds 4 --val 64      # about 8-10 min on 2 cores
 
@@ -78,7 +78,7 @@ def main() -> None:
         row = learner.step()
         print(json.dumps({"round": rnd, "sent": len(ids), "succeeded": len(ok), "labelled": len(labelled),
                           "label_mean": sum(store.final_rewards(labelled).values()) / max(1, len(labelled)),
-                          "updated_on": row and row["n"], "pooled": row and row["pooled"],
+                          "updated_on": row and row["n"], "baselined": row and row["baselined"],
                           "waiting_for": None if row else learner.last_poll.get("waiting_for"),
                           "traffic_seconds": round(traffic_s, 1),
                           "seconds": round(time.time() - t0, 1)}), flush=True)

@@ -16,6 +16,7 @@ __all__ = [
     "MissingDependencyError",
     "AttemptTimeout",
     "SpanSchemaError",
+    "WaitWarning",
 ]
 
 
@@ -52,3 +53,11 @@ class AttemptTimeout(LightningNbError, TimeoutError):
 
 class SpanSchemaError(LightningNbError, ValueError):
     """A stored span lacks an attribute its reader needs (see :mod:`lightning_nb.semconv`); the message names the key."""
+
+
+class WaitWarning(UserWarning):
+    """An algorithm's ``wait()`` saw no progress for its ``stall_s`` seconds, or its ``timeout`` expired.
+
+    The message says what the loop waits for, why it may not move and what to do; the loop goes on.
+    Silence it with ``warnings.simplefilter("ignore", WaitWarning)``.
+    """

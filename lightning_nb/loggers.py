@@ -2,7 +2,7 @@
 
 ``LightningRL(..., loggers=["tensorboard", "wandb", "mlflow"])`` (or logger objects with
 settings: :class:`TensorBoardLogger`, :class:`WandbLogger`, :class:`MLflowLogger`) hands
-each completed step's row to every logger; the row also stays in ``trainer.metrics_df()``.
+each completed step's row to every logger; the row also stays in ``algo.metrics_df()``.
 The libraries are used as they are, through their own writers and clients.
 
 What goes where (the same for every backend):
@@ -13,18 +13,18 @@ What goes where (the same for every backend):
   * non-empty strings (``config_changes``) are text: TensorBoard text summaries, wandb
     history strings, MLflow run tags ``config_changes/step_<N>``; empty strings and
     ``None`` are skipped, as are values of any other type;
-  * values added to a logged row later (``trainer.add_metrics(step, val_reward=...)``)
+  * values added to a logged row later (``algo.add_metrics(step, val_reward=...)``)
     are logged at that row's step.
 
 Life cycle: a logger opens its run on the first value, writes each row through at once
 (TensorBoard is flushed after every row), stays open across ``run()`` calls so one
 algorithm is one logged run, and closes on :meth:`MetricLogger.close` (which
 ``LightningRL.close_loggers()`` calls for every logger; ``LightningRL.run`` calls it
-when the trainer is stopped or the loop fails). A value logged after ``close()`` opens
+when the loop is stopped or fails). A value logged after ``close()`` opens
 the run again (same TensorBoard folder, same MLflow run, wandb ``resume="allow"`` with
 the same id; offline, that is a second ``offline-run-*`` folder of the same run id).
-Rows already in ``trainer.metrics`` when the loggers start (a checkpoint loaded with
-``trainer.load``) are not sent again: logging starts at the next step.
+Rows already in ``algo.metrics`` when the loggers start (a checkpoint loaded with
+``algo.load``) are not sent again: logging starts at the next step.
 """
 
 from __future__ import annotations

@@ -2,16 +2,30 @@
 
 The proxy, the tracer, the adapter, the store, the inspection views and the widgets all use these
 constants; none writes such a key as a string literal (``tests/test_architecture.py`` checks it).
-Keys follow the OpenTelemetry GenAI semantic conventions (``gen_ai.*``,
-https://opentelemetry.io/docs/specs/semconv/gen-ai/) where one exists; the token-level keys RL
-needs (token IDs, log-probs, the weight version) have no convention and keep short names, as
-Agent Lightning's do. Values are plain span attributes: str, bool, int, float or lists of them;
-structured values (messages, tools) are JSON text.
+Values are plain span attributes: str, bool, int, float or lists of them; structured values (messages,
+tools) are JSON text.
+
+The naming rule for attribute keys (``tests/test_semconv.py`` checks every constant of :data:`ATTRIBUTE_KEYS`):
+
+* an OpenTelemetry semantic convention where one means the same thing: the GenAI conventions (``gen_ai.*``,
+  https://opentelemetry.io/docs/specs/semconv/gen-ai/) for the LLM call and the tool call, and the general
+  ``error.*``, ``exception.*`` and ``service.*`` attributes; each is a name of the OpenTelemetry registry
+  (the ``opentelemetry-semantic-conventions`` package lists them);
+* ``openinference.span.kind``, the one OpenInference key, which only the OTLP export adds (Phoenix groups by it);
+* ``lightning_nb.*`` for everything else: what RL needs and no convention names (token IDs, log-probs, the
+  weight version, the sampling the engine applied, rewards, judges), and request fields OpenTelemetry leaves out.
+
+Every key has a ``.``, so none is also a plain word, a DataFrame column or an OpenAI request field. Span names
+are not keys: OpenTelemetry names a GenAI span ``"{operation} {model}"``, which varies with the model, while the
+store, the adapter and the views select spans by a fixed name; they are the short names of :data:`SPAN_NAMES`.
+Files written before this rule used bare keys (``"reward"``, ``"temperature"``, ``"logprobs"``...):
+:data:`RENAMED_KEYS` lists them, and ``SqliteStore`` renames them when it opens such a file.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "SPAN_NAMES", "ATTRIBUTE_KEYS", "RENAMED_KEYS",
     "LLM_SPAN", "REWARD_SPAN", "INTERMEDIATE_REWARD_SPAN", "AGENT_SPAN", "TOOL_SPAN_PREFIX", "HOOK_ERROR_SPAN",
     "ROLLOUT_ID", "ATTEMPT_ID",
     "SYSTEM", "AGENT_NAME", "AGENT_NAME_HEADER", "REQUEST_MODEL", "REQUEST_PREFIX", "REQUEST_TEMPERATURE",
@@ -76,14 +90,14 @@ REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
 REQUEST_SEED = "gen_ai.request.seed"
 #: Stop strings, always a list.
 REQUEST_STOP_SEQUENCES = "gen_ai.request.stop_sequences"
-#: The request's ``tools`` (JSON text).
-REQUEST_TOOLS = "gen_ai.request.tools"
+#: The request's ``tools`` (JSON text of the OpenAI tool definitions; OpenTelemetry's ``gen_ai.tool.definitions``).
+REQUEST_TOOLS = "gen_ai.tool.definitions"
 #: The request's ``tool_choice`` (JSON text).
-REQUEST_TOOL_CHOICE = "gen_ai.request.tool_choice"
+REQUEST_TOOL_CHOICE = "lightning_nb.request.tool_choice"
 #: The request's ``user`` (text; absent when empty).
-REQUEST_USER = "gen_ai.request.user"
+REQUEST_USER = "lightning_nb.request.user"
 #: The request's ``metadata`` (JSON text).
-REQUEST_METADATA = "gen_ai.request.metadata"
+REQUEST_METADATA = "lightning_nb.request.metadata"
 #: The request's messages as the client sent them, before the proxy renders tools into the prompt
 #: (JSON text of a list of OpenAI chat messages, null fields left out).
 PROMPT = "gen_ai.prompt"
@@ -97,48 +111,50 @@ RESPONSE_ID = "gen_ai.response.id"
 #: A list with this choice's finish reason (``"stop"``, ``"length"``, ``"tool_calls"``).
 RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 #: Tool calls parsed from the completion (JSON text of OpenAI ``tool_calls``).
-RESPONSE_TOOL_CALLS = "gen_ai.response.tool_calls"
+RESPONSE_TOOL_CALLS = "lightning_nb.response.tool_calls"
 #: Prompt length (tokens); written with :data:`PROMPT_TOKEN_IDS` only.
 USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 #: Completion length (tokens); written with :data:`COMPLETION_TOKEN_IDS` only.
 USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 #: Why the LLM call failed (text, at most 2000 characters: the engine's error as LiteLLM reports it). A
-#: span with it carries only the request model and the agent name: no completion, no token IDs.
-ERROR = "error"
+#: span with it carries only the request model and the agent name: no completion, no token IDs. A judge span
+#: carries it when the judge's call failed or its verdict had no score. (OpenTelemetry's ``error.message``.)
+ERROR = "error.message"
 
 # ----- LLM call: what RL needs (no OpenTelemetry convention) ----------------------------------
 #: The engine class that served the call (``"TransformersEngine"``, ``"VLLMEngine"``...).
-ENGINE = "engine"
+ENGINE = "lightning_nb.engine"
 #: Index of this choice among the request's ``n`` choices.
-CHOICE_INDEX = "choice_index"
-#: How many choices the call returned (the request's ``n``; one span each).
-CHOICES = "n"
+CHOICE_INDEX = "lightning_nb.choice.index"
+#: How many choices the call returned (the request's ``n``; one span each; OpenTelemetry's
+#: ``gen_ai.request.choice.count``).
+CHOICES = "gen_ai.request.choice.count"
 #: The prompt exactly as the engine tokenized it (list of int token IDs); absent, with
 #: :data:`TOKEN_IDS_MISSING` set, when the engine returned none.
-PROMPT_TOKEN_IDS = "prompt_token_ids"
+PROMPT_TOKEN_IDS = "lightning_nb.prompt.token_ids"
 #: The sampled tokens (list of int token IDs), the text of :data:`COMPLETION` before detokenization.
-COMPLETION_TOKEN_IDS = "completion_token_ids"
+COMPLETION_TOKEN_IDS = "lightning_nb.completion.token_ids"
 #: Log-probability (nats) of each completion token under the distribution it was sampled from
 #: (logits / :data:`APPLIED_TEMPERATURE`, before any ``top_p`` cut; raw logits at temperature 0);
 #: list of float, written only when the engine returned one per token of :data:`COMPLETION_TOKEN_IDS`.
-LOGPROBS = "logprobs"
+LOGPROBS = "lightning_nb.completion.logprobs"
 #: The weight version the completion was sampled with (int, the engine reports it; the version when the
 #: call started if it does not). The trainer bumps it on each weight load.
-WEIGHT_VERSION = "weight_version"
+WEIGHT_VERSION = "lightning_nb.weight_version"
 #: The sampling temperature the engine applied (float; the rollout's, else the request's, else 1.0).
 #: The adapter refuses an LLM span with token IDs but without it: the trainer scores tokens at the
 #: temperature they were sampled at.
-APPLIED_TEMPERATURE = "temperature"
+APPLIED_TEMPERATURE = "lightning_nb.sampling.temperature"
 #: The nucleus-sampling ``top_p`` the engine applied (float; the rollout's, else the request's, else
 #: 1.0). Always written, like :data:`APPLIED_TEMPERATURE`, and refused when missing the same way.
-APPLIED_TOP_P = "top_p"
+APPLIED_TOP_P = "lightning_nb.sampling.top_p"
 #: The completion-token limit the engine applied (int, tokens; the request's capped by the rollout's,
 #: 256 when neither sets one).
-APPLIED_MAX_TOKENS = "max_tokens"
+APPLIED_MAX_TOKENS = "lightning_nb.sampling.max_tokens"
 #: The stop strings the engine applied (list of str; absent when none).
-APPLIED_STOP = "stop"
+APPLIED_STOP = "lightning_nb.sampling.stop"
 #: The sampling seed the engine applied (int; absent when none).
-APPLIED_SEED = "seed"
+APPLIED_SEED = "lightning_nb.sampling.seed"
 #: Every sampling parameter an engine can apply, as the proxy records them.
 APPLIED_SAMPLING = (APPLIED_TEMPERATURE, APPLIED_TOP_P, APPLIED_MAX_TOKENS, APPLIED_STOP, APPLIED_SEED)
 #: Why a call has no token IDs (text); such a call gives no triplet.
@@ -169,14 +185,14 @@ ASSISTANT_TURNS_REWRITTEN = "lightning_nb.assistant_turns.rewritten"
 
 # ----- rewards and tools ----------------------------------------------------------------------
 #: The reward value (float) of a :data:`REWARD_SPAN` or :data:`INTERMEDIATE_REWARD_SPAN`.
-REWARD = "reward"
+REWARD = "lightning_nb.reward.value"
 #: The component name of an intermediate reward (e.g. ``"tool_error"``).
-REWARD_NAME = "reward.name"
+REWARD_NAME = "lightning_nb.reward.name"
 #: Who gave a final reward (text): absent when the agent returned or emitted it; ``"human"`` for
 #: ``store.label(...)``, ``"judge"`` / ``"group_judge"`` for an LLM judge's score used as the reward.
-REWARD_SOURCE = "reward.source"
+REWARD_SOURCE = "lightning_nb.reward.source"
 #: A note given with a label (``store.label(..., note=...)``), e.g. why a human gave that reward (text).
-REWARD_NOTE = "reward.note"
+REWARD_NOTE = "lightning_nb.reward.note"
 #: The judge's model name (text).
 JUDGE_MODEL = "lightning_nb.judge.model"
 #: The judge's prompt (JSON text of the chat messages sent to the judge).
@@ -188,11 +204,12 @@ JUDGE_SCORE = "lightning_nb.judge.score"
 #: The rollout ids a group judge scored together in one call (JSON text list), on each of their judge spans.
 JUDGE_GROUP = "lightning_nb.judge.group"
 #: The tool's name (text), the part of the span name after :data:`TOOL_SPAN_PREFIX`.
-TOOL_NAME = "tool.name"
-#: The tool's input (text; JSON text for structured input).
-TOOL_INPUT = "tool.input"
-#: The tool's output, set by the agent: ``span.set_attribute(TOOL_OUTPUT, result)``.
-TOOL_OUTPUT = "tool.output"
+TOOL_NAME = "gen_ai.tool.name"
+#: The tool's input (text; JSON text for structured input; OpenTelemetry's tool call arguments).
+TOOL_INPUT = "gen_ai.tool.call.arguments"
+#: The tool's output, set by the agent: ``span.set_attribute(TOOL_OUTPUT, result)`` (OpenTelemetry's tool
+#: call result).
+TOOL_OUTPUT = "gen_ai.tool.call.result"
 
 # ----- OTLP export (lightning_nb.tracing.export; never stored) --------------------------------
 #: The stored span's ``sequence_id`` (int), added to each span sent to a collector.
@@ -209,3 +226,35 @@ EXCEPTION_TYPE = "exception.type"
 EXCEPTION_MESSAGE = "exception.message"
 #: The exception's traceback (text).
 EXCEPTION_STACKTRACE = "exception.stacktrace"
+
+# ----- the schema as a whole -------------------------------------------------------------------
+#: Every span name (a tool span's name is :data:`TOOL_SPAN_PREFIX` + the tool's name).
+SPAN_NAMES = (LLM_SPAN, REWARD_SPAN, JUDGE_SPAN, INTERMEDIATE_REWARD_SPAN, AGENT_SPAN, TOOL_SPAN_PREFIX,
+              HOOK_ERROR_SPAN)
+#: Every attribute key, under the naming rule of this module's docstring (:data:`AGENT_NAME_HEADER` is an HTTP
+#: header and :data:`REQUEST_PREFIX` a prefix, neither a key).
+ATTRIBUTE_KEYS = tuple(value for name, value in list(globals().items())
+                       if name.isupper() and isinstance(value, str) and value not in SPAN_NAMES
+                       and value not in (AGENT_NAME_HEADER, REQUEST_PREFIX))
+
+#: The keys files written before the naming rule hold, by the span they were written on (a span name; for a tool
+#: span, :data:`TOOL_SPAN_PREFIX`): the old key -> the constant that replaced it. ``SqliteStore``'s migration
+#: ``005_semconv_keys`` renames them in such a file, on those spans only (an agent's own span may hold a key
+#: ``"error"`` or ``"n"`` of its own). Never edit an entry (a migration that ran does not run again); a later
+#: rename adds its own map and migration.
+RENAMED_KEYS = {
+    LLM_SPAN: {
+        "error": ERROR, "engine": ENGINE, "choice_index": CHOICE_INDEX, "n": CHOICES,
+        "prompt_token_ids": PROMPT_TOKEN_IDS, "completion_token_ids": COMPLETION_TOKEN_IDS, "logprobs": LOGPROBS,
+        "weight_version": WEIGHT_VERSION, "temperature": APPLIED_TEMPERATURE, "top_p": APPLIED_TOP_P,
+        "max_tokens": APPLIED_MAX_TOKENS, "stop": APPLIED_STOP, "seed": APPLIED_SEED,
+        "gen_ai.request.tools": REQUEST_TOOLS, "gen_ai.request.tool_choice": REQUEST_TOOL_CHOICE,
+        "gen_ai.request.user": REQUEST_USER, "gen_ai.request.metadata": REQUEST_METADATA,
+        "gen_ai.response.tool_calls": RESPONSE_TOOL_CALLS,
+    },
+    REWARD_SPAN: {"reward": REWARD, "reward.source": REWARD_SOURCE, "reward.note": REWARD_NOTE,
+                  "reward.name": REWARD_NAME},
+    INTERMEDIATE_REWARD_SPAN: {"reward": REWARD, "reward.name": REWARD_NAME},
+    JUDGE_SPAN: {"reward": REWARD, "reward.name": REWARD_NAME, "reward.note": REWARD_NOTE, "error": ERROR},
+    TOOL_SPAN_PREFIX: {"tool.name": TOOL_NAME, "tool.input": TOOL_INPUT, "tool.output": TOOL_OUTPUT},
+}

@@ -410,6 +410,11 @@ class Triplet(_Model):
     step_reward: float = Field(0.0, description=(
         "Sum of the intermediate rewards (Agent Lightning's Automatic Intermediate Rewarding) attributed to this "
         "call: those emitted after it ended and before the next call of the attempt ended; reward units."))
+    baseline: Optional[float] = Field(None, description=(
+        "The algorithm's baseline for this episode's reward (reward units; every triplet of the episode carries "
+        "the same): set, the trainer's advantage is the episode's reward minus it (REINFORCE with a baseline, "
+        "Williams 1992), not group-relative, and the group-size rule does not drop it. None: GRPO's group "
+        "baseline. TrafficLearner sets it for traffic no group can compare (lightning_nb.algorithm.traffic)."))
     agent_name: Optional[str] = Field(None, description=(
         "The X-Agent-Name header of the request (span attribute gen_ai.agent.name); None if not sent."))
     temperature: float = 1.0
@@ -427,28 +432,38 @@ class Triplet(_Model):
             raise ValueError(f"reward and step_reward must be finite numbers, got {v!r}")
         return v
 
+    @field_validator("baseline")
+    @classmethod
+    def _finite_baseline(cls, v: Optional[float]) -> Optional[float]:
+        if v is not None and not math.isfinite(v):
+            raise ValueError(f"baseline must be a finite number or None, got {v!r}")
+        return v
+
 
 # ----- notebook display ------------------------------------------------------------------------
 # The HTML views live in lightning_nb.inspect; lightning_nb/__init__.py registers them for the classes of
-# every layer, and objects reach them through this registry, so no layer imports upward.
-_HTML_VIEWS: dict[type, Callable[[Any], str]] = {}
+# every layer, and objects reach them through this registry, so no layer imports upward. A class the root
+# does not import (a trainer, loaded on first use) is registered by its dotted name instead of the class.
+_HTML_VIEWS: dict[type | str, Callable[[Any], str]] = {}
 
 
-def register_html_view(cls: type, view: Callable[[Any], str]) -> None:
+def register_html_view(cls: type | str, view: Callable[[Any], str]) -> None:
     """Show instances of ``cls`` (and its subclasses) in a notebook with ``view(obj) -> HTML text``.
 
-    Called by the package root (``lightning_nb/__init__.py``) with the views of :mod:`lightning_nb.inspect`
-    for the kit's own classes; a later registration for the
-    same class replaces the earlier one.
+    ``cls`` is the class, or its dotted name (``"lightning_nb.trainers.grpo.trainer.GRPOTrainer"``, the class's
+    ``__module__`` and ``__qualname__``) to register a view without importing the class. Called by the package
+    root (``lightning_nb/__init__.py``) with the views of :mod:`lightning_nb.inspect` for the kit's own classes;
+    a later registration for the same class replaces the earlier one.
     """
     _HTML_VIEWS[cls] = view
 
 
 def html_view(obj: Any) -> Optional[str]:
-    """The HTML of ``obj`` from the view registered for its class (nearest in its MRO), or None
-    when there is none (Jupyter then shows ``repr(obj)``). This is what ``_repr_html_`` returns."""
+    """The HTML of ``obj`` from the view registered for its class (nearest in its MRO, by the class or by its
+    dotted name), or None when there is none (Jupyter then shows ``repr(obj)``). This is what ``_repr_html_``
+    returns."""
     for cls in type(obj).__mro__:
-        view = _HTML_VIEWS.get(cls)
+        view = _HTML_VIEWS.get(cls) or _HTML_VIEWS.get(f"{cls.__module__}.{cls.__qualname__}")
         if view is not None:
             return view(obj)
     return None

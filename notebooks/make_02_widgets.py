@@ -18,12 +18,12 @@ CELLS = [
 
 One call shows everything while GRPO trains in the background:
 
-* **trainer panel**: step, tokens/s, loss, KL, reward; **Pause / Resume / Save checkpoint**; a chat box that asks the current policy while training is paused;
+* **run panel**: step, tokens/s, loss, KL, reward; **Pause / Resume / Save checkpoint** (the algorithm's `pause()`, `resume()`, `save()`); a chat box that asks the current policy while training is paused;
 * **runner panel**: every runner thread's state, current rollout, counts and last heartbeat; Start / Stop;
 * **reward curve** (plotly): mean reward per training step with min/max, validation reward, and reward per batch of finished rollouts;
 * **span browser**: the latest spans as a table; click a row to see that rollout's span tree (agent → LLM calls → tools → reward) with prompt, completion and token counts.
 
-The panels poll the store and the trainer on background threads: cells never block, and `dash.close()` stops them.
+The panels poll the store and the algorithm on background threads: cells never block, and `dash.close()` stops them.
 
 Every cell returns within seconds (loading the model takes about 30 s); training then runs in the background.
 On a 2-core CPU the default 12 steps take about 15 minutes (each step 1 to 2 minutes, plus a 16-task held-out
@@ -41,9 +41,10 @@ SAMPLE_ROUNDS = 1 if SMOKE else 3   # DAPO dynamic sampling: resample groups who
 MAX_TOKENS = 24 if SMOKE else 48    # completion tokens per LLM call
 N_RUNNERS = 6 if SMOKE else 8       # runner threads
 VAL_EVERY = 0 if SMOKE else 4       # evaluate on held-out tasks every N steps (0: never)"""),
-    ("md", """## Model, store, proxy, runners and trainer
+    ("md", """## Model, store, proxy, runners, trainer and algorithm
 
-The same set-up as `01_quickstart.ipynb`. Nothing trains yet."""),
+The same set-up as `01_quickstart.ipynb`. The algorithm (`LightningRL`) owns the run: its loop, step counter,
+metrics and checkpoint; the trainer only updates the weights. Nothing trains yet."""),
     ("code", """from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy,
                           TransformersEngine, start_runners)
 from lightning_nb.tasks.calc import calc_agent, load_tasks
@@ -63,18 +64,18 @@ the dashboard's runner panel follows the new group."""),
     ("code", """runners = start_runners(calc_agent, store, n=N_RUNNERS)"""),
     ("md", """## The dashboard
 
-`dashboard(store, runners, trainer)` shows every panel; each one also works alone
-(`TrainerPanel(trainer)`, `RunnerPanel(runners)`, `RewardCurve(store)`, `SpanBrowser(store)`)."""),
+`dashboard(store, runners, algo)` shows every panel; each one also works alone
+(`RunPanel(algo)`, `RunnerPanel(runners)`, `RewardCurve(store)`, `SpanBrowser(store)`)."""),
     ("code", """from widgets import dashboard
 
-dash = dashboard(store, runners, trainer, batch_size=TASKS_PER_STEP * GROUP_SIZE, chat_system=SYSTEM_PROMPT)
+dash = dashboard(store, runners, algo, batch_size=TASKS_PER_STEP * GROUP_SIZE, chat_system=SYSTEM_PROMPT)
 dash"""),
     ("md", """## Train in the background
 
-`trainer.start` returns at once; scroll up and watch the panels fill. Press **Pause**, ask the policy something in
+`algo.start` returns at once; scroll up and watch the panels fill. Press **Pause**, ask the policy something in
 the chat box, then **Resume**."""),
-    ("code", """trainer.start(algo, steps=STEPS)
-trainer.state"""),
+    ("code", """algo.start(steps=STEPS)
+algo.state"""),
     ("md", """Displaying the main objects in a cell shows a summary (`_repr_html_`):"""),
     ("code", """store"""),
     ("code", """runners"""),
@@ -87,7 +88,7 @@ print("runner threads in this kernel:", sum(t.name.startswith("lightning_nb-runn
 Close the dashboard (its polling threads stop) and the background threads:"""),
     ("code", """def shutdown():
     dash.close()
-    trainer.stop()
+    algo.stop()
     runners.stop()
     proxy.stop()
 

@@ -22,7 +22,8 @@ CELLS = [
 `01_quickstart.ipynb` trains the calculator agent end to end. This notebook is about the checks a researcher wants
 *before* and *during* a run:
 
-1. **set-up**: the default model (SmolLM2-135M-Instruct) behind the LLM proxy, the calculator agent, `LightningRL` + `GRPOTrainer`;
+1. **set-up**: the default model (SmolLM2-135M-Instruct) behind the LLM proxy, the calculator agent, `LightningRL` (the
+   algorithm: it owns the run, its loop, step counter, metrics and checkpoint) + `GRPOTrainer` (it updates the weights);
 2. **preflight**: one collection round without an update, reporting anything that would make training useless;
 3. **train in the background**, then **pause** at a step boundary;
 4. the **optimizer's-eye view** of the last batch: one row per trained sequence, and the tokens coloured by advantage;
@@ -93,18 +94,18 @@ round's counts and `report.fidelity` the token-fidelity audit of its rollouts (s
 report.ok, report.names()"""),
     ("md", """## 3. Train in the background, then pause
 
-`trainer.start(algo, steps=...)` returns at once and trains in a background thread, so the notebook stays usable.
-Wait for the first step, then `trainer.pause()`: it returns once the loop is parked at the next **step boundary**
+`algo.start(steps=...)` returns at once and trains in a background thread, so the notebook stays usable.
+Wait for the first step, then `algo.pause()`: it returns once the loop is parked at the next **step boundary**
 (nothing in flight: no update running, no rollouts enqueued, the engine free). The weights stay exactly as they
-are until you resume. `trainer.paused_at` names the boundary: `'before update'` or `'between sample rounds'` when
+are until you resume. `algo.paused_at` names the boundary: `'before update'` or `'between sample rounds'` when
 the next step had already started collecting before the pause was asked (the rest of that step waits for
 `resume()`)."""),
-    ("code", """trainer.start(algo, steps=STEPS)
-trainer.wait(until_step=1, progress=True)   # a bar through step 1's rollouts and update; re-raises a failure
-trainer.pause(progress=True)                # a bar of what the pause waits for
-trainer.state, trainer.step, trainer.paused_at"""),
-    ("code", """trainer.metrics_df()[["step", "reward_mean", "loss", "kl", "grad_norm", "groups_with_signal",
-                      "tokens_trained"]]"""),
+    ("code", """algo.start(steps=STEPS)
+algo.wait(until_step=1, progress=True)   # a bar through step 1's rollouts and update; re-raises a failure
+algo.pause(progress=True)                # a bar of what the pause waits for
+algo.state, algo.global_step, algo.paused_at"""),
+    ("code", """algo.metrics_df()[["step", "reward_mean", "loss", "kl", "grad_norm", "groups_with_signal",
+                   "tokens_trained"]]"""),
     ("md", """## 4. The optimizer's-eye view of the last batch
 
 `trainer.last_batch_df()` has one row per packed sequence of the last update: its group, the GRPO `advantage`
@@ -145,25 +146,25 @@ fidelity"""),
     ("md", """## 6. Change the config while paused
 
 While paused, edit `trainer.config` (`learning_rate`, `clip_ratio_high`, `kl_coef`, ...) or `algo.config`
-(`temperature`, `tasks_per_step`, ...). `trainer.resume()` validates the edits first (an invalid value raises
+(`temperature`, `tasks_per_step`, ...). `algo.resume()` validates the edits first (an invalid value raises
 `ConfigError` and the loop stays paused), and they apply from the next step. Here: halve the learning rate and
 turn on DAPO's clip-higher (ε_high = 0.28 leaves low-probability tokens room to grow)."""),
     ("code", """trainer.config.learning_rate = 1e-5      # was 2e-5
 trainer.config.clip_ratio_high = 0.28    # was None: the same as clip_ratio, 0.2
-edited_at = trainer.step + 1             # the edits apply from the next step
-trainer.resume()
-trainer.wait(progress=True)              # blocks until the remaining steps are done
-trainer.state, trainer.step"""),
+edited_at = algo.global_step + 1         # the edits apply from the next step
+algo.resume()
+algo.wait(progress=True)                 # blocks until the remaining steps are done
+algo.state, algo.global_step"""),
     ("md", """Each step's metrics row records the edits applied at that step in `config_changes`; `lr` is read from the
-optimizer, so it shows the new learning rate."""),
-    ("code", """metrics = trainer.metrics_df()
+optimizer, so it shows the new learning rate. `algo.config_changes` lists the same edits one field at a time."""),
+    ("code", """metrics = algo.metrics_df()
 for row in metrics[metrics["config_changes"].fillna("") != ""].itertuples():
     print(f"step {row.step}: {row.config_changes}")
 assert "learning_rate" in metrics.set_index("step").loc[edited_at, "config_changes"]
 metrics[["step", "lr", "reward_mean", "loss", "pg_clipfrac", "config_changes"]]"""),
     ("md", """## 7. Save, restart, load, continue
 
-`trainer.save(path)` writes everything a continued run needs: the weights and the AdamW state, the torch, numpy
+`algo.save(path)` writes everything a continued run needs: the weights and the AdamW state, the torch, numpy
 and Python RNG states, the task sampler's state, the step, the metrics and the config edits (about **1.6 GB** for
 SmolLM2-135M in float32). Here it goes to a temporary folder that the last cell deletes; to continue after a real
 kernel restart, save to a folder of your own, e.g. `runs/steer/checkpoint.pt`."""),
@@ -172,20 +173,20 @@ import tempfile
 from pathlib import Path
 
 run_dir = Path(tempfile.mkdtemp(prefix="inspect-and-steer-"))
-checkpoint = trainer.save(run_dir / "checkpoint.pt")
-print(f"saved step {trainer.step} to {checkpoint} ({checkpoint.stat().st_size / 1e9:.2f} GB)")"""),
+checkpoint = algo.save(run_dir / "checkpoint.pt")
+print(f"saved step {algo.global_step} to {checkpoint} ({checkpoint.stat().st_size / 1e9:.2f} GB)")"""),
     ("md", """Now "restart": stop everything and build a fresh engine, store, proxy, runners, trainer and algorithm, exactly
 as a new kernel would. After a real kernel restart (Kernel ▸ Restart) you would rerun the parameter cell and the
 set-up cell (section 1) instead; the engine then starts from the default model's initial weights again.
 
-`trainer.load(path)` restores the weights (and serves them), the optimizer, the RNG states, the step, the metrics
-and the task sampler's state into the new trainer and its algorithm, and the config the run was saved with: the
-edits of section 6 come back (each replaced field is logged as a warning). `trainer.load(path, keep_config=True)`
+`algo.load(path)` restores the weights (and serves them), the optimizer, the RNG states, the step, the metrics
+and the task sampler's state into the new algorithm and its trainer, and the trainer's config the run was saved with:
+the edits of section 6 come back (each replaced field is logged as a warning). `algo.load(path, keep_config=True)`
 keeps the config of the set-up cell instead and records the difference as a config change at the next step. The
 new proxy has a new URL; `set_up()` already published it with `store.add_resources`."""),
     ("code", """import gc
 
-trainer.stop()
+algo.stop()
 runners.stop()
 proxy.stop()
 engine.close()
@@ -193,17 +194,17 @@ del engine, store, proxy, runners, trainer, algo, batch
 gc.collect()
 
 engine, store, proxy, runners, trainer, algo = set_up()        # what a new kernel runs first
-trainer.load(checkpoint)
-print(f"loaded: step {trainer.step}, {len(trainer.metrics_df())} metrics rows, weight version {engine.weight_version}")
+algo.load(checkpoint)
+print(f"loaded: step {algo.global_step}, {len(algo.metrics_df())} metrics rows, weight version {engine.weight_version}")
 print(f"config from the checkpoint: learning_rate {trainer.config.learning_rate}, "
       f"clip_ratio_high {trainer.config.clip_ratio_high}")
 assert (trainer.config.learning_rate, trainer.config.clip_ratio_high) == (1e-5, 0.28)  # the edits of section 6"""),
     ("md", """Train one more step. The step counter, the metrics and the task sampler continue where the saved run stopped."""),
-    ("code", """saved_step = trainer.step
-trainer.start(algo, steps=1)
-trainer.wait(progress=True)
-assert trainer.step == saved_step + 1
-trainer.metrics_df()[["step", "lr", "reward_mean", "loss", "config_changes"]]"""),
+    ("code", """saved_step = algo.global_step
+algo.start(steps=1)
+algo.wait(progress=True)
+assert algo.global_step == saved_step + 1
+algo.metrics_df()[["step", "lr", "reward_mean", "loss", "config_changes"]]"""),
     ("md", """## Moving to a GPU
 
 The same notebook runs on one GPU by changing three lines: two in `set_up()` (the engine and the trainer) and the
@@ -224,7 +225,7 @@ TASKS_PER_STEP, GROUP_SIZE, N_RUNNERS = 16, 8, 64                  # batch sizes
 * Bigger batches give GRPO more groups with signal per step; `GRPOConfig.micro_batch_size` bounds the memory of
   one forward/backward.
 
-README.md's "Moving to a GPU" section says the same, with the measured bf16/float32 log-prob gap."""),
+The manual's "Moving to a GPU" page (`docs/gpu.md`) says the same, with the measured bf16/float32 log-prob gap."""),
     ("md", """## Clean up
 
 Stop the background threads and delete the checkpoint's temporary folder (no 1.6 GB file is left behind)."""),
@@ -232,7 +233,7 @@ Stop the background threads and delete the checkpoint's temporary folder (no 1.6
 proxy.stop()
 engine.close()
 shutil.rmtree(run_dir)
-trainer.state"""),
+algo.state"""),
 ]
 
 

@@ -3,8 +3,8 @@
 Run: python notebooks/make_04_verl_trainer.py
 
 The notebook trains the calculator agent with ``VerlTrainer``: verl's own GRPO advantage and PPO actor
-update, run in the notebook's process without Ray, behind the trainer surface of ``GRPOTrainer``: the
-config as verl sees it, background training, pause, verl's metrics and the last batch, resume, a
+update, run in the notebook's process without Ray, behind the trainer surface of ``GRPOTrainer`` and driven
+by ``LightningRL`` (the algorithm owns the run's verbs, metrics and checkpoint): the config as verl sees it, background training, pause, verl's metrics and the last batch, resume, a
 checkpoint in verl's layout, a simulated kernel restart and load, and the lines to change on a GPU.
 tests/test_notebooks.py executes it with nbclient; ``LIGHTNING_NB_SMOKE=1`` selects small parameters.
 """
@@ -26,8 +26,9 @@ clip, the KL loss, verl's loss aggregation, gradient clipping, the optimizer ste
 without Ray**: verl's actor adopts the model the engine serves and trains it in place.
 
 Everything around it is what `03_inspect_and_steer.ipynb` uses: the same calculator agent, runner threads, LLM
-proxy, store and `LightningRL` algorithm, and the same trainer controls: `start` in the background, `pause` at a
-step boundary, `resume`, `wait`, `metrics_df()`, `last_batch_df()`, `save` and `load`. What changes:
+proxy, store and `LightningRL` algorithm, and the same controls: the algorithm's `start` in the background, `pause`
+at a step boundary, `resume`, `wait`, `metrics_df()`, `save` and `load` (the algorithm owns the run), and the
+trainer's `last_batch_df()`. What changes:
 
 1. the config is a `VerlConfig`: `GRPOConfig`'s field names, each mapped onto a key of verl's `ppo_trainer.yaml`,
    plus `overrides` for any other verl key;
@@ -135,24 +136,24 @@ print(f"\\nverl's actor section ({len(actor_yaml.splitlines())} lines of YAML), 
 print("\\n".join(line for line in actor_yaml.splitlines() if line.split(":")[0] in ppo_keys))"""),
     ("md", """## 2. Train in the background, then pause
 
-`trainer.start(algo, steps=...)` returns at once and trains in a background thread, so the notebook stays usable.
-Wait for the first step, then `trainer.pause()`: it returns True once the loop is parked at the next **step
+`algo.start(steps=...)` returns at once and trains in a background thread, so the notebook stays usable.
+Wait for the first step, then `algo.pause()`: it returns True once the loop is parked at the next **step
 boundary**: no verl update running, no rollouts enqueued (those already enqueued have finished), and the engine
 free to serve (`engine.chat(...)` answers at once). The weights stay exactly as they are until you resume.
-`trainer.paused_at` names the boundary: `'before update'`, or `'between sample rounds'` when the next step had
+`algo.paused_at` names the boundary: `'before update'`, or `'between sample rounds'` when the next step had
 already started collecting before the pause was asked (the rest of that step waits for `resume()`)."""),
-    ("code", """trainer.start(algo, steps=STEPS)
-while trainer.step < 1 and trainer.running:      # about a minute
+    ("code", """algo.start(steps=STEPS)
+while algo.global_step < 1 and algo.running:     # about a minute
     time.sleep(1)
-if trainer.error is not None:
-    raise trainer.error
-parked = trainer.pause(timeout=600)
-print(f"paused at step boundary: {trainer.paused_at!r} (parked: {parked}, step {trainer.step}, state {trainer.state!r})")
+if algo.error is not None:
+    raise algo.error
+parked = algo.pause(timeout=600)
+print(f"paused at step boundary: {algo.paused_at!r} (parked: {parked}, step {algo.global_step}, state {algo.state!r})")
 print("the model, while paused:", engine.chat("What is 2 + 3?", max_tokens=12))"""),
-    ("md", """`trainer.metrics_df()` has one row per step. Its `trainer` column says `verl`; the columns shared with
+    ("md", """`algo.metrics_df()` has one row per step. Its `trainer` column says `verl`; the columns shared with
 `GRPOTrainer` (`reward_mean`, `loss`, `grad_norm`, `groups_with_signal`, `tokens_trained`, ...) mean the same, and
 every metric verl's loss reported is there under verl's own name."""),
-    ("code", """metrics = trainer.metrics_df()
+    ("code", """metrics = algo.metrics_df()
 verl_columns = [c for c in metrics.columns if c.startswith("actor/")]
 print("verl metrics:", ", ".join(verl_columns))
 metrics[["step", "trainer", "reward_mean", "loss", "grad_norm", "groups_with_signal", "tokens_trained",
@@ -170,12 +171,12 @@ red for a negative one; hover a token for its log-probs."""),
 HTML(trainer.last_batch_html(max_rows=4))"""),
     ("md", """Resume, and wait for the remaining steps. (Config edits made while paused, e.g.
 `trainer.config.learning_rate = 1e-5`, are checked by verl when you resume, as in notebook 03.)"""),
-    ("code", """trainer.resume()
-trainer.wait(progress=True)              # blocks until the remaining steps are done
-trainer.state, trainer.step"""),
+    ("code", """algo.resume()
+algo.wait(progress=True)                 # blocks until the remaining steps are done
+algo.state, algo.global_step"""),
     ("md", """## 3. Save a checkpoint in verl's layout
 
-`trainer.save(folder)` takes a folder, which plays verl's `trainer.default_local_dir`: it writes
+`algo.save(folder)` takes a folder, which plays verl's `trainer.default_local_dir`: it writes
 `folder/global_step_N/trainer.pt` (the weights, the AdamW state, the RNG states, the task sampler, the step, the
 metrics and the config; about **1.6 GB** for SmolLM2-135M in float32), then verl's tracker file
 `folder/latest_checkpointed_iteration.txt`, and returns the step's folder. Here the folder is temporary and the
@@ -186,9 +187,9 @@ import tempfile
 from pathlib import Path
 
 run_dir = Path(tempfile.mkdtemp(prefix="verl-trainer-"))
-step_dir = trainer.save(run_dir)
+step_dir = algo.save(run_dir)
 size = sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file())
-print(f"saved step {trainer.step} to {step_dir.relative_to(run_dir)} ({size / 1e9:.2f} GB)")
+print(f"saved step {algo.global_step} to {step_dir.relative_to(run_dir)} ({size / 1e9:.2f} GB)")
 print("latest_checkpointed_iteration.txt:", (run_dir / "latest_checkpointed_iteration.txt").read_text())"""),
     ("md", """## 4. Restart, load, continue
 
@@ -196,14 +197,14 @@ Now "restart": stop everything and build a fresh engine, store, proxy, runners, 
 new kernel would. After a real kernel restart (Kernel ▸ Restart) you would rerun the parameter cell and the set-up
 cell (section 1) instead; the engine then starts from the default model's initial weights again.
 
-`trainer.load(folder)` uses verl's `resume_mode="auto"`: it loads the step named by
+`algo.load(folder)` uses verl's `resume_mode="auto"`: it loads the step named by
 `latest_checkpointed_iteration.txt`. To load one step in particular:
-`trainer.load(folder / "global_step_2", resume_mode="resume_path")`. Either restores the weights (and serves them),
-the optimizer, the RNG states, the step, the metrics, the config and the task sampler's state into the new trainer
-and its algorithm; verl's actor is rebuilt from the restored config."""),
+`algo.load(folder / "global_step_2", resume_mode="resume_path")`. Either restores the weights (and serves them),
+the optimizer, the RNG states, the step, the metrics, the config and the task sampler's state into the new
+algorithm and its trainer; verl's actor is rebuilt from the restored config."""),
     ("code", """import gc
 
-trainer.stop()
+algo.stop()
 runners.stop()
 proxy.stop()
 engine.close()
@@ -211,14 +212,14 @@ del engine, store, proxy, runners, trainer, algo, batch
 gc.collect()
 
 engine, store, proxy, runners, trainer, algo = set_up()        # what a new kernel runs first
-trainer.load(run_dir)                                          # resume_mode="auto": the latest step
-print(f"loaded: step {trainer.step}, {len(trainer.metrics_df())} metrics rows, weight version {engine.weight_version}")"""),
+algo.load(run_dir)                                             # resume_mode="auto": the latest step
+print(f"loaded: step {algo.global_step}, {len(algo.metrics_df())} metrics rows, weight version {engine.weight_version}")"""),
     ("md", """Train one more step. The step counter, the metrics and the task sampler continue where the saved run stopped."""),
-    ("code", """saved_step = trainer.step
-trainer.start(algo, steps=1)
-trainer.wait(progress=True)
-assert trainer.step == saved_step + 1
-trainer.metrics_df()[["step", "trainer", "reward_mean", "loss", "actor/pg_loss", "actor/pg_clipfrac", "lr"]]"""),
+    ("code", """saved_step = algo.global_step
+algo.start(steps=1)
+algo.wait(progress=True)
+assert algo.global_step == saved_step + 1
+algo.metrics_df()[["step", "trainer", "reward_mean", "loss", "actor/pg_loss", "actor/pg_clipfrac", "lr"]]"""),
     ("md", """## On a GPU
 
 Install the GPU extra (verl with vLLM, a CUDA build of torch) on a machine with an NVIDIA GPU:
@@ -255,7 +256,7 @@ MODEL_DIR = "/path/to/Qwen2.5-0.5B-Instruct"     # optional: any local Hugging F
 enqueued; the engine keeps serving, so you can chat with the model (`engine.chat(...)`) or look at
 `trainer.last_batch_df()` while the GPU is otherwise idle. **After a kernel restart**, run the parameter cell and
 the set-up cell again (the same engine, store, proxy, runners, `VerlTrainer` and `LightningRL`), then
-`trainer.load(folder)` with the folder you saved to, and `trainer.start(algo, steps=...)`: the run continues from
+`algo.load(folder)` with the folder you saved to, and `algo.start(steps=...)`: the run continues from
 the latest `global_step_N`."""),
     ("code", """import torch
 
@@ -273,7 +274,7 @@ left behind)."""),
 proxy.stop()
 engine.close()
 shutil.rmtree(run_dir)
-trainer.state"""),
+algo.state"""),
 ]
 
 

@@ -26,15 +26,18 @@ GRPO step on all of them:
 | shape | what the user writes | reference |
 |---|---|---|
 | function | `agent(task, llm) -> reward`, plain `openai` SDK code | doc 000 (Agent Lightning) |
-| LangGraph | a `create_react_agent` with a tool, pointed at `llm.endpoint` | doc 000 |
+| LangGraph | a `create_agent` (LangChain's ReAct agent on a LangGraph graph) with a tool, pointed at `llm.endpoint` | doc 000 |
 | AgentRunner | `GEMRunner("FrozenLake-v1")`: ROLL's runner over a gym-style text environment | doc 004 (ROLL) |
 | remote rollout server | `RemoteRolloutAgent(url)`: the agent loop runs in another service and calls back | doc 002 |
 
 The runners take each rollout's `shape` from its task and call that agent. The proxy attributes every LLM call to its
 attempt, so the spans, the triplets and the training step do not care which shape made them.
 
-A smoke run (the tests use it) took 140 s on a 2-core CPU (one round of 4 rollouts, then one step of 8). Set `LIGHTNING_NB_SMOKE=1` before the first code
-cell runs for it: uncomment its `%env` line, or start Jupyter with `LIGHTNING_NB_SMOKE=1 jupyter lab`. The
+At full size (the defaults: one round of 8 rollouts, then one training step of 32) the notebook took 22 min on a
+2-core CPU that other jobs shared (load average 5-8): the round 300 s, the training step 992 s, the rest 20 s; under
+that load six of the round's eight rollouts ran past the runners' 300 s timeout. With the CPU to itself the training
+step took 509 s. A smoke run (the tests use it) took 140 s (one round of 4 rollouts, then one step of 8). Set
+`LIGHTNING_NB_SMOKE=1` before the first code cell runs for it: uncomment its `%env` line, or start Jupyter with `LIGHTNING_NB_SMOKE=1 jupyter lab`. The
 LangGraph cell needs the `agents` extra (`pip install -e '.[agents]'`), the gym cell the `envs` extra."""),
     ("code", """# %env LIGHTNING_NB_SMOKE=1      # uncomment for the smoke run with small sizes
 import os
@@ -68,8 +71,8 @@ the kit ships (calculator tools `add`, `subtract`, `multiply`, `divide`; from a 
 `python -m lightning_nb.agents.rollout_server --port 9000`). For each rollout `RemoteRolloutAgent` POSTs `/rollout`
 with a `server_url` attributed to the attempt; the server calls back `{server_url}/v1/chat/completions` with a
 `response_mask` that the proxy checks against the tokens it served."""),
-    ("code", """from langchain_openai import ChatOpenAI
-from langgraph.prebuilt import create_react_agent
+    ("code", """from langchain.agents import create_agent   # LangGraph 1.0's replacement for create_react_agent
+from langchain_openai import ChatOpenAI
 
 from lightning_nb.agents.gem_runner import GEMRunner
 from lightning_nb.agents.remote import RemoteRolloutAgent, final_text
@@ -83,8 +86,7 @@ def langgraph_agent(task, llm):
         return calculator(expression)
 
     model = ChatOpenAI(base_url=llm.endpoint, api_key=llm.api_key, model=llm.model, max_retries=0)
-    state = create_react_agent(model, [calc]).invoke({"messages": [("user", task["question"])]},
-                                                     {"recursion_limit": 6})
+    state = create_agent(model, [calc]).invoke({"messages": [("user", task["question"])]}, {"recursion_limit": 6})
     return calc_reward(str(state["messages"][-1].content), task)
 
 

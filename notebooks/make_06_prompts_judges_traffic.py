@@ -24,7 +24,8 @@ Three things the training loop of notebook 01 does not do, on one engine, one pr
 
 1. **APO** (automatic prompt optimisation): the algorithm changes a `PromptTemplate` resource, the agent's system
    prompt, instead of the weights. A critic LLM reads failed episodes, an editor LLM writes new prompts, and a beam
-   keeps the best; the winner is published as a new version of the resources, so runners pick it up.
+   keeps the best. The starting prompt is candidate zero: the winner is published as a new version of the resources
+   (so runners pick it up) only if it beats the start on held-out tasks, else the start stays.
 2. **LLM-judge rewards** for a task with no checkable answer: `judge_reward` inside an agent (the judge's call is a
    span of its own, never trained on), and a `GroupJudge` that scores a whole GRPO group in one call (RULER-style).
 3. **Learning from traffic**: cells send requests through the proxy's `/traffic` route as users would, a person
@@ -32,17 +33,18 @@ Three things the training loop of notebook 01 does not do, on one engine, one pr
    `updates_df()` lists and `undo()` rolls back.
 
 Everything runs on SmolLM2-135M on the CPU, which is a weak critic, editor and judge: this notebook shows the
-mechanisms, not what a strong proposer achieves (README, "Prompt optimisation (APO)" and "Judge rewards", have the
-measured numbers). A smoke run (the tests use it) takes a few minutes on a 2-core CPU. Set `LIGHTNING_NB_SMOKE=1`
-before the first code cell runs for it: uncomment its `%env` line, or start Jupyter with
-`LIGHTNING_NB_SMOKE=1 jupyter lab`."""),
+mechanisms, not what a strong proposer achieves ([Prompts, judges and traffic](../docs/prompts-judges-traffic.md)
+and [Performance](../docs/performance.md#prompts-judges-and-traffic) have the measured numbers). At these sizes the
+notebook took 33 min on a 2-core CPU shared with other work (the APO cell 29 min, the traffic update
+9 s); a smoke run (the tests use it) takes a few minutes. Set `LIGHTNING_NB_SMOKE=1` before the first
+code cell runs for it: uncomment its `%env` line, or start Jupyter with `LIGHTNING_NB_SMOKE=1 jupyter lab`."""),
     ("code", """# %env LIGHTNING_NB_SMOKE=1      # uncomment for the smoke run with small sizes
 import os
 import tempfile
 
 SMOKE = os.environ.get("LIGHTNING_NB_SMOKE") == "1"
 APO_TASKS = 3 if SMOKE else 8        # training tasks each APO round runs every prompt on
-APO_VAL = 2 if SMOKE else 32         # held-out tasks the winner is scored on
+APO_VAL = 2 if SMOKE else 32         # held-out tasks the start and the winner are scored on
 APO_ROUNDS = 1 if SMOKE else 2       # APO rounds
 MAX_TOKENS = 24 if SMOKE else 48     # the agent's completion tokens per LLM call
 N_RUNNERS = 4 if SMOKE else 8        # runner threads (and the engine's batch)
@@ -51,7 +53,8 @@ WORK = tempfile.mkdtemp(prefix="lightning_nb_06_")   # APO's save file and the t
 
 `calc_resources(llm)` is the calc agent's resources set: the proxy's endpoint and its system prompt as a
 `PromptTemplate` named `"system_prompt"`. The agent declares a `resources` parameter, so each rollout hands it the
-set it was pinned to when it was enqueued; without a `"system_prompt"` it falls back to the constant."""),
+set it was pinned to when it was enqueued; without a `"system_prompt"` it falls back to the constant. The template
+fills `{question}`, the agent's one variable: a prompt written for this agent says where the problem goes."""),
     ("code", """from lightning_nb import InMemoryStore, LLMProxy, PromptTemplate, TransformersEngine, start_runners
 from lightning_nb.tasks.calc import calc_agent, calc_resources, load_tasks
 
@@ -75,7 +78,11 @@ rollouts pinned to it), shows the critic the failures, asks the editor for new p
 tasks and keeps the top `beam_width`. The critic and editor here are the same 135M model through the proxy's plain
 URL (served, never recorded as spans); pass `critic=`/`editor=` an `LLMResource` for a stronger endpoint.
 `start()` runs in the background like `LightningRL`: `pause()` parks it at a round boundary. The training tasks
-here are two-operation ones, which the untrained model mostly gets wrong, so the critic has failures to read."""),
+here are two-operation ones, which the untrained model mostly gets wrong, so the critic has failures to read.
+
+The starting prompt is candidate `c0` and competes in the beam like any other. An editor reply that is not a prompt
+for this agent (no `{question}` in it, or a critique or an answer instead of a prompt) is no candidate: `calls_df()`
+says why in `errors`, and it is never run. A 135M editor writes few prompts, so expect many such rows."""),
     ("code", """from lightning_nb import APO, APOConfig
 
 two_ops = [t for t in load_tasks("train") if t["ops"] == 2]
@@ -83,14 +90,21 @@ apo = APO(store, two_ops[:APO_TASKS], load_tasks("val")[:APO_VAL], config=APOCon
     rounds=APO_ROUNDS, beam_width=2, branch_factor=2, batch_size=APO_TASKS, max_tokens=MAX_TOKENS,
     proposer_max_tokens=48 if SMOKE else 160))
 apo.start()
-apo.wait(timeout=1800)
+apo.wait(timeout=3600)   # the full run took 29 min on a shared 2-core CPU
 apo.beam_df()[["round", "candidate_id", "score", "n", "kept", "parent", "text"]]"""),
     ("code", """apo.calls_df()[["round", "role", "parent", "candidates", "errors"]]   # every critic and editor call"""),
-    ("code", """best = apo.best()
-print(f"held-out reward: start {apo.evaluate('c0'):.3f} -> best {best.score:.3f}")
-print("published:", store.get_resources_by_id("calc").version, "versions of 'calc'; the winner:",
-      best.template.template[:120])
-apo.save(os.path.join(WORK, "apo.json"))"""),
+    ("md", """When the rounds end, APO scores the start (`c0`) and the winner (the top of the beam, chosen on the training
+tasks) on the same held-out tasks, and publishes the winner only if it beats the start there by more than
+`APOConfig.publish_margin` (0.05 of mean reward: 2 of 32 tasks); else the start stays. `apo.best()` returns both
+scores and the verdict (it reuses the held-out rewards `run()` measured)."""),
+    ("code", """best = apo.best()             # the start (c0) and the winner, on the same held-out tasks
+print(best)                   # the verdict in one line
+print(f"held-out reward: start {best.start_score:.3f} -> winner {best.winner_score:.3f} ({best.n} tasks)")
+calc = store.get_resources_by_id("calc")
+print(f"published: {'the winner ' + best.winner_id if best.keeps_winner else 'not the winner: the start stays'}; "
+      f"{calc.version} versions of 'calc', the latest holds {best.candidate_id}")
+apo.save(os.path.join(WORK, "apo.json"))
+best.df()"""),
     ("md", """## 3. Judge rewards
 
 A one-sentence summary has no checkable answer. The agent asks a judge: `judge_reward` calls the judge on the
@@ -147,7 +161,9 @@ store.rewards_df().query("rollout_id in @summaries").pivot_table("reward", "roll
 People already send the agent work. Requests to the proxy's opt-in `/traffic/v1` route become one-call rollouts,
 unlabelled; the response names its rollout in the `X-Rollout-Id` header. A person labels some replies with
 `store.label(rollout_id, reward)`, and `TrafficLearner` trains on labelled traffic it has not used yet, while people
-keep working. Equal requests form GRPO groups; requests seen once share one pooled group."""),
+keep working. Equal requests whose labels differ form GRPO groups; every other labelled request (seen once, or
+labelled like its equals) trains against a running baseline, so one label is enough. `learner.wait()` says what
+it waits for (labelled, unlabelled) and, after a minute without progress, why and what to do."""),
     ("code", """import pandas as pd
 
 client = OpenAI(base_url=proxy.traffic_endpoint(), api_key="not-needed")

@@ -7,7 +7,7 @@
 The calculator agent on SmolLM2-135M behind the LLM proxy, with one runner thread, so the engine
 decodes one request at a time and the torch RNG stream that sampling draws from is consumed in a
 fixed order. ``--trainer verl`` trains with VerlTrainer (checkpoints are folders in verl's layout).
-With ``--background-pause`` the steps after ``--save-at`` run in the background (``trainer.start``),
+With ``--background-pause`` the steps after ``--save-at`` run in the background (``algo.start``),
 paused at once: the loop parks at the first step boundary it reaches inside the next step, the run is
 inspected there (metrics, the last batch, a greedy chat with the model) and resumed. With ``--pauses``
 and ``--checkpoint``, the checkpoint is saved while paused inside step ``--save-at`` + 1, after its
@@ -37,7 +37,7 @@ def weights_sha256(model) -> str:
     return h.hexdigest()
 
 
-def _pauser(trainer, engine, log: list, store, checkpoint=None, save_at: int = 0, per_step: int = 0) -> None:
+def _pauser(algo, engine, log: list, store, checkpoint=None, save_at: int = 0, per_step: int = 0) -> None:
     """Pause at a few points of the run, chat greedily while paused, then resume.
 
     With ``checkpoint``: the timed pauses stop once step ``save_at`` is done; then the run is paused while
@@ -46,28 +46,28 @@ def _pauser(trainer, engine, log: list, store, checkpoint=None, save_at: int = 0
     """
     for delay in (0.5, 1.5, 1.5, 3.0):
         time.sleep(delay)
-        if not trainer.running or (checkpoint and trainer.step >= save_at):
+        if not algo.running or (checkpoint and algo.global_step >= save_at):
             break
-        if trainer.pause(timeout=300) and trainer.paused_at:  # not when the run ended before it parked
-            log.append({"step": trainer.step, "at": trainer.paused_at,
+        if algo.pause(timeout=300) and algo.paused_at:  # not when the run ended before it parked
+            log.append({"step": algo.global_step, "at": algo.paused_at,
                         "chat": engine.chat("What is 2 + 2?", max_tokens=6)})
             time.sleep(0.5)
-        trainer.resume()
+        algo.resume()
     if not checkpoint:
         return
-    while trainer.running and not (trainer.step == save_at and len(store.query_rollouts()) > per_step * save_at):
+    while algo.running and not (algo.global_step == save_at and len(store.query_rollouts()) > per_step * save_at):
         time.sleep(0.005)
-    if trainer.pause(timeout=300) and trainer.paused_at:
-        trainer.save(checkpoint)
-        log.append({"step": trainer.step, "at": trainer.paused_at, "saved": True,
+    if algo.pause(timeout=300) and algo.paused_at:
+        algo.save(checkpoint)
+        log.append({"step": algo.global_step, "at": algo.paused_at, "saved": True,
                     "chat": engine.chat("What is 2 + 2?", max_tokens=6)})
-    trainer.resume()
+    algo.resume()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--steps", type=int, required=True, help="train until trainer.step == steps")
+    parser.add_argument("--steps", type=int, required=True, help="train until algo.global_step == steps")
     parser.add_argument("--save-at", type=int, default=0)
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--load", default=None)
@@ -98,44 +98,44 @@ def main() -> int:
     algo = LightningRL(store, trainer, load_tasks("train"), config=AlgorithmConfig(
         tasks_per_step=2, group_size=2, max_tokens=16, temperature=1.0, max_sample_rounds=1, seed=3))
     if args.load:
-        trainer.load(args.load)
-    first = trainer.step
+        algo.load(args.load)
+    first = algo.global_step
     pauses: list = []
     step_seconds: list[float] = []
     try:
         if args.background_pause:
-            while trainer.step < args.save_at:
+            while algo.global_step < args.save_at:
                 algo.step()
             if args.checkpoint:
-                trainer.save(args.checkpoint)
+                algo.save(args.checkpoint)
             t0 = time.perf_counter()
-            trainer.start(algo, steps=args.steps - trainer.step)
-            parked = trainer.pause(timeout=600)  # at the first boundary the loop reaches
+            algo.start(steps=args.steps - algo.global_step)
+            parked = algo.pause(timeout=600)  # at the first boundary the loop reaches
             batch = trainer.last_batch_df()
-            pauses.append({"parked": parked, "step": trainer.step, "at": trainer.paused_at,
-                           "metrics_rows": len(trainer.metrics_df()), "batch_rows": len(batch),
+            pauses.append({"parked": parked, "step": algo.global_step, "at": algo.paused_at,
+                           "metrics_rows": len(algo.metrics_df()), "batch_rows": len(batch),
                            "batch_columns": list(batch.columns), "chat": engine.chat("What is 2 + 2?", max_tokens=6)})
-            trainer.resume()
-            trainer.wait(timeout=900)
+            algo.resume()
+            algo.wait(timeout=900)
             step_seconds.append(time.perf_counter() - t0)
         elif args.pauses:
-            pauser = threading.Thread(target=_pauser, args=(trainer, engine, pauses, store, args.checkpoint,
+            pauser = threading.Thread(target=_pauser, args=(algo, engine, pauses, store, args.checkpoint,
                                                              args.save_at, 2 * 2), daemon=True)  # tasks x group
-            trainer.start(algo, steps=args.steps - trainer.step)
+            algo.start(steps=args.steps - algo.global_step)
             pauser.start()
-            trainer.wait(timeout=900)
+            algo.wait(timeout=900)
         else:
-            while trainer.step < args.steps:
+            while algo.global_step < args.steps:
                 algo.step()
-                if args.checkpoint and trainer.step == args.save_at:
-                    trainer.save(args.checkpoint)
+                if args.checkpoint and algo.global_step == args.save_at:
+                    algo.save(args.checkpoint)
     finally:
         runners.stop()
         proxy.stop()
     keys = ("step", "trainer", "loss", "pg_loss", "grad_norm", "reward_mean", "tokens_trained", "kl", "ppo_kl",
             "actor/pg_clipfrac", "optimizer_steps", "sequences_trained")
     rows = [{k: (None if isinstance(m.get(k), float) and math.isnan(m[k]) else m.get(k)) for k in keys}
-            for m in trainer.metrics if m["step"] > first]
+            for m in algo.metrics if m["step"] > first]
     with open(args.out, "w") as f:
         json.dump({"rows": rows, "weights": weights_sha256(engine.model), "pauses": pauses,
                    "val_history": algo.val_history, "weight_version": engine.weight_version,

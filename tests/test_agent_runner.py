@@ -270,7 +270,7 @@ def test_training_steps_on_frozen_lake_groups_are_episodes_of_one_seed(engine, p
     try:
         rows = [algo.step() for _ in range(2)]
     finally:
-        trainer.stop()
+        algo.stop()
         runners.stop()
         proxy.stop()
     assert [r["step"] for r in rows] == [1, 2] and all(r["rollouts"] == 4 for r in rows)

@@ -4,7 +4,8 @@ These are the properties of issue 28 that a later change could silently undo, so
 
 * the layers of ``.importlinter`` hold (``lint-imports``: no module imports a layer above its own, no circle);
 * no module over 600 lines and no function over 60 lines of code in ``lightning_nb/`` and ``widgets/``;
-* no module but ``semconv.py`` writes a span name or attribute key as a string literal;
+* no module but ``semconv.py`` writes a span attribute key (any of them), a distinctive span name, or a key's
+  name from before the naming rule as a string literal;
 * the widgets use only public names of ``lightning_nb``;
 * the README's module table lists exactly the packages and top-level modules of ``lightning_nb``, and every
   name the README imports from ``lightning_nb`` is in ``lightning_nb.__all__``.
@@ -25,10 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CODE = [ROOT / "lightning_nb", ROOT / "widgets"]
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_CODE_LINES = 60
-# Key values too generic to search for as literals ("reward", "engine", "n" are DataFrame columns and words
-# too; "prompt_token_ids" and "completion_token_ids" are also fields of the vLLM/OpenAI wire format and
-# columns of the parquet export, which are other vocabularies); those with a "." or a ":" are distinctive,
-# and so is the intermediate reward's span name. tests/test_semconv.py checks what the proxy records key by key.
+# Every attribute key has a "." (tests/test_semconv.py checks the naming rule), so every one is searched for. Span
+# names are words the kit also uses otherwise ("reward" is a DataFrame column, "agent" and "judge" reward sources):
+# those with a "." or a ":" are distinctive, and so is the intermediate reward's span name.
 DISTINCTIVE_KEYS = {"intermediate_reward"}
 
 
@@ -90,18 +90,25 @@ def test_no_module_or_function_is_too_long():
 
 
 def _schema_values() -> dict[str, str]:
-    """The distinctive span names and attribute keys of :mod:`lightning_nb.semconv`: value -> constant name."""
+    """Every attribute key and the distinctive span names of :mod:`lightning_nb.semconv`, and the keys' names from
+    before the naming rule that have a "." (``"tool.output"``...): value -> the constant to use."""
     out = {}
     for name in semconv.__all__:
         value = getattr(semconv, name)
-        if isinstance(value, str) and ("." in value or ":" in value or value in DISTINCTIVE_KEYS):
+        if isinstance(value, str) and (value in semconv.ATTRIBUTE_KEYS or "." in value or ":" in value
+                                       or value in DISTINCTIVE_KEYS):
             out[value] = name
+    current = {getattr(semconv, name): name for name in semconv.__all__ if isinstance(getattr(semconv, name), str)}
+    for renamed in semconv.RENAMED_KEYS.values():
+        out.update({old: current[new] for old, new in renamed.items() if "." in old and old not in out})
     return out
 
 
 def test_the_schema_exists_and_the_check_below_has_something_to_find():
     values = _schema_values()
     assert {"llm.chat.completions", "gen_ai.prompt", "intermediate_reward", "tool:"} <= set(values)
+    assert set(semconv.ATTRIBUTE_KEYS) <= set(values)  # every key, whatever it looks like
+    assert {"tool.output", "reward.name", "gen_ai.request.tools"} <= set(values)  # and the old dotted names
 
 
 def _all_names(tree: ast.Module) -> set[int]:

@@ -13,6 +13,7 @@ import openai
 import pytest
 import torch
 
+from lightning_nb import semconv
 from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy, start_runners
 from lightning_nb.inspect.audit import FIDELITY_COLUMNS, batch_df, batch_html, token_fidelity
 from lightning_nb.models import DEFAULT_MODEL_NAME as M
@@ -87,7 +88,8 @@ def test_a_hand_made_fork_is_reported_at_the_first_differing_token(proxied, engi
     # the packer agrees: the second turn starts a new sequence
     spans = [s for s in store.query_spans(rid) if s.name == "llm.chat.completions"]
     triplets = [Triplet(rollout_id=rid, attempt_id=s.attempt_id, group_id="g", turn=i, reward=0.0,
-                        prompt_ids=s.attributes["prompt_token_ids"], response_ids=s.attributes["completion_token_ids"])
+                        prompt_ids=s.attributes[semconv.PROMPT_TOKEN_IDS],
+                        response_ids=s.attributes[semconv.COMPLETION_TOKEN_IDS])
                 for i, s in enumerate(spans)]
     assert len(pack_episode(triplets, 1.0)) == 2
 
@@ -106,7 +108,7 @@ def test_a_render_mismatch_is_reported_where_the_messages_differ(proxied, engine
         **span.attributes, "gen_ai.prompt": json.dumps(messages)}}))
     assert token_fidelity(store, [rid], tok).empty
     (row,) = token_fidelity(store, [other], tok).itertuples()
-    served, rendered = span.attributes["prompt_token_ids"], engine.apply_chat_template(messages)
+    served, rendered = span.attributes[semconv.PROMPT_TOKEN_IDS], engine.apply_chat_template(messages)
     pos = next(i for i, (a, b) in enumerate(zip(served, rendered)) if a != b)
     assert (row.kind, row.cause, row.turn, row.position, row.served_id, row.expected_id) == (
         "render", "template", 0, pos, served[pos], rendered[pos])
@@ -135,7 +137,7 @@ def _optimizer_hash(optimizer) -> str:
 
 def _snapshot(algo):
     t = algo.trainer
-    return (_weights_hash(t.model), _optimizer_hash(t.optimizer), t.step, t.engine.weight_version, len(t.metrics),
+    return (_weights_hash(t.model), _optimizer_hash(t.optimizer), t.step, t.engine.weight_version, len(algo.metrics),
             algo.state_dict(), dict(algo.adapter.skipped))
 
 

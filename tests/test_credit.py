@@ -15,7 +15,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from lightning_nb import GRPOConfig, GRPOTrainer, emit_intermediate_reward
+from lightning_nb import GRPOConfig, GRPOTrainer, emit_intermediate_reward, semconv
 from lightning_nb.adapter import TripletAdapter, attribute_intermediate_rewards, triplets_df
 from lightning_nb.inspect.audit import batch_html
 from lightning_nb.errors import ConfigError, InvalidRewardError, LightningNbError
@@ -54,7 +54,7 @@ def test_intermediate_rewards_go_to_the_call_that_ended_before_them(engine, prox
     assert rollout.status == "succeeded"
     spans = store.query_spans(rollout.rollout_id, "latest")
     inter = [s for s in spans if s.name == "intermediate_reward"]
-    assert [(s.attributes["reward"], s.attributes["reward.name"]) for s in inter] == [
+    assert [(s.attributes[semconv.REWARD], s.attributes[semconv.REWARD_NAME]) for s in inter] == [
         (0.25, "plan"), (-1.0, "tool_error"), (0.5, "tool_ok"), (2.0, "critic_bonus")]
     assert inter[2].attributes["tool"] == "calc"
     calls = [s for s in spans if s.name == LLM_SPAN_NAME]
@@ -88,14 +88,14 @@ def test_attribution_rule_on_exact_times_and_ties():
 
     llm, ir = LLM_SPAN_NAME, "intermediate_reward"
     spans = [
-        span(ir, 1, 0.5, 0.5, reward=1.0),  # before any call ended -> the first call (by start time)
+        span(ir, 1, 0.5, 0.5, **{semconv.REWARD: 1.0}),  # before any call ended -> the first call (by start time)
         span(llm, 3, 1.0, 2.0),  # ends at 2.0, stored before the tie reward (seq 4)
-        span(ir, 4, 2.0, 2.0, reward=2.0),  # starts the instant call 3 ends: call 3 (stored first)
+        span(ir, 4, 2.0, 2.0, **{semconv.REWARD: 2.0}),  # starts the instant call 3 ends: call 3 (stored first)
         span(llm, 5, 1.5, 3.0),  # overlapping call; ends later
-        span(ir, 6, 2.5, 2.5, reward=4.0),  # call 5 has not ended yet -> call 3
-        span(ir, 2, 3.0, 3.0, reward=8.0),  # same instant as call 5's end but stored before it -> call 3
-        span(ir, 7, 3.5, 3.5, reward=16.0),  # after both -> call 5, the one that ended most recently
-        span("reward", 8, 4.0, 4.0, reward=0.0),  # the final reward is not an intermediate one
+        span(ir, 6, 2.5, 2.5, **{semconv.REWARD: 4.0}),  # call 5 has not ended yet -> call 3
+        span(ir, 2, 3.0, 3.0, **{semconv.REWARD: 8.0}),  # same instant as call 5's end but stored before it -> call 3
+        span(ir, 7, 3.5, 3.5, **{semconv.REWARD: 16.0}),  # after both -> call 5, the one that ended most recently
+        span("reward", 8, 4.0, 4.0, **{semconv.REWARD: 0.0}),  # the final reward is not an intermediate one
     ]
     assert attribute_intermediate_rewards(spans) == {f"{llm}3": [1.0, 8.0, 2.0, 4.0], f"{llm}5": [16.0]}
     assert attribute_intermediate_rewards([s for s in spans if s.name != llm]) == {}
@@ -202,6 +202,25 @@ def test_episode_credit_without_intermediate_rewards_is_the_plain_update(engine,
     assert m["intermediate_rewards"] == 0 and m["groups_with_signal"] == 1
     assert m["sequences_trained"] == 3  # group h has advantage 0 on every token: skipped
     assert trainer.signal_groups(batch) == {"g"}
+
+
+def test_an_episode_with_a_baseline_trains_on_reward_minus_baseline_even_alone_in_its_group(engine, pristine):
+    """Issue 43: traffic seen once has no group to compare against; its Triplet.baseline gives the advantage."""
+    def with_baseline(ts, b):
+        return [t.model_copy(update={"baseline": b}) for t in ts]
+
+    alone = with_baseline(_episode("up", "u", 1.0, [0.0, 0.25]), 0.5)  # R = 1.25, b = 0.5: +0.75
+    down = with_baseline(_episode("down", "d", 0.0, [0.0], base=400), 0.5)  # 0 − 0.5: −0.5
+    grpo = _episode("g1", "g", 1.0, [0.0], base=500) + _episode("g0", "g", 0.0, [0.0], base=600)
+    trainer, m = _update(engine, alone + down + grpo)
+    want, _ = group_advantages({"g1": 1.0, "g0": 0.0}, {"g1": "g", "g0": "g"})
+    assert trainer.last_advantages == pytest.approx({"up": 0.75, "down": -0.5, **want}, abs=1e-6)
+    assert m["groups_dropped"] == 0 and m["episodes"] == 4 and trainer.signal_groups(alone + down) == {"u", "d"}
+    assert trainer.signal_groups(with_baseline(_episode("z", "z", 0.5, [0.0]), 0.5)) == set()  # reward = baseline
+    trainer, _ = _update(engine, alone, credit="reward_to_go")  # each turn's return minus the baseline
+    assert trainer.last_turn_advantages == pytest.approx({("up", 0): 0.75, ("up", 1): 0.75}, abs=1e-6)
+    with pytest.raises(ValueError, match="baseline must be a finite number"):
+        Triplet.model_validate({**alone[0].model_dump(), "baseline": float("nan")})
 
 
 def test_single_turn_reward_to_go_with_gamma_1_trains_exactly_like_episode_credit(engine, pristine):

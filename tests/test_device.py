@@ -15,7 +15,8 @@ import time
 import pytest
 import torch
 
-from lightning_nb import GRPOConfig, GRPOTrainer, TransformersEngine
+from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL,
+                          TransformersEngine)
 from lightning_nb.models.device import model_device, model_dtype, set_gradient_checkpointing
 from lightning_nb.errors import ConfigError
 from lightning_nb.trainers.optim import MasterWeightAdamW
@@ -87,10 +88,11 @@ def test_a_bad_device_or_dtype_is_a_config_error_naming_the_field(local_dir):
 
 def test_device_dtype_and_checkpointing_are_set_at_construction_not_edited_later(own_engine, samples):
     trainer = GRPOTrainer(own_engine, GRPOConfig(track_reference_kl=False))
+    algo = LightningRL(InMemoryStore(), trainer, [{"id": "t"}], config=AlgorithmConfig(tasks_per_step=1, group_size=2))
     batch = _batch(samples(own_engine, 2, max_tokens=4))
     trainer.config.dtype = "bfloat16"
     with pytest.raises(ConfigError, match=r"GRPOConfig\.dtype was 'float32'.*set at construction"):
-        trainer.resume()
+        algo.resume()
     with pytest.raises(ConfigError, match=r"GRPOConfig\.dtype"):
         trainer.update(batch)
     trainer.config.dtype = "float32"
@@ -187,12 +189,13 @@ def test_bfloat16_update_on_cpu_serves_float32_logprobs_that_agree_with_the_trai
 def test_bfloat16_checkpoint_round_trip_keeps_the_float32_masters(own_engine, tmp_path, samples):
     trainer = GRPOTrainer(own_engine, GRPOConfig(dtype="bfloat16", track_reference_kl=False))
     trainer.update(_batch(samples(own_engine, 2, max_tokens=6)))
+    algo = LightningRL(InMemoryStore(), trainer, [{"id": "t"}])
     masters = [m.detach().clone() for m in trainer.optimizer.master_params]
-    path = trainer.save(tmp_path / "bf16.pt")
+    path = algo.save(tmp_path / "bf16.pt")
     with torch.no_grad():
         for m in trainer.optimizer.master_params:
             m.zero_()
-    trainer.load(path)
+    algo.load(path)
     assert all(torch.equal(a, b) for a, b in zip(trainer.optimizer.master_params, masters))
     assert all(torch.equal(p.detach(), m.to(torch.bfloat16))
                for p, m in zip(trainer.optimizer.model_params, masters))
@@ -274,11 +277,11 @@ def test_grpo_update_on_cuda_bfloat16_through_the_transformers_engine(tmp_path):
         assert all(m["sequences_trained"] > 0 and m["grad_norm"] > 0 for *_, m in rows)
         assert all(0 < m["logprob_diff_max"] < 0.5 for *_, m in rows)  # bfloat16 noise: see the CPU bf16 test
         # a checkpoint saved on cuda loads on the CPU
-        path = trainer.save(tmp_path / "cuda.pt")
+        path = LightningRL(InMemoryStore(), trainer, [{"id": "t"}]).save(tmp_path / "cuda.pt")
         cpu_engine = TransformersEngine.from_default()
         try:
             cpu_trainer = GRPOTrainer(cpu_engine, GRPOConfig(dtype="bfloat16"))
-            cpu_trainer.load(path)
+            LightningRL(InMemoryStore(), cpu_trainer, [{"id": "t"}]).load(path)
             assert cpu_trainer.step == trainer.step == 3
             for (name, a), b in zip(engine.model.state_dict().items(), cpu_engine.model.state_dict().values()):
                 assert b.device.type == "cpu" and torch.equal(a.cpu(), b), name

@@ -23,7 +23,7 @@ import openai
 import pytest
 import torch
 
-from lightning_nb import LLMProxy, OpenAIEndpoint
+from lightning_nb import LLMProxy, OpenAIEndpoint, semconv
 from lightning_nb.engines.base import SERVING_MEMBERS, WEIGHT_MEMBERS, Engine, Generation
 from lightning_nb.engines.chat_format import prompt_token_ids
 from lightning_nb.errors import ConfigError, LightningNbError
@@ -189,11 +189,12 @@ def test_spans_hold_the_engines_token_ids_and_logprobs_match_the_trainers(served
     reply, a = _call(proxy, store, messages, max_tokens=24, temperature=1.0, seed=3)
     rendered = TOKENIZER["tok"].apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                                     return_dict=False)
-    assert a["prompt_token_ids"] == reply["prompt_token_ids"] == list(rendered)
-    assert a["completion_token_ids"] == reply["choices"][0]["token_ids"] and a["completion_token_ids"]
-    assert len(a["logprobs"]) == len(a["completion_token_ids"]) and a["weight_version"] == eng.weight_version
-    recomputed = _trainer_logprobs(model, a["prompt_token_ids"], a["completion_token_ids"], 1.0)
-    diff = float((recomputed - torch.tensor(a["logprobs"])).abs().max())
+    assert a[semconv.PROMPT_TOKEN_IDS] == reply["prompt_token_ids"] == list(rendered)
+    assert a[semconv.COMPLETION_TOKEN_IDS] == reply["choices"][0]["token_ids"] and a[semconv.COMPLETION_TOKEN_IDS]
+    assert len(a[semconv.LOGPROBS]) == len(a[semconv.COMPLETION_TOKEN_IDS])
+    assert a[semconv.WEIGHT_VERSION] == eng.weight_version
+    recomputed = _trainer_logprobs(model, a[semconv.PROMPT_TOKEN_IDS], a[semconv.COMPLETION_TOKEN_IDS], 1.0)
+    diff = float((recomputed - torch.tensor(a[semconv.LOGPROBS])).abs().max())
     print(f"{kind}: max per-token |engine - trainer| log-prob = {diff:.2e} nats")
     assert diff < TOLERANCE[kind]
 
@@ -207,7 +208,7 @@ def test_a_weight_update_is_served_at_once_and_nothing_stale_after(served, proxy
             eng.load_weights(model)
         return
     _, before = _call(proxy, store, messages, max_tokens=8, temperature=0.0)
-    assert len(before["prompt_token_ids"]) >= 128
+    assert len(before[semconv.PROMPT_TOKEN_IDS]) >= 128
     original = {k: v.detach().clone() for k, v in model.state_dict().items()}
     version = eng.weight_version
     with torch.no_grad():
@@ -217,18 +218,18 @@ def test_a_weight_update_is_served_at_once_and_nothing_stale_after(served, proxy
                 p.add_(torch.randn(p.shape, generator=gen) * 0.02)
     assert eng.load_weights(model) == version + 1 == eng.weight_version
     _, changed = _call(proxy, store, messages, max_tokens=8, temperature=0.0)
-    assert changed["weight_version"] == version + 1
-    new_lp = _trainer_logprobs(model, changed["prompt_token_ids"], changed["completion_token_ids"], 1.0)
-    assert float((new_lp - torch.tensor(changed["logprobs"])).abs().max()) < TOLERANCE[kind]
-    old_lp = torch.tensor(before["logprobs"])
-    assert (changed["completion_token_ids"] != before["completion_token_ids"]
-            or float((torch.tensor(changed["logprobs"]) - old_lp).abs().max()) > 0.05)
+    assert changed[semconv.WEIGHT_VERSION] == version + 1
+    new_lp = _trainer_logprobs(model, changed[semconv.PROMPT_TOKEN_IDS], changed[semconv.COMPLETION_TOKEN_IDS], 1.0)
+    assert float((new_lp - torch.tensor(changed[semconv.LOGPROBS])).abs().max()) < TOLERANCE[kind]
+    old_lp = torch.tensor(before[semconv.LOGPROBS])
+    assert (changed[semconv.COMPLETION_TOKEN_IDS] != before[semconv.COMPLETION_TOKEN_IDS]
+            or float((torch.tensor(changed[semconv.LOGPROBS]) - old_lp).abs().max()) > 0.05)
     with torch.no_grad():
         model.load_state_dict(original)
     eng.load_weights(model)
     _, back = _call(proxy, store, messages, max_tokens=8, temperature=0.0)
-    assert back["completion_token_ids"] == before["completion_token_ids"]
-    assert float((torch.tensor(back["logprobs"]) - old_lp).abs().max()) < TOLERANCE[kind]
+    assert back[semconv.COMPLETION_TOKEN_IDS] == before[semconv.COMPLETION_TOKEN_IDS]
+    assert float((torch.tensor(back[semconv.LOGPROBS]) - old_lp).abs().max()) < TOLERANCE[kind]
 
 
 def test_an_update_wrapped_in_released_for_update_is_served_after_it(served, proxy_store, pristine):
@@ -254,18 +255,18 @@ def test_an_update_wrapped_in_released_for_update_is_served_after_it(served, pro
                     p.add_(torch.randn(p.shape, generator=gen) * 0.02)
         version = eng.load_weights(model)
     _, changed = _call(proxy, store, messages, max_tokens=8, temperature=0.0)
-    assert changed["weight_version"] == version == eng.weight_version
-    new_lp = _trainer_logprobs(model, changed["prompt_token_ids"], changed["completion_token_ids"], 1.0)
-    assert float((new_lp - torch.tensor(changed["logprobs"])).abs().max()) < TOLERANCE[kind]
-    assert (changed["completion_token_ids"], changed["logprobs"]) != \
-        (before["completion_token_ids"], before["logprobs"])
+    assert changed[semconv.WEIGHT_VERSION] == version == eng.weight_version
+    new_lp = _trainer_logprobs(model, changed[semconv.PROMPT_TOKEN_IDS], changed[semconv.COMPLETION_TOKEN_IDS], 1.0)
+    assert float((new_lp - torch.tensor(changed[semconv.LOGPROBS])).abs().max()) < TOLERANCE[kind]
+    assert (changed[semconv.COMPLETION_TOKEN_IDS], changed[semconv.LOGPROBS]) != \
+        (before[semconv.COMPLETION_TOKEN_IDS], before[semconv.LOGPROBS])
     with eng.lock, eng.released_for_update():  # an update without new weights: the engine serves as before it
         pass
     with torch.no_grad():
         model.load_state_dict(original)
     eng.load_weights(model)
     _, back = _call(proxy, store, messages, max_tokens=8, temperature=0.0)
-    assert back["completion_token_ids"] == before["completion_token_ids"]
+    assert back[semconv.COMPLETION_TOKEN_IDS] == before[semconv.COMPLETION_TOKEN_IDS]
 
 
 def test_close_leaves_nothing_serving(engine):
@@ -294,10 +295,10 @@ def test_an_endpoint_without_token_ids_is_traced_but_never_trained_on(engine):
     with LLMProxy(judge, store) as proxy:
         reply, a = _call(proxy, store, [{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0)
     assert reply["choices"][0]["message"]["content"] is not None
-    assert "returned no token IDs" in a["lightning_nb.token_ids_missing"] and "completion_token_ids" not in a
+    assert "returned no token IDs" in a["lightning_nb.token_ids_missing"] and semconv.COMPLETION_TOKEN_IDS not in a
     rid = store.query_rollouts()[0].rollout_id
     aid = store.query_attempts(rid)[0].attempt_id
-    span = Tracer(store).start_span("reward", rid, aid, {"reward": 1.0})
+    span = Tracer(store).start_span("reward", rid, aid, {semconv.REWARD: 1.0})
     span.end()
     store.update_attempt(rid, aid, status="succeeded")
     with pytest.raises(ConfigError, match="no token IDs"):

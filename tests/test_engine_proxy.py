@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from lightning_nb import LLMProxy
+from lightning_nb import LLMProxy, semconv
 from lightning_nb.engines.transformers import DEFAULT_MODEL_NAME as M
 from lightning_nb.errors import ConfigError
 from lightning_nb.store import InMemoryStore
@@ -58,9 +58,9 @@ def test_proxy_records_engine_token_ids_in_spans(proxied, recorded):
     raw = reply.model_dump()
     (span,) = store.query_spans(rid)
     gen = recorded[-1]
-    assert span.attributes["prompt_token_ids"] == gen.prompt_ids == raw["prompt_token_ids"]
-    assert span.attributes["completion_token_ids"] == gen.completion_ids == raw["choices"][0]["token_ids"]
-    assert span.attributes["logprobs"] == pytest.approx(gen.logprobs)
+    assert span.attributes[semconv.PROMPT_TOKEN_IDS] == gen.prompt_ids == raw["prompt_token_ids"]
+    assert span.attributes[semconv.COMPLETION_TOKEN_IDS] == gen.completion_ids == raw["choices"][0]["token_ids"]
+    assert span.attributes[semconv.LOGPROBS] == pytest.approx(gen.logprobs)
     assert span.attributes["gen_ai.completion"] == reply.choices[0].message.content == gen.text
     assert reply.usage.completion_tokens == len(gen.completion_ids)
     df = store.spans_df()
@@ -83,7 +83,8 @@ def test_the_rollouts_sampling_parameters_are_applied_whatever_the_client_sends(
     (span,) = store.query_spans(rollout.rollout_id)
     a = span.attributes
     assert (a["gen_ai.request.temperature"], a["gen_ai.request.max_tokens"]) == (1.3, 64)  # what was asked
-    assert (a["temperature"], a["max_tokens"]) == (0.0, 3)  # what was applied: the log-probs' distribution
+    # what was applied: the log-probs' distribution
+    assert (a[semconv.APPLIED_TEMPERATURE], a[semconv.APPLIED_MAX_TOKENS]) == (0.0, 3)
     assert a["lightning_nb.sampling_not_applied"] == ["logit_bias"]  # said, not silently dropped
     # an unattributed call (no rollout) keeps the client's settings
     client = openai.OpenAI(base_url=proxy.endpoint(), api_key="unused", max_retries=0)
@@ -218,8 +219,8 @@ def test_stream_is_sse_with_the_same_tokens_as_a_plain_call(proxied):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
     first, second = store.query_spans(rid)
-    assert first.attributes["completion_token_ids"] == second.attributes["completion_token_ids"]
-    assert first.attributes["prompt_token_ids"] == second.attributes["prompt_token_ids"]
+    assert first.attributes[semconv.COMPLETION_TOKEN_IDS] == second.attributes[semconv.COMPLETION_TOKEN_IDS]
+    assert first.attributes[semconv.PROMPT_TOKEN_IDS] == second.attributes[semconv.PROMPT_TOKEN_IDS]
 
 
 def test_stop_cuts_the_text_and_keeps_the_sampled_tokens(proxied):
@@ -234,9 +235,10 @@ def test_stop_cuts_the_text_and_keeps_the_sampled_tokens(proxied):
                                          stop=["never-written", stop])
     assert cut.choices[0].message.content == text.split(stop)[0] and cut.choices[0].finish_reason == "stop"
     span = store.query_spans(rid)[-1]
-    ids = span.attributes["completion_token_ids"]
+    ids = span.attributes[semconv.COMPLETION_TOKEN_IDS]
     assert stop in proxy.engine.tokenizer.decode(ids) and stop not in proxy.engine.tokenizer.decode(ids[:-1])
-    assert len(span.attributes["logprobs"]) == len(ids) and span.attributes["stop"] == ["never-written", stop]
+    assert len(span.attributes[semconv.LOGPROBS]) == len(ids)
+    assert span.attributes[semconv.APPLIED_STOP] == ["never-written", stop]
 
 
 def test_seed_reproduces_a_sample_without_moving_the_global_rng(proxied):
@@ -259,12 +261,13 @@ def test_n_choices_give_one_span_each(proxied):
     client = openai.OpenAI(base_url=proxy.endpoint(rid, aid), api_key="x", max_retries=0)
     reply = client.chat.completions.create(model=M, messages=[{"role": "user", "content": "Say a number."}],
                                            max_tokens=8, temperature=1.0, n=3, seed=1)
-    spans = sorted(store.query_spans(rid), key=lambda s: s.attributes["choice_index"])
-    assert len(reply.choices) == 3 and [s.attributes["choice_index"] for s in spans] == [0, 1, 2]
+    spans = sorted(store.query_spans(rid), key=lambda s: s.attributes[semconv.CHOICE_INDEX])
+    assert len(reply.choices) == 3 and [s.attributes[semconv.CHOICE_INDEX] for s in spans] == [0, 1, 2]
     raw = reply.model_dump()
     for span, choice in zip(spans, raw["choices"]):
-        assert span.attributes["completion_token_ids"] == choice["token_ids"]
-        assert span.attributes["prompt_token_ids"] == raw["prompt_token_ids"] and span.attributes["n"] == 3
+        assert span.attributes[semconv.COMPLETION_TOKEN_IDS] == choice["token_ids"]
+        assert span.attributes[semconv.PROMPT_TOKEN_IDS] == raw["prompt_token_ids"]
+        assert span.attributes[semconv.CHOICES] == 3
 
 
 def test_tools_are_rendered_as_hermes_text_and_tool_calls_parsed(proxied):
@@ -281,7 +284,7 @@ def test_tools_are_rendered_as_hermes_text_and_tool_calls_parsed(proxied):
         {"role": "tool", "tool_call_id": "call_1", "content": "391"},
     ]
     client.chat.completions.create(model=M, messages=history, tools=[CALCULATOR], max_tokens=16, temperature=0.0)
-    prompt = proxy.engine.tokenizer.decode(store.query_spans(rid)[-1].attributes["prompt_token_ids"])
+    prompt = proxy.engine.tokenizer.decode(store.query_spans(rid)[-1].attributes[semconv.PROMPT_TOKEN_IDS])
     assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>' in prompt
     assert "<tool_response>\n391\n</tool_response>" in prompt
     assert '"description": "Evaluate an arithmetic expression"' in prompt.split("<|im_end|>")[0]  # the system turn
@@ -292,8 +295,8 @@ def test_tools_are_rendered_as_hermes_text_and_tool_calls_parsed(proxied):
     # test_framework_agents.py (greedy, where it writes them).
     reply = client.chat.completions.create(model=M, messages=history[:1], tools=[CALCULATOR], tool_choice="auto",
                                            max_tokens=48, temperature=1.0, n=4, seed=0)
-    spans = {s.attributes["choice_index"]: s.attributes for s in store.query_spans(rid)
-             if s.attributes.get("n") == 4}
+    spans = {s.attributes[semconv.CHOICE_INDEX]: s.attributes for s in store.query_spans(rid)
+             if s.attributes.get(semconv.CHOICES) == 4}
     assert sorted(spans) == list(range(4))
     assert {c.finish_reason for c in reply.choices if not c.message.tool_calls} == {"stop", "length"}
     for choice in reply.choices:
@@ -302,10 +305,10 @@ def test_tools_are_rendered_as_hermes_text_and_tool_calls_parsed(proxied):
         assert [c.function.model_dump() for c in choice.message.tool_calls or []] == [c["function"] for c in calls]
         if calls:
             # cut at max_tokens (48 tokens, no stop token at the end) stays "length", as OpenAI reports it
-            ids = spans[choice.index]["completion_token_ids"]
+            ids = spans[choice.index][semconv.COMPLETION_TOKEN_IDS]
             cut = len(ids) == 48 and ids[-1] not in proxy.engine.stop_token_ids
             assert choice.finish_reason == ("length" if cut else "tool_calls") and choice.message.content == content
-            assert json.loads(spans[choice.index]["gen_ai.response.tool_calls"])[0]["function"] == calls[0]["function"]
+            assert json.loads(spans[choice.index][semconv.RESPONSE_TOOL_CALLS])[0]["function"] == calls[0]["function"]
         else:
             assert choice.message.content == raw and choice.finish_reason in ("stop", "length")
     written = sum(bool(c.message.tool_calls) for c in reply.choices)
@@ -313,7 +316,8 @@ def test_tools_are_rendered_as_hermes_text_and_tool_calls_parsed(proxied):
     # tool_choice="none" hides the tools and parses nothing
     client.chat.completions.create(model=M, messages=history[:1], tools=[CALCULATOR], tool_choice="none",
                                    max_tokens=4, temperature=0.0)
-    assert "<tools>" not in proxy.engine.tokenizer.decode(store.query_spans(rid)[-1].attributes["prompt_token_ids"])
+    served = store.query_spans(rid)[-1].attributes[semconv.PROMPT_TOKEN_IDS]
+    assert "<tools>" not in proxy.engine.tokenizer.decode(served)
 
 
 def test_parse_tool_calls_reads_hermes_blocks_and_keeps_other_text():

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from lightning_nb import semconv
 from lightning_nb.errors import ConfigError, NotFoundError
 from lightning_nb.tracing.export import SPAN_SCHEMA, TRIPLET_SCHEMA, spans_to_parquet, triplets_to_parquet
 from lightning_nb.types import Span, Triplet
@@ -30,11 +31,12 @@ def _fill(store):
     a1 = store.dequeue_rollout().attempt.attempt_id
     a2 = store.dequeue_rollout().attempt.attempt_id
     store.add_span(_span(first.rollout_id, a1, "llm.chat.completions", **{
-        "prompt_token_ids": PROMPT_IDS, "completion_token_ids": COMPLETION_IDS, "logprobs": [-0.5, -1.25, 0.0],
+        semconv.PROMPT_TOKEN_IDS: PROMPT_IDS, semconv.COMPLETION_TOKEN_IDS: COMPLETION_IDS,
+        semconv.LOGPROBS: [-0.5, -1.25, 0.0],
         "gen_ai.usage.input_tokens": len(PROMPT_IDS), "gen_ai.usage.output_tokens": len(COMPLETION_IDS),
         "gen_ai.completion": "héllo\n"}))
-    store.add_span(_span(first.rollout_id, a1, "reward", reward=0.75))
-    store.add_span(_span(second.rollout_id, a2, "tool:calc", parent_id="p" * 16, **{"tool.output": "3"}))
+    store.add_span(_span(first.rollout_id, a1, "reward", **{semconv.REWARD: 0.75}))
+    store.add_span(_span(second.rollout_id, a2, "tool:calc", parent_id="p" * 16, **{semconv.TOOL_OUTPUT: "3"}))
     return first.rollout_id, second.rollout_id
 
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import warnings
 from typing import Any, Callable
 
 import pytest
 
-from lightning_nb import InMemoryStore, LLMProxy, TripletAdapter, start_runners, tool_span
+from lightning_nb import InMemoryStore, LLMProxy, TripletAdapter, semconv, start_runners, tool_span
 from lightning_nb.engines.chat_format import parse_tool_calls
 from lightning_nb.semconv import LLM_SPAN as LLM_SPAN_NAME
 from lightning_nb.tasks.calc import calc_reward
@@ -59,7 +60,7 @@ def _tasks() -> list[dict[str, Any]]:
 def traced_calculator(expression: str) -> str:
     with tool_span("calculator", {"expression": expression}) as span:
         result = evaluate(expression)
-        span.set_attribute("tool.output", result)
+        span.set_attribute(semconv.TOOL_OUTPUT, result)
     return result
 
 
@@ -70,14 +71,14 @@ def calculator(expression: str) -> str:
 
 # ----- the agents -----------------------------------------------------------------------------------------
 def langgraph_agent(task: dict[str, Any], llm: LLMResource) -> float:
+    from langchain.agents import create_agent  # LangGraph 1.0 moved create_react_agent here
     from langchain_openai import ChatOpenAI
     from langgraph.errors import GraphRecursionError
-    from langgraph.prebuilt import create_react_agent
 
     if task.get("cached"):
         return calc_reward(str(task["answer"]), task)
     model = ChatOpenAI(base_url=llm.endpoint, api_key=llm.api_key, model=llm.model, max_retries=0)
-    agent = create_react_agent(model, [calculator])
+    agent = create_agent(model, [calculator])
     try:
         state = agent.invoke({"messages": [{"role": "user", "content": task["question"]}]}, {"recursion_limit": 6})
     except GraphRecursionError:  # kept calling tools: no answer
@@ -135,7 +136,7 @@ async def autogen_agent(task: dict[str, Any], llm: LLMResource) -> float:
 
 
 FRAMEWORKS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {
-    "langgraph": (langgraph_agent, ("langgraph.prebuilt", "langchain_openai")),
+    "langgraph": (langgraph_agent, ("langchain.agents", "langgraph", "langchain_openai")),
     "openai-agents": (openai_agents_agent, ("agents", "openai")),
     "autogen": (autogen_agent, ("autogen_agentchat", "autogen_ext")),
 }
@@ -177,13 +178,13 @@ def _tool_call_rollout(store: InMemoryStore, rid: str) -> dict[str, Any] | None:
     spans = store.query_spans(rid, "latest")
     llm = [s for s in spans if s.name == LLM_SPAN_NAME]
     for i, span in enumerate(llm):
-        calls = json.loads(span.attributes.get("gen_ai.response.tool_calls") or "[]")
+        calls = json.loads(span.attributes.get(semconv.RESPONSE_TOOL_CALLS) or "[]")
         for call in calls:
             if call["function"]["name"] != "calculator":
                 continue
             args = json.loads(call["function"]["arguments"])
             tool = next((s for s in spans if s.name == "tool:calculator"
-                         and json.loads(s.attributes["tool.input"]) == args), None)
+                         and json.loads(s.attributes[semconv.TOOL_INPUT]) == args), None)
             if tool is not None:
                 return {"spans": spans, "llm": llm, "turn": i, "call": call, "tool": tool}
     return None
@@ -200,8 +201,9 @@ def _check_framework(store: InMemoryStore, name: str) -> None:
         llm = [s for s in store.query_spans(rid, "latest") if s.name == LLM_SPAN_NAME]
         assert llm, f"{name}: rollout {rid} made no LLM call through the proxy"
         for span in llm:
-            assert span.attributes.get("prompt_token_ids") and span.attributes.get("completion_token_ids"), span
-        assert "calculator" in llm[0].attributes["gen_ai.request.tools"]  # the framework sent the tool
+            assert span.attributes.get(semconv.PROMPT_TOKEN_IDS), span
+            assert span.attributes.get(semconv.COMPLETION_TOKEN_IDS), span
+        assert "calculator" in llm[0].attributes[semconv.REQUEST_TOOLS]  # the framework sent the tool
 
     found = {rid: _tool_call_rollout(store, rid) for rid in asked}
     called = [rid for rid, f in found.items() if f is not None]
@@ -213,22 +215,22 @@ def _check_framework(store: InMemoryStore, name: str) -> None:
     for rid in asked:
         for span in store.query_spans(rid, "latest"):
             a = span.attributes
-            shown = a.get("gen_ai.request.tools") and a.get("gen_ai.request.tool_choice") != '"none"'
+            shown = a.get(semconv.REQUEST_TOOLS) and a.get(semconv.REQUEST_TOOL_CHOICE) != '"none"'
             if span.name == LLM_SPAN_NAME and shown and "<tool_call>" in str(a.get("gen_ai.completion")):
                 _, parsed = parse_tool_calls(span.attributes["gen_ai.completion"], ["calculator"])
-                assert not parsed or "gen_ai.response.tool_calls" in span.attributes, span.attributes
+                assert not parsed or semconv.RESPONSE_TOOL_CALLS in span.attributes, span.attributes
 
     for rid in called:
         f = found[rid]
         tool, spans = f["tool"], f["spans"]
         # the tool span hangs under the rollout's agent span, with the result the tool returned
         root = next(s for s in spans if s.name == "agent")
-        assert tool.parent_id == root.span_id and tool.attributes["tool.output"]
+        assert tool.parent_id == root.span_id and tool.attributes[semconv.TOOL_OUTPUT]
         # the result went back to the model: the next LLM call's prompt holds it as a tool message
         assert len(f["llm"]) > f["turn"] + 1, f"{name}: no LLM call after the tool ran"
         prompt = json.loads(f["llm"][f["turn"] + 1].attributes["gen_ai.prompt"])
         results = [m for m in prompt if m["role"] == "tool"]
-        assert any(tool.attributes["tool.output"] in json.dumps(m.get("content")) for m in results), prompt
+        assert any(tool.attributes[semconv.TOOL_OUTPUT] in json.dumps(m.get("content")) for m in results), prompt
         assert any(c["function"]["name"] == "calculator" for m in prompt for c in m.get("tool_calls") or [])
 
     # the adapter: triplets with the spans' token IDs (multi-turn when a tool ran); the cached rollout, which made
@@ -250,12 +252,25 @@ def test_framework_agent_runs_through_runner_and_proxy(stack, name):
     _check_framework(stack, name)
 
 
+def test_the_langgraph_agent_runs_without_a_deprecation_warning(stack):
+    """LangGraph 1.0 deprecated ``langgraph.prebuilt.create_react_agent`` (LangGraphDeprecatedSinceV10, one warning
+    per agent built: notebook 05 printed 18 of them, issue 43); the agent is built with LangChain's
+    ``create_agent``, the constructor that replaced it, so a rollout through the runner and proxy warns nothing."""
+    _needs(*FRAMEWORKS["langgraph"][1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning, from the runner threads too, however often it was seen
+        ids = _run(stack, langgraph_agent, _tasks()[:1])
+    assert not _failures(stack, ids), _failures(stack, ids)
+    deprecations = [f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert not deprecations, deprecations
+
+
 def test_a_rollout_without_llm_calls_is_skipped_as_no_llm_calls_not_dropped():
     store = InMemoryStore()
     store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
     (rid,) = _run(store, lambda task, llm: 1.0, ["no model needed"], timeout=30)
     assert store.get_rollout_by_id(rid).status == "succeeded"
-    assert [s.attributes["reward"] for s in store.query_spans(rid) if s.name == "reward"] == [1.0]
+    assert [s.attributes[semconv.REWARD] for s in store.query_spans(rid) if s.name == "reward"] == [1.0]
     adapter = TripletAdapter()
     assert adapter.adapt(store, [rid]) == []
     assert adapter.last_skipped["no_llm_calls"] == 1 and adapter.skipped["no_llm_calls"] == 1

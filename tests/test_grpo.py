@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from lightning_nb import GRPOConfig, GRPOTrainer
+from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL
 from lightning_nb.errors import ConfigError
 from lightning_nb.trainers.credit import group_advantages
 from lightning_nb.trainers.grpo.trainer import response_logprobs
@@ -159,22 +159,23 @@ def test_config_edits_take_effect_at_the_next_update_and_are_recorded(engine, pr
     a, b = distinct_generations(engine, prompt, 2)
     batch = [_triplet(a, "a", "g", 1.0), _triplet(b, "b", "g", 0.0)]
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+    algo = LightningRL(InMemoryStore(), trainer, [{"id": "t"}], config=AlgorithmConfig(tasks_per_step=1, group_size=2))
     assert trainer.update(batch)["lr"] == 2e-5
     trainer.config.learning_rate = 1e-5
     m = trainer.update(batch)
     assert m["lr"] == 1e-5 and trainer.optimizer.param_groups[0]["lr"] == 1e-5
     assert "learning_rate 2e-05 → 1e-05" in m["config_changes"]
-    assert trainer.config_changes == [{"step": 2, "field": "learning_rate", "old": 2e-5, "new": 1e-5}]
+    assert trainer.last_config_changes == [{"field": "learning_rate", "old": 2e-5, "new": 1e-5}] and trainer.step == 2
     # an edit the trainer cannot honour is refused on resume() and on update(), never ignored
     trainer.config.kl_coef = 0.1
     with pytest.raises(ConfigError, match="kl_coef.*reference"):
-        trainer.resume()
+        algo.resume()
     with pytest.raises(ConfigError, match="kl_coef.*reference"):
         trainer.update(batch)
     trainer.config.kl_coef = 0.0
     trainer.config.learning_rate = -1.0
     with pytest.raises(ConfigError, match="learning_rate"):
-        trainer.resume()
+        algo.resume()
     assert trainer.step == 2
 
 

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from lightning_nb import GRPOConfig, GRPOTrainer
+from lightning_nb import GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, semconv
 from lightning_nb.errors import ConfigError
 from lightning_nb.trainers.config import lr_factor
 from lightning_nb.trainers.credit import group_advantages, overlong_penalty
@@ -227,11 +227,11 @@ def test_lr_schedule_warms_up_then_follows_the_cosine_and_resumes_from_a_checkpo
     # again, saving after two updates; a new trainer that loads the checkpoint continues the same schedule
     trainer, _ = _update(engine, start, batch, **config)
     trainer.update(batch)
-    path = trainer.save(tmp_path / "ckpt.pt")
+    path = LightningRL(InMemoryStore(), trainer, [{"id": "t"}]).save(tmp_path / "ckpt.pt")
     straight = [trainer.update(batch)["lr"] for _ in range(3)]
     end = _weights(engine.model)
     resumed = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False, **config))
-    resumed.load(path)
+    LightningRL(InMemoryStore(), resumed, [{"id": "t"}]).load(path)
     path.unlink()
     assert [resumed.update(batch)["lr"] for _ in range(3)] == straight == lrs[2:]
     assert _same(end, _weights(engine.model))
@@ -386,14 +386,15 @@ def test_the_adapter_reads_the_finish_reason_of_each_llm_span():
     rid, aid = run.rollout.rollout_id, run.attempt.attempt_id
     now = time.time()
     for k, reasons in enumerate((["length"], ["stop"], None)):
-        attributes = {"prompt_token_ids": [1, 2], "completion_token_ids": [3, 4], "logprobs": [-0.1, -0.2],
-                      "temperature": 1.0, "top_p": 1.0}  # the applied sampling, which LLMProxy writes on every span
+        attributes = {semconv.PROMPT_TOKEN_IDS: [1, 2], semconv.COMPLETION_TOKEN_IDS: [3, 4],
+                      semconv.LOGPROBS: [-0.1, -0.2], semconv.APPLIED_TEMPERATURE: 1.0,
+                      semconv.APPLIED_TOP_P: 1.0}  # the applied sampling, which LLMProxy writes on every span
         if reasons is not None:
             attributes["gen_ai.response.finish_reasons"] = reasons
         store.add_span(Span(rollout_id=rid, attempt_id=aid, trace_id="t", span_id=f"s{k}", name=LLM_SPAN_NAME,
                             start_time=now, end_time=now, attributes=attributes))
     store.add_span(Span(rollout_id=rid, attempt_id=aid, trace_id="t", span_id="r", name="reward", start_time=now,
-                        end_time=now, attributes={"reward": 1.0}))
+                        end_time=now, attributes={semconv.REWARD: 1.0}))
     store.update_attempt(rid, aid, status="succeeded")
     triplets = TripletAdapter().adapt(store, [rid])
     assert [t.finish_reason for t in triplets] == ["length", "stop", None]

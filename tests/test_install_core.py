@@ -122,13 +122,13 @@ def test_readme_ten_lines_example_runs_without_verl(core_python, tmp_path):
     code += textwrap.dedent("""
         import json, math, sys
         try:
-            trainer.wait(timeout=600)
-            metrics = trainer.metrics_df()
-            print(json.dumps({"state": trainer.state, "error": repr(trainer.error), "step": trainer.step,
+            algo.wait(timeout=600)
+            metrics = algo.metrics_df()
+            print(json.dumps({"state": algo.state, "error": repr(algo.error), "step": algo.global_step,
                               "rows": len(metrics), "rollouts": int(metrics["rollouts"].iloc[0]),
                               "verl_imported": "verl" in sys.modules}))
         finally:
-            trainer.stop(); runners.stop(); proxy.stop()
+            algo.stop(); runners.stop(); proxy.stop()
     """)
     out = _script(core_python, code, tmp_path, timeout=800)
     print(f"\n[test_install_core] README example without verl: {out}")

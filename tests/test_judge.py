@@ -319,7 +319,7 @@ def test_lightning_rl_with_a_group_judge_runs_a_step(engine, pristine):
         try:
             row = algo.step()
         finally:
-            trainer.stop()
+            algo.stop()
     ids = [r.rollout_id for r in store.query_rollouts()]
     judged = row["judge_groups"] == 1
     assert row["judge_groups"] + row["judge_groups_failed"] == 1 and row["judge_groups_skipped"] == 0

@@ -229,10 +229,10 @@ def _three_loggers(tmp_path: Path) -> tuple[list[MetricLogger], str]:
     return [TensorBoardLogger(tmp_path / "tb"), WandbLogger(dir=tmp_path / "wb"), MLflowLogger(uri)], uri
 
 
-def _wait_for_step(trainer: GRPOTrainer, step: int, timeout: float = 300) -> None:
+def _wait_for_step(algo: LightningRL, step: int, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
-    while trainer.step < step:
-        assert time.monotonic() < deadline and trainer.state != "failed", (trainer.state, trainer.error)
+    while algo.global_step < step:
+        assert time.monotonic() < deadline and algo.state != "failed", (algo.state, algo.error)
         time.sleep(0.2)
 
 
@@ -255,19 +255,19 @@ def test_a_real_run_logs_what_metrics_df_shows_to_every_backend(engine, pristine
     runners = start_runners(agent_with_reward([0.0, 1.0]), store, n=2)
     trainer, algo, loggers, uri = _logged_algo(engine, store, tmp_path)
     try:
-        trainer.start(algo, steps=1)
-        assert trainer.wait(timeout=300) and trainer.state == "finished"
+        algo.start(steps=1)
+        assert algo.wait(timeout=300) and algo.state == "finished"
         assert all(lg.is_open for lg in loggers)  # flushed, not closed: the next start() is the same logged run
         trainer.config.learning_rate = 1e-5
-        trainer.start(algo, steps=1)
-        assert trainer.wait(timeout=300) and trainer.step == 2
+        algo.start(steps=1)
+        assert algo.wait(timeout=300) and algo.global_step == 2
         val = algo.evaluate([{"id": "v1"}, {"id": "v2"}], progress=False)
-        trainer.add_metrics(trainer.step, val_reward=val)
+        algo.add_metrics(algo.global_step, val_reward=val)
         algo.close_loggers()
     finally:
-        trainer.stop(timeout=60)
+        algo.stop(timeout=60)
         runners.stop()
-    df = trainer.metrics_df()
+    df = algo.metrics_df()
     assert df["step"].tolist() == [1, 2] and df["val_reward"].tolist()[1] == val
     changes = {2: "learning_rate 2e-05 → 1e-05"}
     assert df["config_changes"].tolist() == ["", changes[2]]
@@ -298,15 +298,15 @@ def test_stopping_the_trainer_closes_the_loggers_with_what_was_logged(engine, pr
     runners = start_runners(agent_with_reward([0.0, 1.0]), store, n=2)
     trainer, algo, loggers, uri = _logged_algo(engine, store, tmp_path)
     try:
-        trainer.start(algo, steps=100)
-        _wait_for_step(trainer, 1)
-        assert trainer.stop(timeout=300) and trainer.state == "stopped"
+        algo.start(steps=100)
+        _wait_for_step(algo, 1)
+        assert algo.stop(timeout=300) and algo.state == "stopped"
     finally:
-        trainer.stop(timeout=60)
+        algo.stop(timeout=60)
         runners.stop()
     assert not any(lg.is_open for lg in loggers)
-    want = expected_scalars(trainer.metrics_df())
-    assert want["loss"] and set(want["loss"]) == set(range(1, trainer.step + 1))
+    want = expected_scalars(algo.metrics_df())
+    assert want["loss"] and set(want["loss"]) == set(range(1, algo.global_step + 1))
     assert_same(tensorboard_scalars(tmp_path / "tb"), want, rel=1e-6)
     scalars, _, exits = wandb_history(tmp_path / "wb")
     assert_same(scalars, want)
@@ -333,13 +333,13 @@ def test_a_failed_loop_closes_the_loggers_as_failed(engine, proxied_store, tmp_p
     try:
         for lg in loggers:  # a row logged before the failure, so every run is open when the loop fails
             lg.log_row({"step": 0, "probe": 1.0})
-        trainer.start(algo, steps=1)
+        algo.start(steps=1)
         with pytest.raises(LightningNbError, match="no triplets"):
-            trainer.wait(timeout=300)
+            algo.wait(timeout=300)
     finally:
-        trainer.stop(timeout=60)
+        algo.stop(timeout=60)
         runners.stop()
-    assert trainer.state == "failed" and not any(lg.is_open for lg in loggers)
+    assert algo.state == "failed" and not any(lg.is_open for lg in loggers)
     _, _, exits = wandb_history(tmp_path / "wb")
     assert [e.exit_code for e in exits] == [1]
     scalars, _, info = mlflow_run(uri, loggers[2].run_id)

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from lightning_nb import GRPOConfig, GRPOTrainer
+from lightning_nb import GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL
 from lightning_nb.engines.transformers import TransformersEngine, load_default_model
 from lightning_nb.errors import ConfigError
 from lightning_nb.trainers.grpo.trainer import response_logprobs
@@ -128,34 +128,39 @@ def test_merged_weights_match_peft_merge_and_both_exports_load_back(lora_engine,
 def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora_engine, one_group, engine, tmp_path):
     eng = lora_engine
     trainer = GRPOTrainer(eng, GRPOConfig(learning_rate=5e-4, track_reference_kl=False, **LORA))
-    trainer.update(one_group(eng, seed=1))
+    algo = LightningRL(InMemoryStore(), trainer, [{"id": "t"}])
+    algo.record(trainer.update(one_group(eng, seed=1)))
     trainer.config.learning_rate = 2e-4  # an edit made while paused travels with the checkpoint
-    path = trainer.save(tmp_path / "lora.pt")
+    path = algo.save(tmp_path / "lora.pt")
     assert path.stat().st_size < 100e6  # adapters + their AdamW state, not the 1.6 GB of a full checkpoint
 
     fresh = TransformersEngine.from_default(max_batch_size=4)
     try:
         resumed = GRPOTrainer(fresh, GRPOConfig(learning_rate=5e-4, track_reference_kl=False, **LORA))
-        resumed.load(path)
+        resumed_algo = LightningRL(InMemoryStore(), resumed, [{"id": "t"}])
+        resumed_algo.load(path)
         assert resumed.config.learning_rate == 2e-4  # the run continues with the config it was saved with
         assert resumed.step == trainer.step
-        assert [(m["step"], m["loss"]) for m in resumed.metrics] == [(m["step"], m["loss"]) for m in trainer.metrics]
+        assert [(m["step"], m["loss"]) for m in resumed_algo.metrics] == [(m["step"], m["loss"]) for m in algo.metrics]
         assert all(torch.equal(v, adapter_state_dict(eng.model)[k]) for k, v in adapter_state_dict(fresh.model).items())
         batch = one_group(eng, seed=2)
         assert resumed.update(batch)["loss"] == pytest.approx(trainer.update(batch)["loss"], abs=1e-6)
         assert all(torch.equal(v, adapter_state_dict(eng.model)[k]) for k, v in adapter_state_dict(fresh.model).items())
         # keep_config=True keeps this trainer's values; the next update applies them and records the change
         kept = GRPOTrainer(fresh, GRPOConfig(learning_rate=5e-4, track_reference_kl=False, **LORA))
-        kept.load(path, keep_config=True)
+        kept_algo = LightningRL(InMemoryStore(), kept, [{"id": "t"}])
+        kept_algo.load(path, keep_config=True)
         assert kept.config.learning_rate == 5e-4
-        row = kept.update(batch)
+        row = kept_algo.record(kept.update(batch))
         assert row["lr"] == 5e-4 and "learning_rate 0.0002 → 0.0005" in row["config_changes"]
-        assert kept.config_changes[-1] == {"step": kept.step, "field": "learning_rate", "old": 2e-4, "new": 5e-4}
+        assert kept_algo.config_changes[-1] == {"step": kept.step, "config": "trainer", "field": "learning_rate",
+                                                "old": 2e-4, "new": 5e-4}
     finally:
         fresh.stop()
 
     with pytest.raises(ConfigError, match="lora_rank=8"):  # a LoRA checkpoint into a full fine-tuning trainer
-        GRPOTrainer(engine, GRPOConfig(track_reference_kl=False)).load(path)
+        full = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+        LightningRL(InMemoryStore(), full, [{"id": "t"}]).load(path)
 
 
 def test_lora_in_bfloat16_with_gradient_checkpointing_trains_bfloat16_adapters_with_float32_masters(one_group):

@@ -16,21 +16,21 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # what each notebook's outputs must contain (text, or a MIME type among the outputs' data)
 EXPECTED = {
     "01_quickstart.ipynb": ["held-out reward before training", "held-out reward after training",
-                            "'paused'",  # trainer.state shown after pause()
+                            "'paused'",  # algo.state shown after pause()
                             "checkpoint.pt (",  # the save cell printed the checkpoint's path and size
                             "<b>Reward by ops</b>"],  # evaluate(by="ops")'s per-slice table rendered as HTML
     "02_widgets.ipynb": ["application/vnd.jupyter.widget-view+json",  # the dashboard
-                         "'running'", "InMemoryStore</b>", "RunnerGroup</b>"],  # trainer.state and the HTML reprs
+                         "'running'", "InMemoryStore</b>", "RunnerGroup</b>"],  # algo.state and the HTML reprs
     "03_inspect_and_steer.ipynb": ["<b>Preflight</b>",  # algo.preflight()'s report rendered as HTML
-                                   "'paused'",  # trainer.state after pause()
+                                   "'paused'",  # algo.state after pause()
                                    "max_abs_logprob_diff", "<b>Last batch</b>",  # last_batch_df and last_batch_html
                                    "LLM calls in",  # the token-fidelity audit's count of checked calls
                                    "learning_rate 2e-05 → 1e-05",  # metrics' config_changes records the edit
-                                   "loaded: step 2"],  # trainer.load() in a fresh trainer continued the saved step
-    "04_verl_trainer.ipynb": ["paused at step boundary:",  # trainer.pause() parked the background loop
+                                   "loaded: step 2"],  # algo.load() with a fresh trainer continued the saved step
+    "04_verl_trainer.ipynb": ["paused at step boundary:",  # algo.pause() parked the background loop
                               "verl metrics: actor/",  # metrics_df() has verl's own metric names
                               "<b>Last batch</b>",  # last_batch_html()
-                              "loaded: step 2"],  # trainer.load(folder) in a fresh trainer found global_step_2
+                              "loaded: step 2"],  # algo.load(folder) with a fresh trainer found global_step_2
     "05_any_agent.ipynb": ["shapes on one store:",  # the spans of the four agent shapes in one DataFrame
                            "'langgraph'", "'gym'", "'remote'", "'function'",  # each shape made spans
                            "training step 1:", "'turn_forks'"],  # one GRPO step on all four

@@ -32,7 +32,7 @@ def _finished(rid, aid):
     otel = provider.get_tracer("test")
     ids = {semconv.ROLLOUT_ID: rid, semconv.ATTEMPT_ID: aid}
     with otel.start_as_current_span("agent", attributes={"ids": [1, 2, 3], "who": "me", **ids}):
-        with otel.start_as_current_span("tool:calc", attributes={"tool.input": "1+1"}) as child:
+        with otel.start_as_current_span("tool:calc", attributes={semconv.TOOL_INPUT: "1+1"}) as child:
             child.set_status(Status(StatusCode.ERROR, "boom"))
         with otel.start_as_current_span(semconv.REWARD_SPAN, attributes={semconv.REWARD: 1.5}):
             pass

@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from lightning_nb import InMemoryStore, emit_reward, start_runners, tool_span
+from lightning_nb import InMemoryStore, emit_reward, semconv, start_runners, tool_span
 from lightning_nb.errors import ConfigError, MissingDependencyError, NotFoundError
 from lightning_nb.tracing.export import OTLPExportError, redact_attributes, spans_to_otlp
 from lightning_nb.tracing.tracer import Tracer
@@ -81,7 +81,7 @@ def traced_store():
 
     def agent(task, llm):
         with tool_span("calculator", "2 * 3") as span:
-            span.set_attribute("tool.output", "6")
+            span.set_attribute(semconv.TOOL_OUTPUT, "6")
         return 1.0
 
     ids = [store.enqueue_rollout(i).rollout_id for i in range(3)]
@@ -95,7 +95,7 @@ def test_spans_arrive_with_their_ids_names_and_attributes(traced_store):
     attempt = store.query_attempts(ids[0])[0]
     store.add_span(Span(rollout_id=ids[0], attempt_id=attempt.attempt_id, trace_id="not-hex", span_id="llm-1",
                         name="chat", start_time=1.5, end_time=2.25, status="error",
-                        attributes={"gen_ai.system": "lightning_nb", "prompt_token_ids": [1, 2, 3],
+                        attributes={"gen_ai.system": "lightning_nb", semconv.PROMPT_TOKEN_IDS: [1, 2, 3],
                                     "meta": {"k": [1, "x"]}, "missing": None}))
     stored = {s.span_id: s for s in store.query_spans()}
     with _Receiver() as receiver:
@@ -119,12 +119,12 @@ def test_spans_arrive_with_their_ids_names_and_attributes(traced_store):
         resource = {kv.key: _value(kv.value) for kv in rs.resource.attributes}
         assert resource["service.name"] == "calc-test"
         if s.name == "tool:calculator":
-            assert attrs["tool.output"] == "6" and attrs["openinference.span.kind"] == "TOOL"
+            assert attrs[semconv.TOOL_OUTPUT] == "6" and attrs["openinference.span.kind"] == "TOOL"
         if s.name == "reward":
-            assert attrs["reward"] == 1.0 and attrs["openinference.span.kind"] == "EVALUATOR"
+            assert attrs[semconv.REWARD] == 1.0 and attrs["openinference.span.kind"] == "EVALUATOR"
     (chat,) = [span for _, span in got if span.name == "chat"]
     attrs = {kv.key: _value(kv.value) for kv in chat.attributes}
-    assert attrs["prompt_token_ids"] == [1, 2, 3] and attrs["meta"] == '{"k": [1, "x"]}'
+    assert attrs[semconv.PROMPT_TOKEN_IDS] == [1, 2, 3] and attrs["meta"] == '{"k": [1, "x"]}'
     assert "missing" not in attrs and attrs["openinference.span.kind"] == "LLM"
     assert len(chat.trace_id) == 16 and len(chat.span_id) == 8  # non-hex ids hashed to OTel sizes
     assert chat.status.code == 2 and chat.end_time_unix_nano == 2_250_000_000  # STATUS_CODE_ERROR
@@ -161,7 +161,7 @@ def test_tracer_sends_spans_live_with_credentials_redacted():
 
     def agent(task, llm):
         with tool_span("calculator", "2 * 3") as span:
-            span.set_attribute("tool.output", "6")
+            span.set_attribute(semconv.TOOL_OUTPUT, "6")
             span.set_attribute("llm.api_key", "sk-live-SECRET")  # what a careless instrumentation might record
             span.set_attribute("http.request.header.authorization", "Bearer sk-live-SECRET")
             span.set_attribute("gen_ai.usage.input_tokens", 12)
@@ -188,11 +188,11 @@ def test_tracer_sends_spans_live_with_credentials_redacted():
         assert attrs["lightning_nb.rollout_id"] in ids
         assert {kv.key: _value(kv.value) for kv in rs.resource.attributes}["service.name"] == "live-test"
         if span.name == "tool:calculator":
-            assert attrs["tool.output"] == "6" and attrs["openinference.span.kind"] == "TOOL"
+            assert attrs[semconv.TOOL_OUTPUT] == "6" and attrs["openinference.span.kind"] == "TOOL"
             assert attrs["llm.api_key"] == attrs["http.request.header.authorization"] == "[redacted]"
             assert attrs["gen_ai.usage.input_tokens"] == 12
         if span.name == "reward":
-            assert attrs["reward"] == 1.0 and attrs["openinference.span.kind"] == "EVALUATOR"
+            assert attrs[semconv.REWARD] == 1.0 and attrs["openinference.span.kind"] == "EVALUATOR"
     assert {span.name for _, span in got} == {"agent", "tool:calculator", "reward"}
 
 
@@ -207,7 +207,7 @@ def test_live_otlp_errors_name_the_field_and_the_extra(monkeypatch):
 
 def test_redact_attributes_keeps_token_counts():
     attrs = {"api_key": "k", "OPENAI_API_KEY": "k", "x-api-key": "k", "llm.password": "p", "client_secret": "s",
-             "http.request.header.authorization": "a", "access_token": "t", "prompt_token_ids": [1],
+             "http.request.header.authorization": "a", "access_token": "t", semconv.PROMPT_TOKEN_IDS: [1],
              "gen_ai.usage.output_tokens": 3, "tokenizer": "t", "keyword": "k", "secretary": "s"}
     out = redact_attributes(attrs)
     assert {k for k, v in out.items() if v == "[redacted]"} == {

@@ -164,15 +164,15 @@ def test_readme_ten_lines_example_trains_one_step():
     ns: dict = {"__name__": "readme_ten_lines"}
     try:
         exec(compile(code, "README.md:ten-lines", "exec"), ns)
-        trainer = ns["trainer"]
-        trainer.wait(timeout=600)
-        assert trainer.state == "finished", (trainer.state, trainer.error)
-        assert trainer.step == 1
-        metrics = trainer.metrics_df()
+        algo = ns["algo"]
+        algo.wait(timeout=600)
+        assert algo.state == "finished", (algo.state, algo.error)
+        assert algo.global_step == 1
+        metrics = algo.metrics_df()
         assert len(metrics) == 1 and metrics["step"].tolist() == [1]
         assert metrics["rollouts"].iloc[0] == 2 and metrics["transitions"].iloc[0] >= 1  # one group of 2
     finally:
         # clean up whatever the block got to create, even if it failed half-way
-        for name in ("trainer", "runners", "proxy", "engine"):
+        for name in ("algo", "runners", "proxy", "engine"):
             if name in ns:
                 ns[name].stop()

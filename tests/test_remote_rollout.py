@@ -20,7 +20,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
-from lightning_nb import TripletAdapter, start_runners
+from lightning_nb import TripletAdapter, semconv, start_runners
 from lightning_nb._net import ThreadedServer
 from lightning_nb.agents.protocol import (FINISH_REASONS, MaskTracker, RolloutRequest, RolloutResponse,
                                           RolloutServerError, SamplingParams, ToolsResponse,
@@ -56,7 +56,7 @@ def spans_of(store, rollout_id, name):
 
 
 def reward_of(store, rollout_id):
-    return [s.attributes["reward"] for s in store.query_spans(rollout_id, "latest") if s.name == "reward"]
+    return [s.attributes[semconv.REWARD] for s in store.query_spans(rollout_id, "latest") if s.name == "reward"]
 
 
 @pytest.fixture(scope="module")
@@ -238,18 +238,19 @@ def test_episode_through_the_reference_server_is_one_masked_sequence(engine, pro
     assert answer["metrics"]["num_tool_calls"] >= 1 and answer["finish_reason"] in ("stop", "max_turns")
     first, second = calls[0].attributes, calls[1].attributes
     assert REQUEST_RESPONSE_MASK not in first
-    added = len(second["prompt_token_ids"]) - len(first["prompt_token_ids"]) - len(first["completion_token_ids"])
+    first_prompt, first_completion = first[semconv.PROMPT_TOKEN_IDS], first[semconv.COMPLETION_TOKEN_IDS]
+    added = len(second[semconv.PROMPT_TOKEN_IDS]) - len(first_prompt) - len(first_completion)
     assert added > 0 and second[REQUEST_RESPONSE_MASK] == [0] * added
     # the second prompt extends the first prompt and completion token for token: one packed sequence
-    assert second["prompt_token_ids"][: len(first["prompt_token_ids"]) + len(first["completion_token_ids"])] == (
-        first["prompt_token_ids"] + first["completion_token_ids"])
+    assert second[semconv.PROMPT_TOKEN_IDS][: len(first_prompt) + len(first_completion)] == (
+        first_prompt + first_completion)
     triplets = TripletAdapter().adapt(store, [rollout.rollout_id])
     [seq] = pack_episode(triplets, 1.0)
     assert seq.fork_at is None and len(seq.input_ids) == len(triplets[-1].prompt_ids) + len(triplets[-1].response_ids)
-    start = len(first["prompt_token_ids"]) + len(first["completion_token_ids"])
+    start = len(first_prompt) + len(first_completion)
     assert seq.mask[start:start + added] == [0] * added  # the tool result's tokens are not trained
     assert "<tool_response>\n8\n</tool_response>" in engine.tokenizer.decode(seq.input_ids[start:start + added])
-    assert seq.mask[start - len(first["completion_token_ids"]):start] == [1] * len(first["completion_token_ids"])
+    assert seq.mask[start - len(first_completion):start] == [1] * len(first_completion)
 
 
 # ----- faults: each fails its attempt with an error naming what went wrong; what was stored stays --------------

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lightning_nb import emit_reward, start_runners, tool_span
+from lightning_nb import emit_reward, semconv, start_runners, tool_span
 from lightning_nb.errors import InvalidRewardError, LightningNbError
 from lightning_nb.runners.runner import attributed_llm
 from lightning_nb.types import LLMResource, RolloutConfig
@@ -26,7 +26,7 @@ def test_agent_reward_and_spans_recorded(resourced):
     def agent(task, llm):
         assert "/rollout/" in llm.endpoint and llm.endpoint.endswith("/v1")
         with tool_span("calculator", "1 + 2") as span:
-            span.set_attribute("tool.output", "3")
+            span.set_attribute(semconv.TOOL_OUTPUT, "3")
         emit_reward(0.25, kind="intermediate")
         return float(task)
 
@@ -40,7 +40,7 @@ def test_agent_reward_and_spans_recorded(resourced):
     spans = store.query_spans(ids[1])
     agent_span = spans[-1]
     assert all(s.parent_id == agent_span.span_id for s in spans[:-1])
-    assert spans[0].attributes["tool.output"] == "3"
+    assert spans[0].attributes[semconv.TOOL_OUTPUT] == "3"
 
 
 def test_failing_agent_marks_attempt_failed_with_traceback(resourced):

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from lightning_nb import emit_reward, start_runners
+from lightning_nb import emit_reward, semconv, start_runners
 from lightning_nb.runners import NO_REWARD_ERROR, live_runner_group, unreachable_endpoint_hint
 from lightning_nb.runners.live import LIVE as _LIVE
 from lightning_nb.store import InMemoryStore, SqliteStore, StoreClient, StoreServer
@@ -433,7 +433,7 @@ def test_reward_span_written_by_another_tracer_counts(resourced):
     def agent(task, llm):  # records its reward through a tracer of its own, with explicit ids
         parts = llm.endpoint.split("/")
         rid, aid = parts[parts.index("rollout") + 1], parts[parts.index("attempt") + 1]
-        Tracer(store).start_span("reward", rid, aid, {"reward": 0.5}).end()
+        Tracer(store).start_span("reward", rid, aid, {semconv.REWARD: 0.5}).end()
 
     rid = store.enqueue_rollout("t", config=RolloutConfig(max_attempts=1)).rollout_id
     with start_runners(agent, store, n=1):
@@ -489,7 +489,7 @@ def test_span_for_an_unknown_attempt_is_tried_once_and_never_raised():
     store.add_span = counting  # count the writes; the real store answers (NotFoundError: no such attempt)
     tracer = Tracer(store)
     tracer.open_attempt("ro-nope", "at-nope")
-    tracer.start_span("reward", "ro-nope", "at-nope", {"reward": 1.0}).end()  # does not raise
+    tracer.start_span("reward", "ro-nope", "at-nope", {semconv.REWARD: 1.0}).end()  # does not raise
     (reason,) = tracer.close_attempt("ro-nope", "at-nope").lost  # the attempt's buffered span is written here
     assert calls == ["reward"]  # a retry cannot make the attempt exist
     assert reason.startswith("span 'reward' could not be stored after 1 try: NotFoundError")

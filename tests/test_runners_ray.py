@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lightning_nb import InMemoryStore, emit_reward, start_runners, tool_span
+from lightning_nb import InMemoryStore, emit_reward, semconv, start_runners, tool_span
 from lightning_nb.errors import ConfigError, MissingDependencyError
 from lightning_nb.runners.ray import init_local_ray
 from lightning_nb.store import StoreClient, StoreServer
@@ -20,7 +20,7 @@ def square_agent(task, llm):
     if task == "hang":
         time.sleep(120)
     with tool_span("square", task) as span:
-        span.set_attribute("tool.output", str(task * task))
+        span.set_attribute(semconv.TOOL_OUTPUT, str(task * task))
     emit_reward(0.5, kind="intermediate")
     return float(task % 2)
 
@@ -59,7 +59,7 @@ def test_two_ray_actors_finish_rollouts_with_spans(ray_cluster):
     for i, rid in enumerate(ids):
         spans = store.query_spans(rid)
         assert [s.name for s in spans] == ["tool:square", "reward", "reward", "agent"]
-        assert spans[0].attributes["tool.output"] == str(i * i)
+        assert spans[0].attributes[semconv.TOOL_OUTPUT] == str(i * i)
         assert all(s.parent_id == spans[-1].span_id for s in spans[:-1])
     workers = {a.worker_id for a in store.query_attempts()}
     assert workers <= set(group.worker_ids) and all(w.startswith("ray-runner-") for w in workers)

@@ -184,6 +184,64 @@ def test_no_span_key_is_written_as_a_literal(path):
     assert not found, f"{path.name}: use the lightning_nb.semconv constants for {found}"
 
 
+# ----- the naming rule (the module docstring of lightning_nb.semconv) ------------------------------------------
+# The OpenTelemetry registries a key may come from (opentelemetry-semantic-conventions lists every name), and the
+# one OpenInference key the OTLP export adds for Phoenix.
+OTEL_NAMESPACES = ("gen_ai", "error", "exception", "service")
+OPENINFERENCE = {semconv.SPAN_KIND}
+
+
+def _otel_registry() -> set[str]:
+    import importlib
+
+    names = set()
+    for namespace in OTEL_NAMESPACES:
+        module = importlib.import_module(f"opentelemetry.semconv._incubating.attributes.{namespace}_attributes")
+        names |= {v for k, v in vars(module).items() if k.isupper() and isinstance(v, str)}
+    return names
+
+
+def test_every_constant_is_a_span_name_an_attribute_key_or_the_header_and_prefix():
+    """``ATTRIBUTE_KEYS`` is every string constant but the span names, the HTTP header and the request prefix, so the
+    rule below reads every key."""
+    constants = {name: getattr(semconv, name) for name in semconv.__all__ if isinstance(getattr(semconv, name), str)}
+    others = set(semconv.SPAN_NAMES) | {semconv.AGENT_NAME_HEADER, semconv.REQUEST_PREFIX}
+    assert set(semconv.ATTRIBUTE_KEYS) == {v for v in constants.values() if v not in others}
+    assert len(set(semconv.ATTRIBUTE_KEYS)) == len(semconv.ATTRIBUTE_KEYS)  # no two constants share a key
+    assert not set(semconv.SPAN_NAMES) & set(semconv.ATTRIBUTE_KEYS)
+    assert set(semconv.SPAN_NAMES) <= set(constants.values())
+
+
+@pytest.mark.parametrize("key", semconv.ATTRIBUTE_KEYS)
+def test_every_attribute_key_follows_the_naming_rule(key):
+    """OpenTelemetry's name where one exists (a name of its registry: ``gen_ai.*``, ``error.*``, ``exception.*``,
+    ``service.*``), ``openinference.span.kind`` for the export, ``lightning_nb.*`` otherwise; lower case, dotted."""
+    namespace = key.split(".", 1)[0]
+    assert "." in key and key == key.lower() and " " not in key, key
+    if namespace in OTEL_NAMESPACES:
+        assert key in _otel_registry(), f"{key!r} is not an OpenTelemetry name: use lightning_nb.* for it"
+    elif key not in OPENINFERENCE:
+        assert namespace == "lightning_nb", f"{key!r}: a key is OpenTelemetry's, or under lightning_nb.*"
+
+
+def test_no_key_is_also_the_namespace_of_another():
+    """OpenTelemetry's rule: a name is an attribute or a namespace, never both (``a.b`` beside ``a.b.c``)."""
+    keys = set(semconv.ATTRIBUTE_KEYS)
+    assert not {(k, other) for k in keys for other in keys if other.startswith(k + ".")}
+
+
+def test_the_renamed_keys_map_old_names_to_current_keys_of_the_spans_that_had_them():
+    """``RENAMED_KEYS`` (read by SqliteStore's migration of an old file): each new name is a current key, no old name
+    is one, and the spans are named by a span name (a tool span by its prefix)."""
+    keys = set(semconv.ATTRIBUTE_KEYS)
+    assert set(semconv.RENAMED_KEYS) <= set(semconv.SPAN_NAMES)
+    for span_name, renamed in semconv.RENAMED_KEYS.items():
+        assert set(renamed.values()) <= keys, (span_name, set(renamed.values()) - keys)
+        assert not set(renamed) & keys, (span_name, set(renamed) & keys)
+    assert semconv.RENAMED_KEYS[semconv.LLM_SPAN]["temperature"] == semconv.APPLIED_TEMPERATURE
+    assert semconv.RENAMED_KEYS[semconv.REWARD_SPAN]["reward"] == semconv.REWARD
+
+
 def test_every_semconv_key_is_documented():
     """Each constant of semconv.__all__ has a ``#:`` comment right above it (Sphinx's attribute docs)."""
     lines = (ROOT / "semconv.py").read_text().splitlines()

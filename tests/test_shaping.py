@@ -17,6 +17,7 @@ from collections import Counter
 import pytest
 from openai import OpenAI
 
+from lightning_nb import semconv
 from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL,
                           emit_intermediate_reward, start_runners)
 from lightning_nb.runners.runner import Runner
@@ -200,9 +201,9 @@ def test_step_row_has_one_column_per_component_and_the_trainer_adds_it(engine, p
     assert row["reward/bonus"] == pytest.approx(1.0 * ids.count("b0") / len(ids))
     assert row["reward_mean"] == pytest.approx(ids.count("a0") / len(ids))  # final rewards only
     assert row["intermediate_rewards"] == sum(i.startswith("b") for i in ids)  # the trainer saw them: one call each
-    assert {"reward/tidy", "reward/bonus"} <= set(trainer.metrics_df().columns)
-    trainer.add_metrics(trainer.step, val_reward=0.5)  # as the demo does after its last step
-    trainer.metrics_df().to_csv(tmp_path / "metrics.csv", index=False)
+    assert {"reward/tidy", "reward/bonus"} <= set(algo.metrics_df().columns)
+    algo.add_metrics(algo.global_step, val_reward=0.5)  # as the demo does after its last step
+    algo.metrics_df().to_csv(tmp_path / "metrics.csv", index=False)
     assert _plot(tmp_path / "metrics.csv", tmp_path / "curve.png", 0.5, 0.5)[-2:] == ["shaping bonus", "shaping tidy"]
 
 @pytest.mark.slow
@@ -216,16 +217,16 @@ def test_calc_agent_emits_the_bonus_once_for_the_first_call_that_uses_every_numb
     for task in tasks:
         rollout = runner.step(task)
         spans = store.query_spans(rollout.rollout_id, "latest")
-        tools = [s.attributes.get("tool.input") for s in spans if s.name == "tool:calculator"]
+        tools = [s.attributes.get(semconv.TOOL_INPUT) for s in spans if s.name == "tool:calculator"]
         bonus = [s for s in spans if s.name == "intermediate_reward"]
         first = next((t for t in tools if uses_all_numbers(t, task["question"])), None)
         if first is None:
             assert bonus == [], (task["question"], tools)
             continue
         shaped += 1
-        assert [(b.attributes["reward"], b.attributes["reward.name"], b.attributes["expression"])
+        assert [(b.attributes[semconv.REWARD], b.attributes[semconv.REWARD_NAME], b.attributes["expression"])
                 for b in bonus] == [(0.3, ALL_NUMBERS_COMPONENT, first)]
-        final = [s.attributes["reward"] for s in spans if s.name == "reward"]
+        final = [s.attributes[semconv.REWARD] for s in spans if s.name == "reward"]
         llm_text = [s for s in spans if s.name == "llm.chat.completions"][-1].attributes["gen_ai.completion"]
         assert final == [calc_reward(llm_text, task)]  # the shaping term is not in the final reward
     assert shaped >= 1  # greedy SmolLM2 writes CALC: a + b for most one-operation tasks

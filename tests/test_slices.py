@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 from openai import OpenAI
 
-from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, start_runners
+from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, semconv, start_runners
 from lightning_nb.algorithm.lightning_rl import SliceReport
 from lightning_nb.slices import slice_labels
 from lightning_nb.tasks.calc import load_tasks
@@ -171,8 +171,8 @@ def _finish_val(store, task, reward, weight_version):
     rid, aid = item.rollout.rollout_id, item.attempt.attempt_id
     store.update_attempt(rid, aid, status="running")
     now = time.time()
-    for name, attributes in (("llm.chat.completions", {"weight_version": weight_version}),
-                             ("reward", {"reward": reward})):
+    for name, attributes in (("llm.chat.completions", {semconv.WEIGHT_VERSION: weight_version}),
+                             ("reward", {semconv.REWARD: reward})):
         store.add_span(Span(rollout_id=rid, attempt_id=aid, trace_id=uuid.uuid4().hex, span_id=uuid.uuid4().hex[:16],
                             name=name, start_time=now, end_time=now + 0.01, attributes=attributes))
     store.update_attempt(rid, aid, status="succeeded")
@@ -223,7 +223,7 @@ def test_slice_by_puts_val_reward_per_slice_in_the_metrics_row_and_curve(engine,
     n1 = sum(t["ops"] == 1 for t in val)
     assert {k: row[k] for k in expected} == expected and row["val_reward"] == pytest.approx(n1 / len(val))
     assert algo.val_history == [(1, row["val_reward"])]
-    df = trainer.metrics_df()
+    df = algo.metrics_df()
     assert {"val_reward", *expected} <= set(df.columns)
     df.to_csv(tmp_path / "metrics.csv", index=False)
     legend = _plot(tmp_path / "metrics.csv", tmp_path / "curve.png", 0.5, row["val_reward"])

@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from lightning_nb import semconv
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.store import InMemoryStore
 from lightning_nb.store.base import LightningStore
@@ -19,7 +20,7 @@ from lightning_nb.types import RolloutConfig, Span
 
 def _reward_span(rollout_id, attempt_id, reward):
     return Span(rollout_id=rollout_id, attempt_id=attempt_id, trace_id="t", span_id="r", name="reward",
-                start_time=1.0, end_time=2.0, attributes={"reward": reward})
+                start_time=1.0, end_time=2.0, attributes={semconv.REWARD: reward})
 
 
 def _fill(store, n_rollouts=12, spans_per=5, finish=True, start=0):
@@ -29,7 +30,7 @@ def _fill(store, n_rollouts=12, spans_per=5, finish=True, start=0):
     for k in range(spans_per):
         for j, it in enumerate(reversed(items)):
             last = k == spans_per - 1
-            attrs = ({"reward": float(j % 3) / 2} if last else
+            attrs = ({semconv.REWARD: float(j % 3) / 2} if last else
                      {"gen_ai.usage.input_tokens": 10 + k, "token_ids": [1, 2, k], "ok": True, "text": f"t{k}"})
             if k == 1 and j == 0:
                 attrs["odd"] = math.nan
@@ -104,7 +105,7 @@ def test_spill_to_sqlite_loses_nothing(tmp_path):
     assert len(bounded._table) < 25 and bounded._spill.count > 0 and bounded.evicted_spans == 0
 
     def dumps(store, rid=None):
-        return [(s.name, s.sequence_id, s.span_id, s.attributes.get("reward"), s.attributes.get("token_ids"))
+        return [(s.name, s.sequence_id, s.span_id, s.attributes.get(semconv.REWARD), s.attributes.get("token_ids"))
                 for s in store.query_spans(rid)]
 
     assert dumps(bounded) == dumps(free)

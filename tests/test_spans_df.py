@@ -11,6 +11,7 @@ import time
 import pandas as pd
 import pytest
 
+from lightning_nb import semconv
 from lightning_nb.errors import ConfigError, NotFoundError
 from lightning_nb.store.spanframe import FLATTEN_MAX_KEYS, SPAN_COLUMNS
 from lightning_nb.types import Span
@@ -26,7 +27,7 @@ DTYPES = {
 LLM_ATTRS = {
     "gen_ai.system": "lightning_nb", "gen_ai.request.model": "SmolLM2", "gen_ai.prompt": '[{"role": "user"}]',
     "gen_ai.completion": "4", "gen_ai.response.finish_reasons": ["stop"], "gen_ai.agent.name": "solver",
-    "gen_ai.usage.input_tokens": 12, "gen_ai.usage.output_tokens": 3, "prompt_token_ids": [1, 2, 3],
+    "gen_ai.usage.input_tokens": 12, "gen_ai.usage.output_tokens": 3, semconv.PROMPT_TOKEN_IDS: [1, 2, 3],
     "gen_ai.prompt.0.content": "What is 2 + 2?",
 }
 
@@ -42,11 +43,11 @@ def _two_rollouts(store):
     first = store.dequeue_rollout("w") if store.enqueue_rollout("a") else None
     second = store.dequeue_rollout("w") if store.enqueue_rollout("b") else None
     r2, a2 = second.rollout.rollout_id, second.attempt.attempt_id
-    _add(store, r2, a2, "reward", {"reward": 0.0}, "r2")
+    _add(store, r2, a2, "reward", {semconv.REWARD: 0.0}, "r2")
     r1, a1 = first.rollout.rollout_id, first.attempt.attempt_id
     _add(store, r1, a1, "llm.chat.completions", dict(LLM_ATTRS), "l1", parent_id="agent")
-    _add(store, r1, a1, "tool:calc", {"tool.name": "calc", "tool.calls": 2}, "t1", start=12.0)
-    _add(store, r1, a1, "reward", {"reward": 1.0, "note": "ok"}, "r1")
+    _add(store, r1, a1, "tool:calc", {semconv.TOOL_NAME: "calc", "tool.calls": 2}, "t1", start=12.0)
+    _add(store, r1, a1, "reward", {semconv.REWARD: 1.0, "note": "ok"}, "r1")
     return r1, r2
 
 
@@ -83,8 +84,8 @@ def test_attributes_column_is_a_full_copy(store):
     r1, _ = _two_rollouts(store)
     df = store.spans_df(r1)
     attrs = df.loc[0, "attributes"]
-    assert attrs == LLM_ATTRS and df.loc[2, "attributes"] == {"reward": 1.0, "note": "ok"}
-    attrs["prompt_token_ids"].append(99)
+    assert attrs == LLM_ATTRS and df.loc[2, "attributes"] == {semconv.REWARD: 1.0, "note": "ok"}
+    attrs[semconv.PROMPT_TOKEN_IDS].append(99)
     attrs["gen_ai.completion"] = "changed"
     attrs["new"] = 1
     assert store.query_spans(r1)[0].attributes == LLM_ATTRS
@@ -93,15 +94,16 @@ def test_attributes_column_is_a_full_copy(store):
 
 def test_flatten_a_list_of_keys_true_and_refusals(store):
     r1, _ = _two_rollouts(store)
-    df = store.spans_df(flatten=["tool.calls", "note", "prompt_token_ids", "absent"])
-    assert list(df.columns) == SPAN_COLUMNS[:-1] + ["tool.calls", "note", "prompt_token_ids", "absent",
+    df = store.spans_df(flatten=["tool.calls", "note", semconv.PROMPT_TOKEN_IDS, "absent"])
+    assert list(df.columns) == SPAN_COLUMNS[:-1] + ["tool.calls", "note", semconv.PROMPT_TOKEN_IDS, "absent",
                                                     "attributes"]
     assert df["tool.calls"].dtype == "float64" and df["tool.calls"].tolist()[1] == 2.0  # NaN elsewhere: floats
     assert df["note"].tolist()[2] == "ok" and pd.isna(df["note"]).sum() == 3
     assert df["note"].equals(df["attributes"].str.get("note"))  # the same, without flatten
-    assert df.loc[0, "prompt_token_ids"] == [1, 2, 3] and df["absent"].isna().all()
+    assert df.loc[0, semconv.PROMPT_TOKEN_IDS] == [1, 2, 3] and df["absent"].isna().all()
     full = store.spans_df(flatten=True)  # every key, first seen first, but not those named like a column
-    assert list(full.columns) == SPAN_COLUMNS[:-1] + [*LLM_ATTRS, "tool.name", "tool.calls", "note", "attributes"]
+    assert list(full.columns) == SPAN_COLUMNS[:-1] + [*LLM_ATTRS, semconv.TOOL_NAME, "tool.calls", semconv.REWARD,
+                                                      "note", "attributes"]
     assert full["gen_ai.prompt.0.content"].tolist()[0] == "What is 2 + 2?"
     assert list(store.spans_df(flatten=False).columns) == SPAN_COLUMNS
     with pytest.raises(ConfigError, match="'reward' is already a column"):

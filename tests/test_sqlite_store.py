@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 import lightning_nb.store.sqlite.store as sqlite_mod
+from lightning_nb import semconv
+from lightning_nb.adapter import TripletAdapter
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
 from lightning_nb.store import SqliteStore
 from lightning_nb.types import LLMResource, RolloutConfig, Span
@@ -49,7 +51,7 @@ def test_reopen_restores_everything_and_queue_order(tmp_path):
         rid, aid = item.rollout.rollout_id, item.attempt.attempt_id
         s.update_attempt(rid, aid, status="running", heartbeat=True)
         s.add_span(_span(rid, aid, "llm", prompt_ids=[1, 2, 3], logprobs=[-0.5, -0.25], text="hi", ok=True))
-        s.add_span(_span(rid, aid, "reward", reward=0.5))
+        s.add_span(_span(rid, aid, "reward", **{semconv.REWARD: 0.5}))
         s.update_attempt(rid, aid, status="failed", error="boom")  # requeued: goes to the back
         s.cancel_rollout(ids[2])
         before = (s.query_rollouts(), s.query_attempts(), s.query_spans(), s.get_latest_resources())
@@ -61,7 +63,7 @@ def test_reopen_restores_everything_and_queue_order(tmp_path):
         assert llm.attributes["logprobs"] == [-0.5, -0.25] and llm.attributes["ok"] is True
         # requeuing is not terminal: no final reward yet (rules.final_reward), though its reward span is kept
         assert s.final_reward(rid) is None and s.get_rollout_by_id(rid).status == "requeuing"
-        assert [x.attributes["reward"] for x in s.query_spans(rid, aid) if x.name == "reward"] == [0.5]
+        assert [x.attributes[semconv.REWARD] for x in s.query_spans(rid, aid) if x.name == "reward"] == [0.5]
         assert [s.dequeue_rollout().rollout.rollout_id for _ in range(3)] == [ids[1], ids[3], ids[0]]
         assert s.dequeue_rollout() is None
         assert s.query_attempts(ids[0])[-1].sequence_id == 2
@@ -172,6 +174,51 @@ def test_a_file_with_the_old_without_rowid_span_table_keeps_its_spans_and_their_
         assert s.add_spans([_span(rid, aid, "next")])[0].sequence_id == 3
         assert list(s.spans_df(rid)["name"]) == ["llm", "tool", "next"]
     assert "WITHOUT ROWID" not in table_sql()
+
+
+def test_a_file_with_the_bare_span_keys_reads_under_the_naming_rule(tmp_path, monkeypatch):
+    """A file written before the keys' naming rule (``005_semconv_keys``) holds bare keys ("reward", "temperature",
+    "prompt_token_ids", "tool.output"...): reopened, its spans carry the semconv keys, so rewards, the frames and
+    the adapter read it as they read a new file; a key of the agent's own span with an old name stays as it is."""
+    path = tmp_path / "store.db"
+    monkeypatch.setattr(sqlite_mod, "MIGRATIONS", sqlite_mod.MIGRATIONS[:4])  # a file made before 005_semconv_keys
+    llm = {"gen_ai.request.model": "m", "gen_ai.prompt": "[]", "gen_ai.completion": "4", "prompt_token_ids": [1, 2],
+           "completion_token_ids": [3, 4], "logprobs": [-0.5, -0.25], "temperature": 0.7, "top_p": 1.0,
+           "max_tokens": 8, "stop": ["\n"], "weight_version": 2, "engine": "TransformersEngine", "choice_index": 0,
+           "n": 1, "gen_ai.request.tools": '[{"type": "function"}]', "gen_ai.response.tool_calls": "[]"}
+    with SqliteStore(path) as s:  # the spans as the old code wrote them: the same JSON, other keys
+        rid = s.enqueue_rollout("old").rollout_id
+        aid = s.dequeue_rollout("w").attempt.attempt_id
+        s.add_span(_span(rid, aid, "llm.chat.completions", **llm))
+        s.add_span(_span(rid, aid, "tool:calc", **{"tool.name": "calc", "tool.input": '{"e": "2+2"}',
+                                                    "tool.output": "4"}))
+        s.add_span(_span(rid, aid, "intermediate_reward", reward=0.25, **{"reward.name": "step"}))
+        s.add_span(_span(rid, aid, "x", error="mine", n=3, reward=9.0))  # the agent's own span and keys
+        s.add_span(_span(rid, aid, "reward", reward=1.0, **{"reward.source": "human", "reward.note": "ok"}))
+        s.update_attempt(rid, aid, status="succeeded")
+    monkeypatch.undo()
+    with SqliteStore(path) as s:
+        spans = {sp.name: sp.attributes for sp in s.query_spans(rid)}
+        assert spans["llm.chat.completions"] == {
+            semconv.REQUEST_MODEL: "m", semconv.PROMPT: "[]", semconv.COMPLETION: "4",
+            semconv.PROMPT_TOKEN_IDS: [1, 2], semconv.COMPLETION_TOKEN_IDS: [3, 4], semconv.LOGPROBS: [-0.5, -0.25],
+            semconv.APPLIED_TEMPERATURE: 0.7, semconv.APPLIED_TOP_P: 1.0, semconv.APPLIED_MAX_TOKENS: 8,
+            semconv.APPLIED_STOP: ["\n"], semconv.WEIGHT_VERSION: 2, semconv.ENGINE: "TransformersEngine",
+            semconv.CHOICE_INDEX: 0, semconv.CHOICES: 1, semconv.REQUEST_TOOLS: '[{"type": "function"}]',
+            semconv.RESPONSE_TOOL_CALLS: "[]"}
+        assert spans["tool:calc"] == {semconv.TOOL_NAME: "calc", semconv.TOOL_INPUT: '{"e": "2+2"}',
+                                      semconv.TOOL_OUTPUT: "4"}  # JSON text stays text
+        assert spans["intermediate_reward"] == {semconv.REWARD: 0.25, semconv.REWARD_NAME: "step"}
+        assert spans["reward"] == {semconv.REWARD: 1.0, semconv.REWARD_SOURCE: "human", semconv.REWARD_NOTE: "ok"}
+        assert spans["x"] == {"error": "mine", "n": 3, "reward": 9.0}
+        assert s.final_rewards([rid]) == {rid: 1.0}
+        assert s.spans_df(rid).set_index("name")["reward"].dropna().to_dict() == {"intermediate_reward": 0.25,
+                                                                                   "reward": 1.0}
+        (triplet,) = TripletAdapter().adapt(s, [rid])
+        assert (triplet.prompt_ids, triplet.response_ids, triplet.temperature) == ([1, 2], [3, 4], 0.7)
+        assert triplet.reward == 1.0 and triplet.weight_version == 2 and triplet.logprobs == [-0.5, -0.25]
+    with SqliteStore(path) as s:  # recorded: a reopen renames nothing again
+        assert {sp.name: sp.attributes for sp in s.query_spans(rid)} == spans
 
 
 def test_bad_calls_raise_and_leave_the_database_unchanged(tmp_path):
@@ -503,11 +550,11 @@ def test_reward_fast_path_agrees_with_the_generic_one(tmp_path):
     with SqliteStore(tmp_path / "store.db") as s:
         retried = s.enqueue_rollout("r", config=RolloutConfig(max_attempts=2)).rollout_id
         a1 = s.dequeue_rollout().attempt.attempt_id
-        s.add_span(_span(retried, a1, "reward", reward=0.9))  # an earlier attempt's reward never counts
+        s.add_span(_span(retried, a1, "reward", **{semconv.REWARD: 0.9}))  # an earlier attempt's reward never counts
         s.update_attempt(retried, a1, status="failed")
         a2 = s.dequeue_rollout().attempt.attempt_id
         for value in (0.2, None, 0.7):
-            s.add_span(_span(retried, a2, "reward", reward=value))
+            s.add_span(_span(retried, a2, "reward", **{semconv.REWARD: value}))
         s.add_span(_span(retried, a2, "llm"))
         s.update_attempt(retried, a2, status="succeeded")
         plain = s.start_rollout("no reward")

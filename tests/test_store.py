@@ -12,6 +12,7 @@ import time
 import pandas as pd
 import pytest
 
+from lightning_nb import semconv
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundError
 from lightning_nb.types import LLMResource, RolloutConfig, Span, new_id
 
@@ -28,7 +29,7 @@ def test_enqueue_dequeue_finish_and_views(store):
     assert item.rollout.rollout_id == r.rollout_id and item.attempt.sequence_id == 1
     store.update_attempt(r.rollout_id, item.attempt.attempt_id, status="running")
     assert store.get_rollout_by_id(r.rollout_id).status == "running"
-    stored = store.add_span(_span(r.rollout_id, item.attempt.attempt_id, "reward", reward=1.0))
+    stored = store.add_span(_span(r.rollout_id, item.attempt.attempt_id, "reward", **{semconv.REWARD: 1.0}))
     assert stored.sequence_id == 1
     store.update_attempt(r.rollout_id, item.attempt.attempt_id, status="succeeded")
     assert store.get_rollout_by_id(r.rollout_id).status == "succeeded"
@@ -166,7 +167,7 @@ def test_started_rollout_is_never_dequeued_and_runs_to_success(store):
     assert store.dequeue_rollout("w").rollout.rollout_id == queued.rollout_id
     assert store.dequeue_rollout("w", timeout=0.1) is None
     store.update_attempt(rid, aid, status="running")
-    store.add_span(_span(rid, aid, "reward", reward=0.5))
+    store.add_span(_span(rid, aid, "reward", **{semconv.REWARD: 0.5}))
     store.update_attempt(rid, aid, status="succeeded")
     assert store.get_rollout_by_id(rid).status == "succeeded" and store.final_reward(rid) == 0.5
     assert [a.attempt_id for a in store.query_attempts(rid)] == [aid]
@@ -228,7 +229,7 @@ def _llm_span(rollout_id, attempt_id, text):
 
     return Span(rollout_id=rollout_id, attempt_id=attempt_id, trace_id="t" * 32, span_id=uuid.uuid4().hex[:16],
                 name=LLM_SPAN_NAME, start_time=1.0, end_time=2.0,
-                attributes={"gen_ai.completion": text, "completion_token_ids": [1, 2]})
+                attributes={"gen_ai.completion": text, semconv.COMPLETION_TOKEN_IDS: [1, 2]})
 
 
 def test_rollouts_df_times_are_datetimes_and_numbers_are_never_none(store):
@@ -238,7 +239,7 @@ def test_rollouts_df_times_are_datetimes_and_numbers_are_never_none(store):
     cancelled = store.enqueue_rollout("cancelled")
     store.cancel_rollout(cancelled.rollout_id)  # ended without ever starting
     done = store.start_rollout("done")
-    store.add_span(_span(done.rollout.rollout_id, done.attempt.attempt_id, "reward", reward=0.5))
+    store.add_span(_span(done.rollout.rollout_id, done.attempt.attempt_id, "reward", **{semconv.REWARD: 0.5}))
     store.update_attempt(done.rollout.rollout_id, done.attempt.attempt_id, status="succeeded")
     failed = store.start_rollout("failed")
     store.update_attempt(failed.rollout.rollout_id, failed.attempt.attempt_id, status="failed", error="boom")
@@ -271,7 +272,7 @@ def test_episodes_df_shows_input_completions_and_reward_side_by_side(store):
     store.add_span(_llm_span(rid, aid, "let me think"))
     store.add_span(_span(rid, aid, "tool"))
     store.add_span(_llm_span(rid, aid, "4"))
-    store.add_span(_span(rid, aid, "reward", reward=0.75))
+    store.add_span(_span(rid, aid, "reward", **{semconv.REWARD: 0.75}))
     store.update_attempt(rid, aid, status="succeeded")
     retried = store.enqueue_rollout("retried", config=RolloutConfig(max_attempts=2), metadata={"group_id": "g1"})
     first = store.dequeue_rollout("w")
@@ -279,7 +280,7 @@ def test_episodes_df_shows_input_completions_and_reward_side_by_side(store):
     store.update_attempt(retried.rollout_id, first.attempt.attempt_id, status="failed", error="first crash")
     second = store.dequeue_rollout("w")
     store.add_span(_llm_span(retried.rollout_id, second.attempt.attempt_id, "new try"))
-    store.add_span(_span(retried.rollout_id, second.attempt.attempt_id, "reward", reward=1.0))
+    store.add_span(_span(retried.rollout_id, second.attempt.attempt_id, "reward", **{semconv.REWARD: 1.0}))
     store.update_attempt(retried.rollout_id, second.attempt.attempt_id, status="succeeded")
     bad = store.start_rollout("bad")
     store.add_span(_llm_span(bad.rollout.rollout_id, bad.attempt.attempt_id, "oops"))
@@ -328,7 +329,7 @@ def test_episodes_df_reads_the_spans_once():
     for i in range(50):
         it = store.start_rollout(i)
         store.add_span(_llm_span(it.rollout.rollout_id, it.attempt.attempt_id, str(i)))
-        store.add_span(_span(it.rollout.rollout_id, it.attempt.attempt_id, "reward", reward=float(i % 2)))
+        store.add_span(_span(it.rollout.rollout_id, it.attempt.attempt_id, "reward", **{semconv.REWARD: float(i % 2)}))
         store.update_attempt(it.rollout.rollout_id, it.attempt.attempt_id, status="succeeded")
     df = store.episodes_df()
     assert Counting.calls == 1 and len(df) == 50 and df["reward"].tolist() == [float(i % 2) for i in range(50)]

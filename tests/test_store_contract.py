@@ -9,6 +9,7 @@ import uuid
 import pandas as pd
 import pytest
 
+from lightning_nb import semconv
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundError
 from lightning_nb.store import InMemoryStore, StoreClient, StoreServer
 from lightning_nb.types import LLMResource, RolloutConfig, Span
@@ -93,7 +94,7 @@ def test_status_cancelled_drops_a_queued_rollout_and_queuing_runs_a_finished_one
     item = store.dequeue_rollout("w")
     assert item.rollout.rollout_id == rid and item.rollout.input == "retry me, fixed" and item.attempt.sequence_id == 2
     assert store.dequeue_rollout() is None  # queued once, not twice
-    store.add_span(_span(rid, item.attempt.attempt_id, "reward", reward=0.5))
+    store.add_span(_span(rid, item.attempt.attempt_id, "reward", **{semconv.REWARD: 0.5}))
     store.update_attempt(rid, item.attempt.attempt_id, status="succeeded")
     assert store.get_rollout_by_id(rid).status == "succeeded" and store.final_reward(rid) == 0.5
 
@@ -111,7 +112,7 @@ def test_start_attempt_is_a_manual_retry_for_the_caller(store):
     assert item.rollout.status == "preparing" and item.rollout.end_time is None and item.rollout.num_attempts == 2
     assert store.dequeue_rollout() is None
     assert [w.current_attempt_id for w in store.query_workers() if w.worker_id == "me"] == [item.attempt.attempt_id]
-    store.add_span(_span(rid, item.attempt.attempt_id, "reward", reward=1.0))
+    store.add_span(_span(rid, item.attempt.attempt_id, "reward", **{semconv.REWARD: 1.0}))
     store.update_attempt(rid, item.attempt.attempt_id, status="succeeded")
     assert store.get_rollout_by_id(rid).status == "succeeded" and store.final_reward(rid) == 1.0
     queued = store.enqueue_rollout("t2").rollout_id
@@ -198,7 +199,7 @@ def test_late_span_heartbeat_and_status_never_revive_an_unresponsive_attempt(sto
     time.sleep(0.3)
     (ended,) = store.sweep_attempts()
     assert ended.status == "unresponsive" and store.get_rollout_by_id(rid).status == "requeuing"
-    late = store.add_span(_span(rid, old, "reward", reward=1.0))  # stored, as evidence
+    late = store.add_span(_span(rid, old, "reward", **{semconv.REWARD: 1.0}))  # stored, as evidence
     assert late.sequence_id == 1 and [s.name for s in store.query_spans(rid, old)] == ["reward"]
     assert store.update_attempt(rid, old, heartbeat=True).status == "unresponsive"
     with pytest.raises(InvalidStatusTransition, match="'unresponsive' to 'succeeded'"):
@@ -206,7 +207,7 @@ def test_late_span_heartbeat_and_status_never_revive_an_unresponsive_attempt(sto
     (attempt,) = store.query_attempts(rid)
     assert attempt.status == "unresponsive" and store.get_rollout_by_id(rid).status == "requeuing"
     retry = store.dequeue_rollout("w2").attempt.attempt_id  # the retry runs; the late reward never counts
-    store.add_span(_span(rid, retry, "reward", reward=0.25))
+    store.add_span(_span(rid, retry, "reward", **{semconv.REWARD: 0.25}))
     store.update_attempt(rid, retry, status="succeeded")
     assert store.final_reward(rid) == 0.25
 
@@ -242,8 +243,8 @@ def test_add_spans_stores_a_batch_in_order_as_add_span_would(store):
     first = store.add_span(_span(rid, aid, "llm", span_id="a" * 16, tokens=[1, 2]))
     batch = [_span(rid, aid, "tool", tokens=[3]), _span(rid, aid, "x", sequence_id=9),
              _span(rid, aid, "llm", span_id="a" * 16, tokens=[1, 2]),  # the stored one again: a retried write
-             _span(rid, aid, "y"), _span(rid, aid, "reward", span_id="b" * 16, reward=0.5),
-             _span(rid, aid, "reward", span_id="b" * 16, reward=0.5)]  # repeated within the batch
+             _span(rid, aid, "y"), _span(rid, aid, "reward", span_id="b" * 16, **{semconv.REWARD: 0.5}),
+             _span(rid, aid, "reward", span_id="b" * 16, **{semconv.REWARD: 0.5})]  # repeated within the batch
     out = store.add_spans(batch)
     assert [(s.sequence_id, s.name) for s in out] == [(2, "tool"), (9, "x"), (1, "llm"), (10, "y"), (11, "reward"),
                                                       (11, "reward")]

@@ -1,7 +1,7 @@
 """An engine is freed after teardown (issue 27): rebuilding engine, proxy, runners and trainer in one process
 (a notebook's in-kernel restart) leaves no engine, model, thread or port of an earlier build behind, and RSS flat.
 
-The teardown uses the public verbs only: ``trainer.stop()``, ``runners.stop()``, ``proxy.stop()``,
+The teardown uses the public verbs only: ``algo.stop()``, ``runners.stop()``, ``proxy.stop()``,
 ``engine.close()``, ``del`` and ``gc.collect()``. The chains that pinned the engine before the fix (found with
 ``gc.get_referrers`` from the dead build's engine up to a module):
 
@@ -91,13 +91,13 @@ def _build_train_and_tear_down() -> tuple[list[weakref.ref], list[int]]:
     trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=1e-5, track_reference_kl=False))
     algo = LightningRL(store, trainer, load_tasks("train"), config=AlgorithmConfig(
         tasks_per_step=1, group_size=2, max_tokens=16, max_sample_rounds=1))
-    trainer.start(algo, steps=1)
-    assert trainer.wait(timeout=300) and trainer.state == "finished", (trainer.state, trainer.error)
-    assert trainer.step == 1
+    algo.start(steps=1)
+    assert algo.wait(timeout=300) and algo.state == "finished", (algo.state, algo.error)
+    assert algo.global_step == 1
     ports = [proxy.port, int(engine.base_url.rsplit(":", 1)[1].split("/")[0])]
     refs = [weakref.ref(engine), weakref.ref(engine.model), weakref.ref(engine.tokenizer)]
 
-    trainer.stop()
+    algo.stop()
     runners.stop()
     proxy.stop()
     engine.close()

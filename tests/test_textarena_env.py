@@ -134,7 +134,7 @@ def test_sixteen_guess_the_number_episodes_and_one_grpo_step(engine, pristine):
     try:
         row = algo.step()
     finally:
-        trainer.stop()
+        algo.stop()
         runners.stop()
         proxy.stop()
     wall = time.perf_counter() - t0

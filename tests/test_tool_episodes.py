@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from lightning_nb import InMemoryStore, LLMProxy, TripletAdapter, start_runners, tool_span
+from lightning_nb import InMemoryStore, LLMProxy, TripletAdapter, semconv, start_runners, tool_span
 from lightning_nb.inspect.audit import token_fidelity
 from lightning_nb.tasks.calc import calculator as evaluate
 from lightning_nb.semconv import ERROR as LLM_ERROR
@@ -40,7 +40,7 @@ SAMPLING = {"max_tokens": 96}
 
 
 def _needs_langgraph() -> None:
-    for module in ("langgraph", "langchain_openai"):
+    for module in ("langgraph", "langchain", "langchain_openai"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed; pip install -e '.[agents]'")
 
@@ -59,12 +59,12 @@ def round_number(x: float) -> str:
 
 def two_question_agent(task: dict[str, Any], llm: LLMResource) -> float:
     """A LangGraph ReAct agent with two tools, asked two questions in one conversation (several LLM calls)."""
+    from langchain.agents import create_agent
     from langchain_openai import ChatOpenAI
     from langgraph.errors import GraphRecursionError
-    from langgraph.prebuilt import create_react_agent
 
     model = ChatOpenAI(base_url=llm.endpoint, api_key=llm.api_key, model=llm.model, max_retries=0)
-    agent = create_react_agent(model, [calculator, round_number])
+    agent = create_agent(model, [calculator, round_number])
     messages: list[Any] = []
     for question in task["questions"]:
         messages.append({"role": "user", "content": question})
@@ -220,7 +220,7 @@ def test_tool_choice_required_is_enforced_or_refused_naming_it(proxied):
                        timeout=300)
     if reply.status_code == 200:
         assert all(c["message"]["tool_calls"] for c in reply.json()["choices"])
-        spans = [s for s in store.query_spans(rid) if s.attributes.get("n") == 2]
+        spans = [s for s in store.query_spans(rid) if s.attributes.get(semconv.CHOICES) == 2]
         assert len(spans) == 2 and all(s.attributes.get(RESPONSE_TOOL_CALLS) for s in spans)
     else:
         assert reply.status_code == 400 and "in 4 samples" in reply.json()["error"]["message"]

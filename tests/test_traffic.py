@@ -3,13 +3,15 @@ TrafficLearner session on the real model, proxy and GRPO trainer (update, audit,
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 from openai import OpenAI
 
 from lightning_nb import semconv
 from lightning_nb.algorithm.traffic import TrafficConfig, TrafficLearner, is_traffic
-from lightning_nb.errors import ConfigError, InvalidRewardError, NotFoundError
+from lightning_nb.errors import ConfigError, InvalidRewardError, NotFoundError, WaitWarning
 from lightning_nb.runners import Runner
 from lightning_nb.store.memory.store import InMemoryStore
 from lightning_nb.tracing import Tracer
@@ -115,7 +117,11 @@ def test_a_traffic_session_updates_on_exactly_the_labelled_rollouts_and_undo_res
         assert not after.equal(before)
 
     df = algo.updates_df()
-    assert len(df) == 1 and df.loc[0, "n"] == 4 and df.loc[0, "pooled"] == 2 and df.loc[0, "groups"] == 2
+    # the task seen twice (rewards 1, 0) is a GRPO group; each singleton trains against the baseline 0.5 (no update
+    # before: TrafficConfig.baseline_init), so its advantage is reward − 0.5
+    assert len(df) == 1 and df.loc[0, "n"] == 4 and df.loc[0, "baselined"] == 2 and df.loc[0, "groups"] == 3
+    assert trainer.last_advantages[sent[0]] == pytest.approx(0.5) and trainer.last_advantages[sent[1]] == -0.5
+    assert str(df["time"].dtype) == "datetime64[ns]"  # as the store's frames: UTC, timezone-naive
     assert sorted(df.loc[0, "rollout_ids"]) == sorted([*same, *sent[:2]])
     assert df.loc[0, "reward_mean"] == 0.5 and df.loc[0, "weight_version_after"] > df.loc[0, "weight_version_before"]
     assert algo.used == set(df.loc[0, "rollout_ids"])
@@ -128,9 +134,75 @@ def test_a_traffic_session_updates_on_exactly_the_labelled_rollouts_and_undo_res
     with pytest.raises(ConfigError, match="no update to undo"):
         algo.undo()
     resumed = TrafficLearner(store, trainer, TrafficConfig(min_labelled=2), checkpoint_dir=tmp_path)
-    resumed.load_state_dict(algo.state_dict())  # what trainer.save()/load() carry for the learner
+    resumed.load_state_dict(algo.state_dict())  # what algo.save()/load() carry for the learner
     assert resumed.used == algo.used and resumed.updates_df()["undone"].tolist() == [True]
     assert resumed.labelled() == []  # a restored learner does not train on the used rollouts again
+
+
+def _ask(client, model, question):
+    """A user's request to the proxy's /traffic route; returns its rollout id."""
+    return client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": question}], max_tokens=6,
+        temperature=1.0).headers["X-Rollout-Id"]
+
+
+def _waits(algo, until_step):
+    """``wait()`` with a short stall and timeout; returns the text of its warnings (stall first, then timeout)."""
+    with pytest.warns(WaitWarning) as got:
+        assert algo.wait(until_step=until_step, timeout=2.5, stall_s=0.5) is False
+    return [str(w.message) for w in got]
+
+
+def test_equal_labels_and_a_lone_label_train_against_the_running_baseline_and_wait_says_why_not(
+        pristine, tmp_path, capsys):
+    """Issue 43: every pair of equal requests labelled equally never trained, and wait() was silent for 10 minutes."""
+    from lightning_nb.proxy.proxy import LLMProxy
+    from lightning_nb.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    engine, store = pristine, InMemoryStore()
+    with LLMProxy(engine, store) as proxy:
+        client = OpenAI(base_url=proxy.traffic_endpoint(), api_key="x", max_retries=0)
+        model = proxy.served_models[0]
+        pairs = [_ask(client, model, q) for q in ("What is 12 + 7?", "What is 12 + 7?", "What is 9 * 3?",
+                                                  "What is 9 * 3?")]
+        trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False, micro_batch_size=8))
+        algo = TrafficLearner(store, trainer, TrafficConfig(min_labelled=4, poll_s=0.2), checkpoint_dir=tmp_path)
+        algo.start()
+        stall, timeout = _waits(algo, 1)  # nothing labelled: it says so, why, and what to do
+        assert re.search(r"TrafficLearner\.wait\(\): no progress for 0\.\d s\. "
+                         r"Waiting at: step 1 · waiting 0/4 labelled", stall), stall
+        assert "0 of 4 labelled, 4 unlabelled: waiting for 4 more labelled rollouts" in stall
+        assert "store.label(rollout_id, reward)" in stall and pairs[0] in stall and "min_labelled" in stall
+        assert "timeout=2.5 s expired" in timeout and "before step 1 (at step 0)" in timeout
+        with pytest.warns(WaitWarning, match="expired"):
+            assert algo.wait(until_step=1, timeout=1, progress=True) is False  # the bar shows the same line
+        assert "waiting 0/4 labelled · 0 of 4 labelled, 4 unlabelled" in capsys.readouterr().err
+
+        for rid, reward in zip(pairs, (1.0, 1.0, 0.25, 0.25)):  # each pair labelled equally: no group compares
+            store.label(rid, reward)
+        assert algo.wait(until_step=1, timeout=300)
+        row = algo.updates_df().iloc[0]
+        assert row["n"] == 4 and row["baselined"] == 4 and row["groups"] == 2
+        # reward − baseline_init 0.5: +0.5 for the pair labelled 1, −0.25 for the pair labelled 0.25
+        assert [trainer.last_advantages[r] for r in pairs] == pytest.approx([0.5, 0.5, -0.25, -0.25])
+
+        assert algo.pause(timeout=60)
+        algo.config.min_labelled = 1  # one labelled request is enough
+        algo.resume()
+        lone = _ask(client, model, "Name a colour.")
+        store.label(lone, 1.0)
+        assert algo.wait(until_step=2, timeout=300)
+        # an input never used: the mean of every used reward, (1 + 1 + 0.25 + 0.25) / 4 = 0.625
+        assert trainer.last_advantages == pytest.approx({lone: 1.0 - 0.625})
+        assert algo.updates_df()["n"].tolist() == [4, 1] and algo.baseline() == pytest.approx(0.7)
+
+        again = _ask(client, model, "What is 12 + 7?")  # its input's baseline is 1.0: a label of 1 teaches nothing
+        store.label(again, 1.0)
+        stall, _ = _waits(algo, 3)
+        assert "1 of 1 labelled, 0 unlabelled: waiting for a reward that differs from its baseline" in stall
+        assert "Each labelled reward equals its baseline" in stall
+        assert algo.global_step == 2 and again in algo.pending and again not in algo.used
+        assert algo.stop(timeout=60)
 
 
 def llm_model(store):
@@ -138,8 +210,11 @@ def llm_model(store):
 
 
 def test_traffic_config_refuses_what_it_cannot_do():
-    with pytest.raises(ConfigError, match="min_labelled must be an int >= 2"):
-        TrafficConfig(min_labelled=1)
+    with pytest.raises(ConfigError, match="min_labelled must be an int >= 1"):
+        TrafficConfig(min_labelled=0)
+    assert TrafficConfig(min_labelled=1, max_batch=1).min_labelled == 1  # one labelled request is enough
+    with pytest.raises(ConfigError, match=r"baseline_init must be a finite number.*0\.5 for 0/1"):
+        TrafficConfig(baseline_init=float("nan"))
     with pytest.raises(ConfigError, match="max_batch must be an int >= min_labelled"):
         TrafficConfig(min_labelled=8, max_batch=4)
     with pytest.raises(ConfigError, match="poll_s"):

@@ -1,6 +1,7 @@
 """The Trainer contract (lightning_nb.trainers.base.Trainer), one suite over both implementations, GRPOTrainer and
 VerlTrainer: the same triplets in, the metrics keys out, the weights reach the engine (it generates differently),
-state_dict round trip, save_pretrained loadable, and the notebook verbs of a trainer with no algorithm attached.
+state_dict round trip, save_pretrained loadable, and a trainer that only updates weights: no loop verbs, no run
+record, no reference to an algorithm (those are the Algorithm contract's, tests/test_algorithm_contract.py).
 
 Both run for real on the session's SmolLM2-135M on CPU (VerlTrainer: verl 0.9.0's actor in this process).
 """
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from lightning_nb.errors import MissingDependencyError
-from lightning_nb.trainers.base import LoopProgress, Trainer
+from lightning_nb.trainers.base import Trainer
 from lightning_nb.trainers.config import TrainerConfig
 from lightning_nb.trainers.grpo import GRPOConfig, GRPOTrainer
 from lightning_nb.trainers.verl import VerlConfig, VerlTrainer
@@ -64,7 +65,7 @@ def test_same_triplets_in_metrics_out_and_the_engine_serves_the_new_weights(make
     m = trainer.update(triplets, on_progress=lambda done, total, unit: progress.append((done, total, unit)))
     missing = [k for k in Trainer.METRIC_KEYS if k not in m]
     assert not missing, missing
-    assert m["step"] == trainer.step == 1 and trainer.metrics[-1] is m
+    assert m["step"] == trainer.step == 1 and trainer.last_metrics is m
     assert (m["episodes"], m["groups"], m["groups_with_signal"], m["transitions"]) == (4, 1, 1, 4)
     assert m["reward_mean"] == 0.25 and m["sequences_trained"] == 4 and m["optimizer_steps"] >= 1
     assert m["grad_norm"] > 0 and m["tokens_trained"] == sum(len(t.response_ids) for t in triplets)
@@ -75,7 +76,7 @@ def test_same_triplets_in_metrics_out_and_the_engine_serves_the_new_weights(make
     assert trainer.last_advantages["r1"] == pytest.approx(-0.5, abs=1e-4)
     assert trainer.last_turn_advantages[("r0", 0)] == trainer.last_advantages["r0"]
     assert len(trainer.last_batch) == 4 and {"input_ids", "response_mask", "advantage"} <= set(trainer.last_batch[0])
-    assert len(trainer.last_batch_df()) == 4 and len(trainer.metrics_df()) == 1
+    assert len(trainer.last_batch_df()) == 4
     assert trainer.signal_groups(triplets) == {"g"}
     # the weights reached the engine: a new version, and it generates differently
     assert engine.weight_version == version + 1
@@ -101,7 +102,6 @@ def test_state_dict_round_trip_continues_the_same_update(make_trainer, engine, o
     fresh.load_state_dict(torch.load(path, weights_only=True), source=path)
     path.unlink()
     assert fresh.step == 1 and fresh.config.learning_rate == 1e-5
-    assert [r["loss"] for r in fresh.metrics] == [r["loss"] for r in trainer.metrics[:1]]
     resumed = fresh.update(second)
     assert (resumed["step"], resumed["lr"]) == (straight["step"], straight["lr"])
     assert resumed["loss"] == pytest.approx(straight["loss"], abs=1e-6)
@@ -122,14 +122,16 @@ def test_save_pretrained_writes_a_folder_transformers_loads(make_trainer, engine
     shutil.rmtree(folder)
 
 
-def test_without_an_algorithm_the_loop_verbs_read_idle(make_trainer):
+def test_a_trainer_only_updates_weights(make_trainer):
+    """The run (loop verbs, step rows, checkpoint) is the algorithm's: a trainer has none of it and no back-reference."""
     trainer = make_trainer(track_reference_kl=False)
-    assert (trainer.state, trainer.running, trainer.paused_at, trainer.error) == ("idle", False, "", None)
-    assert trainer.progress == LoopProgress() and str(trainer.progress) == "idle"
-    assert trainer.pause(timeout=1) and trainer.wait(timeout=1) and trainer.stop(timeout=1)
-    trainer.config.learning_rate = -1.0  # resume() still checks a config edited while nothing runs
+    for name in ("start", "pause", "resume", "stop", "wait", "progress", "state", "running", "save", "load",
+                 "metrics", "metrics_df", "add_metrics", "config_changes", "algorithm", "attach"):
+        assert not hasattr(trainer, name), name
+    assert trainer.step == 0 and trainer.last_metrics == {} and trainer.last_config_changes == []
+    trainer.config.learning_rate = -1.0  # check_config (what the algorithm's resume() calls) refuses a bad edit
     with pytest.raises(ValueError, match="learning_rate"):
-        trainer.resume()
+        trainer.check_config()
     trainer.config.learning_rate = 2e-5
 
 

@@ -1,4 +1,4 @@
-"""Pause is a pause, under load; interrupting ``trainer.wait()`` in a real Jupyter kernel leaves the trainer truthful."""
+"""Pause is a pause, under load; interrupting ``algo.wait()`` in a real Jupyter kernel leaves the trainer truthful."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy, start_runners
 from lightning_nb.tasks.calc import calc_agent, load_tasks
 from lightning_nb.algorithm.checkpoint import RunCheckpoint
-from lightning_nb.algorithm.control import BackgroundLoop, LoopProgress
-from lightning_nb.errors import ConfigError, LightningNbError
+from lightning_nb.algorithm.base import Algorithm
+from lightning_nb.algorithm.control import LoopProgress
+from lightning_nb.errors import ConfigError, LightningNbError, WaitWarning
 
 pytestmark = pytest.mark.slow
 
@@ -30,13 +31,13 @@ def test_pause_returns_only_at_a_step_boundary_under_load(engine, pristine):
     algo = LightningRL(store, trainer, load_tasks("train"), config=AlgorithmConfig(
         tasks_per_step=2, group_size=2, max_tokens=16, temperature=1.0, max_sample_rounds=2))
     try:
-        trainer.start(algo, steps=100)
+        algo.start(steps=100)
         seen = set()
         for delay in (0.5, 3.0, 6.0, 2.0):
             time.sleep(delay)
-            assert trainer.pause(timeout=300), trainer.state
-            assert trainer.state == "paused" and trainer.paused_at, (trainer.state, trainer.paused_at)
-            seen.add(trainer.paused_at)
+            assert algo.pause(timeout=300), algo.state
+            assert algo.state == "paused" and algo.paused_at, (algo.state, algo.paused_at)
+            seen.add(algo.paused_at)
             # nothing in flight: no rollout queued or running, no update, the engine free at once
             active = [r.status for r in store.query_rollouts() if r.status not in ("succeeded", "failed", "cancelled")]
             assert active == []
@@ -47,55 +48,60 @@ def test_pause_returns_only_at_a_step_boundary_under_load(engine, pristine):
             assert engine.chat("What is 3 + 4?", max_tokens=8)
             time.sleep(3)  # a loop that was not really parked would enqueue or update by now
             assert (len(store.query_rollouts()), trainer.step, _checksum(engine.model)) == (n, step, weights)
-            assert trainer.state == "paused"
-            trainer.resume()
-            assert trainer.state in ("running", "finished")
+            assert algo.state == "paused"
+            algo.resume()
+            assert algo.state in ("running", "finished")
         assert seen <= {"before collect", "between sample rounds", "before update", "before evaluate"}
-        assert trainer.stop(timeout=300) and trainer.state == "stopped"
-        assert trainer.error is None
+        assert algo.stop(timeout=300) and algo.state == "stopped"
+        assert algo.error is None
     finally:
-        trainer.stop(timeout=60)
+        algo.stop(timeout=60)
         runners.stop()
         proxy.stop()
 
 
-class _Sleeper(BackgroundLoop, RunCheckpoint):
-    """An algorithm whose steps only reach one boundary and sleep: the control surface alone (the loop
-    and the run's checkpoint belong to the algorithm, as in LightningRL; the trainer's verbs delegate here).
+class _Sleeper(RunCheckpoint, Algorithm):
+    """An algorithm whose steps only reach one boundary and sleep: the control surface alone (the loop, the step
+    counter and the run's checkpoint belong to the algorithm, as in LightningRL).
 
     With ``units``, a step reports its progress as ``LightningRL.step`` and the trainer's update do
     (0 to ``units`` rollouts, the boundary ``before update``, 0 to ``units`` micro-batches, ``sleep_s`` after each),
-    then counts itself done (``trainer.step += 1``).
+    then records its row (``global_step += 1``).
     """
 
+    config = None
+
     def __init__(self, trainer, boundary: str, sleep_s: float, units: int = 0):
-        self.trainer, self.boundary, self.sleep_s, self.units = trainer, boundary, sleep_s, units
-        self._init_loop()
+        self.boundary, self.sleep_s, self.units = boundary, sleep_s, units
+        self._init_algorithm(None, trainer)
 
     def run(self, steps):
         for _ in range(steps):
-            self.at_boundary(self.boundary)
-            if not self.units:
-                time.sleep(self.sleep_s)
-                continue
-            self._phase("rollouts", "rollouts")
-            self.at_boundary("before update")
-            self._phase("update", "micro-batches")
-            self.trainer.step += 1
+            self.step()
+
+    def step(self):
+        self.at_boundary(self.boundary)
+        if not self.units:
+            time.sleep(self.sleep_s)
+            return None
+        self._phase("rollouts", "rollouts")
+        self.at_boundary("before update")
+        self._phase("update", "micro-batches")
+        return self.record({})
 
     def _phase(self, phase, unit):
         for done in range(self.units + 1):
-            self.report_progress(phase, done, self.units, unit=unit, step=self.trainer.step + 1)
+            self.report_progress(phase, done, self.units, unit=unit, step=self.global_step + 1)
             time.sleep(self.sleep_s)
 
 
-def _watch(trainer):
-    """Record every distinct ``trainer.progress`` (polled each 2 ms) until the returned event is set."""
+def _watch(algo):
+    """Record every distinct ``algo.progress`` (polled each 2 ms) until the returned event is set."""
     seen, done = [], threading.Event()
 
     def poll():
         while not done.is_set():
-            p = trainer.progress
+            p = algo.progress
             if not seen or seen[-1] != p:
                 seen.append(p)
             time.sleep(0.002)
@@ -123,45 +129,51 @@ def _until(predicate, timeout=60.0):
 
 def test_start_refuses_a_second_loop_and_state_follows_the_loop(engine):
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
-    assert trainer.state == "idle"
-    trainer.start(_Sleeper(trainer, "before collect", 0.1), steps=10_000)
-    assert trainer.state == "running"
+    algo = _Sleeper(trainer, "before collect", 0.1)
+    assert algo.state == "idle"
+    algo.start(steps=10_000)
+    assert algo.state == "running"
     with pytest.raises(LightningNbError, match="already running"):
-        trainer.start(_Sleeper(trainer, "before collect", 0.1), steps=1)
-    assert trainer.wait(timeout=0.3) is False and trainer.state == "running"
-    assert trainer.pause(timeout=10) and trainer.state == "paused" and trainer.paused_at == "before collect"
-    assert trainer.stop(timeout=10) and trainer.state == "stopped"
+        algo.start(steps=1)
+    with pytest.raises(LightningNbError, match="already running another algorithm's loop"):
+        _Sleeper(trainer, "before collect", 0.1).start(steps=1)  # one loop at a time updates a trainer
+    assert algo.wait(timeout=0.3) is False and algo.state == "running"
+    assert algo.pause(timeout=10) and algo.state == "paused" and algo.paused_at == "before collect"
+    assert algo.stop(timeout=10) and algo.state == "stopped"
 
 
 def test_save_refuses_while_paused_before_evaluate(engine, tmp_path):
     """Paused after a step's update and before its evaluation, a checkpoint would continue differently."""
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
-    trainer.start(_Sleeper(trainer, "before evaluate", 0.05), steps=10_000)  # parks only where a step evaluates
+    algo = _Sleeper(trainer, "before evaluate", 0.05).start(steps=10_000)  # parks only where a step evaluates
     try:
-        assert trainer.pause(timeout=10) and trainer.paused_at == "before evaluate"
-        with pytest.raises(ConfigError, match=r"paused before step 0's evaluation.*trainer.resume\(\) and save"):
-            trainer.save(tmp_path / "ckpt.pt")
+        assert algo.pause(timeout=10) and algo.paused_at == "before evaluate"
+        with pytest.raises(ConfigError, match=r"paused before step 0's evaluation.*algo.resume\(\) and save"):
+            algo.save(tmp_path / "ckpt.pt")
         assert list(tmp_path.iterdir()) == []
-        trainer.resume()
+        algo.resume()
     finally:
-        assert trainer.stop(timeout=10) and trainer.state == "stopped"
+        assert algo.stop(timeout=10) and algo.state == "stopped"
 
 
 KERNEL_SETUP = """
 import time
 from lightning_nb import GRPOConfig, GRPOTrainer, TransformersEngine
-from lightning_nb.algorithm.control import BackgroundLoop
+from lightning_nb.algorithm import Algorithm
 engine = TransformersEngine.from_default()
 trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
-class Sleeper(BackgroundLoop):
-    trainer = trainer
+class Sleeper(Algorithm):
+    config = None
     def __init__(self):
-        self._init_loop()
+        self._init_algorithm(None, trainer)
     def run(self, steps):
         for _ in range(steps):
-            self.at_boundary("before collect")
-            time.sleep(0.1)
-            trainer.step += 1
+            self.step()
+    def step(self):
+        self.at_boundary("before collect")
+        time.sleep(0.1)
+        return self.record({})
+    state_dict = load_state_dict = save = load = None
 """
 
 
@@ -180,13 +192,13 @@ def _run_cell(kc, code: str, timeout: float = 180) -> str:
 
 
 def test_interrupting_wait_in_a_real_kernel_keeps_state_true():
-    """Kernel ▸ Interrupt during ``trainer.wait()`` (cpython#90882 would mark the live thread dead)."""
+    """Kernel ▸ Interrupt during ``algo.wait()`` (cpython#90882 would mark the live thread dead)."""
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="python3")
     try:
         _run_cell(kc, KERNEL_SETUP)
-        msg_id = kc.execute("trainer.start(Sleeper(), steps=100_000)\ntrainer.wait()")
+        msg_id = kc.execute("algo = Sleeper().start(steps=100_000)\nalgo.wait()")
         time.sleep(3)
         km.interrupt_kernel()
         deadline = time.monotonic() + 60
@@ -195,17 +207,17 @@ def test_interrupting_wait_in_a_real_kernel_keeps_state_true():
             if reply["parent_header"].get("msg_id") == msg_id:
                 break
         assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
-        out = _run_cell(kc, "s0 = trainer.step; time.sleep(1.5)\n"
-                            "print(trainer.state, trainer.running, trainer.step > s0)")
+        out = _run_cell(kc, "s0 = algo.global_step; time.sleep(1.5)\n"
+                            "print(algo.state, algo.running, algo.global_step > s0)")
         assert out.split() == ["running", "True", "True"], out
-        out = _run_cell(kc, "try:\n    trainer.start(Sleeper(), steps=5)\nexcept Exception as e:\n"
+        out = _run_cell(kc, "try:\n    Sleeper().start(steps=5)\nexcept Exception as e:\n"
                             "    print('refused:', type(e).__name__)")
         assert out.strip() == "refused: LightningNbError", out
-        out = _run_cell(kc, "print(trainer.pause(timeout=30), trainer.state)")
+        out = _run_cell(kc, "print(algo.pause(timeout=30), algo.state)")
         assert out.split() == ["True", "paused"], out
-        out = _run_cell(kc, "s = trainer.step; time.sleep(1); print(trainer.step == s)")
+        out = _run_cell(kc, "s = algo.global_step; time.sleep(1); print(algo.global_step == s)")
         assert out.strip() == "True", out
-        out = _run_cell(kc, "print(trainer.stop(timeout=30), trainer.state, trainer.running)")
+        out = _run_cell(kc, "print(algo.stop(timeout=30), algo.state, algo.running)")
         assert out.split() == ["True", "stopped", "False"], out
     finally:
         kc.stop_channels()
@@ -220,44 +232,45 @@ def test_a_new_reward_function_set_while_paused_takes_effect_on_resume(engine, p
     algo = LightningRL(store, trainer, load_tasks("train"), config=AlgorithmConfig(
         tasks_per_step=1, group_size=2, max_tokens=4, max_sample_rounds=1))
     try:
-        trainer.start(algo, steps=3)  # the pause may park after step 2's rollouts ran: step 3 is after it
+        algo.start(steps=3)  # the pause may park after step 2's rollouts ran: step 3 is after it
         deadline = time.monotonic() + 300
         while trainer.step < 1:
-            assert time.monotonic() < deadline and trainer.state != "failed", trainer.error
+            assert time.monotonic() < deadline and algo.state != "failed", algo.error
             time.sleep(0.2)
-        assert trainer.pause(timeout=300)
+        assert algo.pause(timeout=300)
         first = {r.rollout_id for r in store.query_rollouts()}
         with pytest.warns(UserWarning, match="stopped"):  # the cell re-run: the old runners are replaced
             runners = start_runners(agent_with_reward([0.25, 0.75]), store, n=2)
         trainer.config.learning_rate = 1e-5
-        trainer.resume()
-        assert trainer.wait(timeout=300) and trainer.step == 3
+        algo.resume()
+        assert algo.wait(timeout=300) and trainer.step == 3
     finally:
-        trainer.stop(timeout=60)
+        algo.stop(timeout=60)
         runners.stop()
     rewards = store.final_rewards()
     later = {rid: rw for rid, rw in rewards.items() if rid not in first}
     assert later and set(later.values()) <= {0.25, 0.75}, later
-    changed = [m["step"] for m in trainer.metrics if "learning_rate 2e-05 → 1e-05" in m["config_changes"]]
-    assert len(changed) == 1 and changed[0] >= 2 and trainer.metrics[-1]["lr"] == 1e-5
+    changed = [m["step"] for m in algo.metrics if "learning_rate 2e-05 → 1e-05" in m["config_changes"]]
+    assert len(changed) == 1 and changed[0] >= 2 and algo.metrics[-1]["lr"] == 1e-5
 
 
 def test_progress_moves_within_a_step_and_reads_paused_where_the_loop_parks(engine):
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
-    assert (trainer.progress.phase, trainer.progress.step) == ("idle", 0)
-    seen, done = _watch(trainer)
-    trainer.start(_Sleeper(trainer, "before collect", 0.1, units=4), steps=1000)
+    algo = _Sleeper(trainer, "before collect", 0.1, units=4)
+    assert (algo.progress.phase, algo.progress.step) == ("idle", 0)
+    seen, done = _watch(algo)
+    algo.start(steps=1000)
     try:
-        _until(lambda: trainer.step >= 1)
-        assert trainer.pause(timeout=10) and trainer.state == "paused"
-        p = trainer.progress
-        assert p.phase == "paused" and p.boundary == trainer.paused_at and f"paused {p.boundary}" in str(p)
-        trainer.resume()
-        assert trainer.progress.phase != "paused"
+        _until(lambda: algo.global_step >= 1)
+        assert algo.pause(timeout=10) and algo.state == "paused"
+        p = algo.progress
+        assert p.phase == "paused" and p.boundary == algo.paused_at and f"paused {p.boundary}" in str(p)
+        algo.resume()
+        assert algo.progress.phase != "paused"
     finally:
-        assert trainer.stop(timeout=10)
+        assert algo.stop(timeout=10)
         done.set()
-    assert trainer.progress.phase == "ended"
+    assert algo.progress.phase == "ended"
     step1 = [p for p in seen if p.step == 1 and p.phase in ("rollouts", "update")]
     assert [p.phase for p in step1] == sorted((p.phase for p in step1), key=["rollouts", "update"].index)
     for phase in ("rollouts", "update"):
@@ -268,11 +281,11 @@ def test_progress_moves_within_a_step_and_reads_paused_where_the_loop_parks(engi
 
 def test_wait_progress_moves_within_a_step_and_shows_no_eta_before_a_step_was_measured(engine, capsys):
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
-    trainer.start(_Sleeper(trainer, "before collect", 0.3, units=4), steps=2)  # a step: 10 reports 0.3 s apart
+    algo = _Sleeper(trainer, "before collect", 0.3, units=4).start(steps=2)  # a step: 10 reports 0.3 s apart
     try:
-        assert trainer.wait(progress=True, timeout=60) is True
+        assert algo.wait(progress=True, timeout=60) is True
     finally:
-        trainer.stop(timeout=10)
+        algo.stop(timeout=10)
     frames = _frames(capsys.readouterr().err)
     ns = [n for n, _ in frames]
     assert ns and ns == sorted(ns) and ns[-1] == 2.0, ns
@@ -283,17 +296,40 @@ def test_wait_progress_moves_within_a_step_and_shows_no_eta_before_a_step_was_me
     assert any("step 1 · rollouts" in f for f in before) and any("step 1 · update" in f for f in before)
 
 
+def test_wait_says_what_it_waits_for_warns_after_a_stall_and_when_its_timeout_expires(engine, capsys):
+    """Issue 43: a wait with no runner consuming the store returned at its timeout without a word."""
+    store = InMemoryStore()
+    algo = LightningRL(store, GRPOTrainer(engine, GRPOConfig(track_reference_kl=False)), load_tasks("train"),
+                       config=AlgorithmConfig(tasks_per_step=4, group_size=4))  # 16 rollouts a step
+    with pytest.raises(ConfigError, match=r"wait\(stall_s=\.\.\.\) must be a number of seconds > 0"):
+        algo.wait(stall_s=0)
+    algo.start(steps=1)
+    try:
+        with pytest.warns(WaitWarning) as got:
+            assert algo.wait(until_step=1, timeout=3, progress=True, stall_s=1) is False
+        stall, timeout = [str(w.message) for w in got]
+        assert stall.startswith("LightningRL.wait(): no progress for 1")
+        assert "Waiting at: step 1 · rollouts 0/16 · 16 queued, 0 running in the store." in stall
+        assert "16 rollouts queued, none started: are runners running? start_runners(agent, store)" in stall
+        assert "timeout=3 s expired after 3" in timeout and "before step 1 (at step 0)" in timeout
+        assert "wait() again, or stop()" in timeout and "16 rollouts queued, none started" in timeout
+        assert "step 1 · rollouts 0/16 · 16 queued, 0 running in the store" in capsys.readouterr().err  # live
+        assert got[0].filename == __file__  # the warning points at the cell that waits
+    finally:
+        assert algo.stop(timeout=30)
+
+
 def test_pause_progress_shows_the_phase_it_waits_for(engine, capsys):
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
-    trainer.start(_Sleeper(trainer, "before collect", 0.3, units=4), steps=1000)
+    algo = _Sleeper(trainer, "before collect", 0.3, units=4).start(steps=1000)
     try:
-        _until(lambda: trainer.progress.phase == "update" and trainer.progress.done == 1)
-        assert trainer.pause(timeout=30, progress=True) is True
-        assert trainer.state == "paused" and trainer.paused_at == "before collect" and trainer.step == 1
+        _until(lambda: algo.progress.phase == "update" and algo.progress.done == 1)
+        assert algo.pause(timeout=30, progress=True) is True
+        assert algo.state == "paused" and algo.paused_at == "before collect" and algo.global_step == 1
         err = capsys.readouterr().err
         assert "pausing: step 1 update" in err and re.search(r"\| [234]/4 micro-batches", err), err
     finally:
-        assert trainer.stop(timeout=10)
+        assert algo.stop(timeout=10)
 
 
 def test_the_algorithm_and_the_update_report_progress_and_wait_returns_at_until_step(
@@ -303,18 +339,18 @@ def test_the_algorithm_and_the_update_report_progress_and_wait_returns_at_until_
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False, micro_batch_size=1))
     algo = LightningRL(store, trainer, load_tasks("train"), config=AlgorithmConfig(
         tasks_per_step=1, group_size=4, max_tokens=4, max_sample_rounds=1))
-    seen, done = _watch(trainer)
+    seen, done = _watch(algo)
     try:
-        trainer.start(algo, steps=3)
-        assert trainer.wait(until_step=1, progress=True, timeout=300) is True
-        assert trainer.step == 1 and trainer.running  # returned at step 1; the loop goes on
+        algo.start(steps=3)
+        assert algo.wait(until_step=1, progress=True, timeout=300) is True
+        assert trainer.step == 1 and algo.running  # returned at step 1; the loop goes on
         frames = _frames(capsys.readouterr().err)
         _until(lambda: len(store.query_rollouts()) == 8)  # step 2 collects (its LLM calls take a second or more)
-        assert trainer.pause(timeout=300) and trainer.paused_at == "before update"
-        assert trainer.progress == LoopProgress(step=2, phase="paused", done=4, total=4, unit="rollouts",
+        assert algo.pause(timeout=300) and algo.paused_at == "before update"
+        assert algo.progress == LoopProgress(step=2, phase="paused", done=4, total=4, unit="rollouts",
                                                 boundary="before update")
     finally:
-        trainer.stop(timeout=60)
+        algo.stop(timeout=60)
         runners.stop()
         done.set()
     step1 = [p for p in seen if p.step == 1]

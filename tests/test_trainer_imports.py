@@ -7,11 +7,10 @@ package; the two packages' ``__init__`` modules import their names on first acce
 leaves out ``if TYPE_CHECKING:`` imports and cannot see what a module actually loads at run time; these tests
 check both.
 
-The run-time checks start a fresh interpreter with ``lightning_nb`` registered as a bare package (its
-``__path__`` only), so ``lightning_nb/__init__.py`` does not run: the package root sits above every layer and
-imports both trainers and every engine on purpose (the public names, ``from lightning_nb import GRPOTrainer``),
-so through it every module would be loaded whatever the trainers' own imports are. What is checked here is what
-importing one trainers module pulls in by itself.
+The run-time checks start a fresh interpreter and import the real package root: ``lightning_nb/__init__.py``
+imports the trainers and the in-process engines on first access (PEP 562, ``lightning_nb._lazy.lazy_names``), so
+neither ``import lightning_nb`` nor importing one trainers module through it loads a trainer or the transformers
+engine; ``from lightning_nb import GRPOTrainer`` still works.
 """
 
 from __future__ import annotations
@@ -29,19 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAINERS = ROOT / "lightning_nb" / "trainers"
 PACKAGES = ("lightning_nb.trainers.grpo", "lightning_nb.trainers.verl")
 
-# lightning_nb as a bare package: its submodules import, its __init__ (the wiring of the public names) does not run
-BARE_ROOT = textwrap.dedent("""
-    import importlib.util, sys, types
-    _spec = importlib.util.find_spec("lightning_nb")
-    _root = types.ModuleType("lightning_nb")
-    _root.__path__ = list(_spec.submodule_search_locations)
-    sys.modules["lightning_nb"] = _root
-""")
-
-
-def _loaded_after(code: str, *, bare_root: bool = True) -> set[str]:
+def _loaded_after(code: str) -> set[str]:
     """The names in ``sys.modules`` after running ``code`` in a fresh interpreter (which must not fail)."""
-    script = (BARE_ROOT if bare_root else "") + textwrap.dedent(code) + textwrap.dedent("""
+    script = textwrap.dedent(code) + textwrap.dedent("""
         import json as _json, sys as _sys
         print(_json.dumps(sorted(m for m, mod in _sys.modules.items() if mod is not None)))
     """)
@@ -50,19 +39,63 @@ def _loaded_after(code: str, *, bare_root: bool = True) -> set[str]:
     return set(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
+# Neither import lightning_nb nor a config module may load these: a trainer, the in-place weights side, the
+# in-process engines, or the heavy libraries they import when used.
+HEAVY = ("lightning_nb.trainers.grpo.trainer", "lightning_nb.trainers.verl.trainer", "lightning_nb.trainers.verl.bridge",
+         "lightning_nb.trainers.inplace", "lightning_nb.trainers.batch", "lightning_nb.engines.transformers",
+         "lightning_nb.engines.continuous", "lightning_nb.engines.vllm", "torch", "transformers", "verl", "litellm")
+
+
 def _under(loaded: set[str], package: str) -> list[str]:
     return sorted(m for m in loaded if m == package or m.startswith(package + "."))
 
 
+def test_the_package_root_loads_no_trainer_and_no_engine():
+    """``import lightning_nb`` loads the public names' light modules only: no trainer (neither package's
+    ``__init__`` even), no in-process engine, no torch; the lazy names are in ``dir()`` and ``__all__``."""
+    loaded = _loaded_after("""
+        import lightning_nb
+        names = set(dir(lightning_nb))
+        assert {"GRPOTrainer", "GRPOConfig", "VerlTrainer", "TransformersEngine", "VLLMEngine"} <= names, names
+        assert set(lightning_nb.__all__) <= names, set(lightning_nb.__all__) - names
+    """)
+    assert "lightning_nb" in loaded and "lightning_nb.store" in loaded and "lightning_nb.algorithm" in loaded
+    for package in PACKAGES:
+        assert not _under(loaded, package), f"import lightning_nb loaded {_under(loaded, package)}"
+    for name in HEAVY:
+        assert name not in loaded, f"import lightning_nb loaded {name}"
+
+
+def test_the_trainer_views_are_registered_without_importing_the_trainers():
+    """The root registers the trainers' HTML view by their dotted names; a trainer imported later finds it."""
+    _loaded_after("""
+        import sys
+        import lightning_nb
+        from lightning_nb.types import html_view
+        assert "lightning_nb.trainers.grpo.trainer" not in sys.modules
+        from lightning_nb import GRPOTrainer, VerlTrainer
+        class Unregistered:
+            pass
+        for cls in (GRPOTrainer, VerlTrainer):
+            obj = cls.__new__(cls)
+            try:
+                found = html_view(obj) is not None
+            except Exception:  # the view ran on an instance without its state: it was found
+                found = True
+            assert found, f"no HTML view for {cls.__name__}"
+        assert html_view(Unregistered()) is None
+    """)
+
+
 def test_the_verl_config_loads_no_trainer_and_no_torch():
     """``trainers.verl.config`` needs the shared config (and micro-batch sizing, which imports torch inside its
-    function), not the GRPO package, either trainer, the in-place weights side, an engine, torch or verl."""
+    function), not the GRPO package, either trainer, the in-place weights side, an engine, torch or verl; and
+    through the real package root, which it imports first, neither."""
     loaded = _loaded_after("import lightning_nb.trainers.verl.config")
     assert "lightning_nb.trainers.verl.config" in loaded and "lightning_nb.trainers.config" in loaded
+    assert "lightning_nb" in loaded and "lightning_nb.algorithm" in loaded  # the real root ran
     assert not _under(loaded, "lightning_nb.trainers.grpo"), _under(loaded, "lightning_nb.trainers.grpo")
-    for name in ("lightning_nb.trainers.verl.trainer", "lightning_nb.trainers.verl.bridge",
-                 "lightning_nb.trainers.inplace", "lightning_nb.trainers.batch", "lightning_nb.engines",
-                 "lightning_nb.engines.transformers", "torch", "transformers", "verl"):
+    for name in HEAVY:
         assert name not in loaded, f"importing lightning_nb.trainers.verl.config loaded {name}"
 
 
@@ -70,8 +103,7 @@ def test_the_grpo_config_loads_nothing_of_verl_and_no_trainer():
     loaded = _loaded_after("import lightning_nb.trainers.grpo.config")
     assert "lightning_nb.trainers.grpo.config" in loaded
     assert not _under(loaded, "lightning_nb.trainers.verl"), _under(loaded, "lightning_nb.trainers.verl")
-    for name in ("lightning_nb.trainers.grpo.trainer", "lightning_nb.trainers.inplace",
-                 "lightning_nb.engines.transformers", "torch", "transformers", "verl"):
+    for name in HEAVY:
         assert name not in loaded, f"importing lightning_nb.trainers.grpo.config loaded {name}"
 
 
@@ -117,7 +149,7 @@ def test_the_package_names_import_on_first_access():
                 assert "NoSuchName" in str(exc)
             else:
                 raise AssertionError("an unknown name must raise AttributeError")
-    """, bare_root=False)
+    """)
     assert "lightning_nb.trainers.grpo.trainer" in loaded
 
 

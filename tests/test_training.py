@@ -26,7 +26,7 @@ def loop(engine, pristine):
     trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=1e-5, micro_batch_size=4))
     algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=4), AlgorithmConfig(**SMALL))
     yield store, trainer, algo
-    trainer.stop()
+    algo.stop()
     runners.stop()
     proxy.stop()
 
@@ -88,38 +88,39 @@ def test_packing_merges_turns_that_extend_the_prompt():
 def test_save_then_load_continues_from_the_same_step(loop, tmp_path):
     store, trainer, algo = loop
     algo.step()
-    path = trainer.save(tmp_path / "ckpt.pt")
-    saved_step, saved = trainer.step, _weights(trainer.model)
+    path = algo.save(tmp_path / "ckpt.pt")
+    saved_step, saved = algo.global_step, _weights(trainer.model)
     saved_rng = algo.state_dict()["rng"]
     algo.step()  # move on, then come back
     assert trainer.step == saved_step + 1
     fresh = GRPOTrainer(trainer.engine, trainer.config)  # its reference is the trained model: rebuilt on load
-    fresh.load(path)
+    algo2 = LightningRL(store, fresh, load_tasks("train"), config=algo.config)
+    algo2.load(path)  # gets the saved sampler state
     assert fresh.step == saved_step and _same(saved, _weights(fresh.model))
     assert torch.equal(fresh.reference.model.embed_tokens.weight, trainer.reference.model.embed_tokens.weight)
-    assert len(fresh.metrics_df()) == saved_step
-    algo2 = LightningRL(store, fresh, load_tasks("train"), config=algo.config)  # gets the saved sampler state
+    assert len(algo2.metrics_df()) == saved_step
     assert algo2.state_dict()["rng"] == saved_rng
     row = algo2.step()
     assert row["step"] == saved_step + 1 and fresh.step == saved_step + 1
-    with pytest.raises(FileNotFoundError, match="trainer.save"):
-        fresh.load(tmp_path / "missing.pt")
+    with pytest.raises(FileNotFoundError, match="algo.save"):
+        algo2.load(tmp_path / "missing.pt")
     path.unlink()
 
 
 def test_checkpoints_of_another_model_or_format_are_refused(engine, tmp_path):
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+    algo = LightningRL(InMemoryStore(), trainer, [{"id": "t"}])
     bad = tmp_path / "other.pt"
     state = {"format": "lightning_nb.grpo/2", "model_signature": {"lm_head.weight": [10, 3]}}
     torch.save(state, bad)
     with pytest.raises(ConfigError, match="another model"):
-        trainer.load(bad)
+        algo.load(bad)
     torch.save({"format": "lightning_nb.grpo/1"}, bad)
     with pytest.raises(ConfigError, match="format"):
-        trainer.load(bad)
+        algo.load(bad)
     torch.save({"model": object()}, bad)  # not loadable with weights_only=True
     with pytest.raises(ConfigError, match="weights_only"):
-        trainer.load(bad)
+        algo.load(bad)
     assert trainer.step == 0
 
 

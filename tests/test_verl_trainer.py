@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_nb import GRPOConfig
+from lightning_nb import GRPOConfig, InMemoryStore, LightningRL
 from lightning_nb.engines.transformers import TransformersEngine
 from lightning_nb.errors import ConfigError
 from lightning_nb.trainers.grpo.trainer import response_logprobs
@@ -212,27 +212,29 @@ def test_lora_trains_only_the_adapters_with_the_base_model_as_the_reference(one_
 @pytest.mark.slow
 def test_checkpoints_use_verls_layout_and_resume_modes(engine, pristine, tmp_path, one_group):
     trainer = VerlTrainer(engine, VerlConfig(learning_rate=2e-5, track_reference_kl=False))
+    algo = LightningRL(InMemoryStore(), trainer, [{"id": "t"}])
     trainer.update(one_group(engine))
     trained = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
-    folder = trainer.save(tmp_path / "ckpt")
+    folder = algo.save(tmp_path / "ckpt")
     assert folder == tmp_path / "ckpt" / "global_step_1" and (folder / "trainer.pt").is_file()
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "1"
     with pytest.raises(ConfigError, match="takes a folder"):
-        trainer.save(tmp_path / "x.pt")
+        algo.save(tmp_path / "x.pt")
 
     with engine.lock, torch.no_grad():
         engine.model.load_state_dict(engine.initial_state)
     fresh = VerlTrainer(engine, VerlConfig(learning_rate=2e-5, track_reference_kl=False))
-    fresh.load(tmp_path / "ckpt", resume_mode="disable")
+    fresh_algo = LightningRL(InMemoryStore(), fresh, [{"id": "t"}])
+    fresh_algo.load(tmp_path / "ckpt", resume_mode="disable")
     assert fresh.step == 0
-    fresh.load(tmp_path / "ckpt")  # auto: the latest step
+    fresh_algo.load(tmp_path / "ckpt")  # auto: the latest step
     assert fresh.step == 1 and all(torch.equal(trained[k], v) for k, v in engine.model.state_dict().items())
-    fresh.load(folder, resume_mode="resume_path")
+    fresh_algo.load(folder, resume_mode="resume_path")
     assert fresh.step == 1
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        fresh.load(tmp_path / "empty")
+        fresh_algo.load(tmp_path / "empty")
     with pytest.raises(ConfigError, match="resume_mode"):
-        fresh.load(tmp_path / "ckpt", resume_mode="latest")
+        fresh_algo.load(tmp_path / "ckpt", resume_mode="latest")
     shutil.rmtree(tmp_path / "ckpt")  # 1.6 GB; pytest keeps the temp folders of its last runs
 
 

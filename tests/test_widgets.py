@@ -14,12 +14,12 @@ import uuid
 import pytest
 
 from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy,
-                          start_runners)
+                          semconv, start_runners)
 from lightning_nb.tasks.calc import calc_agent
 from lightning_nb.runners import Runner, live_runner_group
 from lightning_nb.tracing.tracer import Tracer
 from lightning_nb.types import Span
-from widgets import RewardCurve, RunnerPanel, SpanBrowser, TrainerPanel, close_all, dashboard
+from widgets import RewardCurve, RunnerPanel, RunPanel, SpanBrowser, close_all, dashboard
 
 
 def _finish(store, reward, *, mode="train", group_id=None, weight_version=None, status="succeeded"):
@@ -36,9 +36,9 @@ def _finish(store, reward, *, mode="train", group_id=None, weight_version=None, 
                             name=name, start_time=now, end_time=now + 0.01, attributes=attributes))
 
     if weight_version is not None:
-        span("llm.chat.completions", {"weight_version": weight_version})
+        span("llm.chat.completions", {semconv.WEIGHT_VERSION: weight_version})
     if reward is not None:
-        span("reward", {"reward": reward})
+        span("reward", {semconv.REWARD: reward})
     store.update_attempt(rid, aid, status=status, error=None if status == "succeeded" else "boom")
     return rid
 
@@ -113,23 +113,23 @@ def test_reward_curve_holds_back_a_step_the_trainer_is_paused_inside(engine, pri
     curve = RewardCurve(store, autostart=False, trainer=trainer)
     unbound = RewardCurve(store, autostart=False)  # no trainer: draws every step with finished rollouts
     try:
-        trainer.start(algo, steps=2)
-        assert trainer.wait(until_step=1, timeout=300)
+        algo.start(steps=2)
+        assert algo.wait(until_step=1, timeout=300)
         _until(lambda: len(store.query_rollouts()) == 4, timeout=60)  # step 2 is collecting (held by the gate)
-        trainer.pause(wait=False)  # the loop parks once step 2's rollouts finish, before its update
+        algo.pause(wait=False)  # the loop parks once step 2's rollouts finish, before its update
         gate.set()
-        assert trainer.pause(timeout=300) and trainer.paused_at == "before update" and trainer.step == 1
+        assert algo.pause(timeout=300) and algo.paused_at == "before update" and algo.global_step == 1
         for c in (curve, unbound):
             c.refresh()
         assert sorted(curve.train) == [1, 2]  # step 2's rollouts were read...
         assert curve.series()["train"]["x"] == [1] and list(curve.fig.data[0].x) == [1]  # ...and held back
         assert unbound.series()["train"]["x"] == [1, 2]
-        trainer.resume()
-        assert trainer.wait(timeout=300) and trainer.step == 2
+        algo.resume()
+        assert algo.wait(timeout=300) and algo.global_step == 2
         curve.refresh()  # no rollout finished since: the trainer's step alone moves the curve
         assert curve.series()["train"]["x"] == [1, 2] and list(curve.fig.data[0].x) == [1, 2]
     finally:
-        trainer.stop(timeout=60)
+        algo.stop(timeout=60)
         gate.set()
         runners.stop()
         curve.close()
@@ -270,9 +270,9 @@ def test_trainer_panel_buttons_drive_the_trainer(engine, tmp_path):
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
     algo = LightningRL(store, trainer, [{"id": "t", "question": "1 + 1?", "answer": 2}],
                        config=AlgorithmConfig(tasks_per_step=1, group_size=2))
-    panel = TrainerPanel(trainer, autostart=False, chat_max_tokens=8,
-                         checkpoint_path=str(tmp_path / "ckpt-step-{step}.pt"))
-    trainer.start(algo, steps=1)
+    panel = RunPanel(algo, autostart=False, chat_max_tokens=8,
+                     checkpoint_path=str(tmp_path / "ckpt-step-{step}.pt"))
+    algo.start(steps=1)
     try:
         _until(lambda: len(store.query_rollouts()) == 2)
         panel.refresh()
@@ -280,14 +280,14 @@ def test_trainer_panel_buttons_drive_the_trainer(engine, tmp_path):
         assert not panel.pause_button.disabled and panel.resume_button.disabled and panel.chat_button.disabled
 
         panel.pause_button.click()  # the step's rollouts are still running: the loop parks once they finish
-        assert trainer.state == "pausing" and 'data-state="pausing"' in panel.summary.value
+        assert algo.state == "pausing" and 'data-state="pausing"' in panel.summary.value
         assert panel.pause_button.disabled and panel.chat_button.disabled
         gate.set()
-        _until(lambda: trainer.state == "paused")
+        _until(lambda: algo.state == "paused")
         panel.refresh()
         assert 'data-state="paused"' in panel.summary.value
         # the row "now": inside step 1 (its agent makes no LLM call, so no group has signal: a second round is due)
-        assert trainer.paused_at == "between sample rounds"
+        assert algo.paused_at == "between sample rounds"
         assert "step 1 · paused between sample rounds" in panel.summary.value
         assert panel.pause_button.disabled and not panel.resume_button.disabled and not panel.chat_button.disabled
 
@@ -305,30 +305,31 @@ def test_trainer_panel_buttons_drive_the_trainer(engine, tmp_path):
 
         gate.clear()  # hold the next round's rollouts, so the loop is still running when we look
         panel.resume_button.click()
-        assert trainer.state == "running" and 'data-state="running"' in panel.summary.value
+        assert algo.state == "running" and 'data-state="running"' in panel.summary.value
     finally:
-        trainer.stop(timeout=30)  # cancels the held rollouts
+        algo.stop(timeout=30)  # cancels the held rollouts
         gate.set()
         runners.stop()
         panel.close()
     panel.refresh()  # a closed panel ignores refreshes
-    assert trainer.state == "stopped"
+    assert algo.state == "stopped"
 
 
 def test_dashboard_shows_every_panel_and_close_stops_all_threads(engine):
     store = InMemoryStore()
     group = start_runners(lambda task, llm: 0.0, store, n=1)
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+    algo = LightningRL(store, trainer, [{"id": "t", "question": "1 + 1?", "answer": 2}])
     try:
-        dash = dashboard(store, group, trainer, interval_s=0.1)
-        assert set(dash.panels) == {"trainer", "runners", "reward", "spans"}
+        dash = dashboard(store, group, algo, interval_s=0.1)
+        assert set(dash.panels) == {"run", "runners", "reward", "spans"}
         assert all(p.polling for p in dash.panels.values())
         _until(lambda: all(p.refresh_count >= 2 for p in dash.panels.values()))
         assert all(p.last_error is None for p in dash.panels.values())
         dash.close()
         assert not any(p.polling for p in dash.panels.values())
         names = {t.name for t in threading.enumerate()}
-        assert not names & {"lightning_nb-TrainerPanel", "lightning_nb-RunnerPanel", "lightning_nb-RewardCurve",
+        assert not names & {"lightning_nb-RunPanel", "lightning_nb-RunnerPanel", "lightning_nb-RewardCurve",
                             "lightning_nb-SpanBrowser"}
         assert close_all() == 0  # nothing left open
     finally:
@@ -356,8 +357,9 @@ def test_html_reprs_summarize_store_rollout_runners_and_trainer(engine):
         group.stop()
 
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
-    trainer.add_metrics(1, reward_mean=0.25, loss=0.5, kl=0.01, tokens_per_s=100.0, val_reward=0.75)
-    text = trainer._repr_html_()
+    algo = LightningRL(store, trainer, [{"id": "t", "question": "1 + 1?", "answer": 2}])
+    algo.add_metrics(1, reward_mean=0.25, loss=0.5, kl=0.01, tokens_per_s=100.0, val_reward=0.75)
+    text = algo._repr_html_()
     assert 'data-state="idle"' in text and "0.250" in text and "0.750" in text and "100.000" in text
 
 

@@ -4,10 +4,10 @@ The core library never imports this package. Each panel polls its sources on a
 daemon thread and stops when closed::
 
     from widgets import dashboard
-    dash = dashboard(store, runners, trainer)   # display it in a cell; dash.close() stops it
+    dash = dashboard(store, runners, algo)   # display it in a cell; dash.close() stops it
 
 or one at a time: ``RewardCurve(store)``, ``SpanBrowser(store)``, ``RunnerPanel(runners)``,
-``TrainerPanel(trainer)``.
+``RunPanel(algo)``.
 """
 
 from widgets._live import LivePanel, close_all, live_panels
@@ -15,7 +15,7 @@ from widgets.board import Dashboard, dashboard
 from widgets.reward import RewardCurve
 from widgets.runners import RunnerPanel, restart_runners
 from widgets.spans import SpanBrowser, SpanTable
-from widgets.trainer import TrainerPanel
+from widgets.run import RunPanel
 
-__all__ = ["Dashboard", "LivePanel", "RewardCurve", "RunnerPanel", "SpanBrowser", "SpanTable", "TrainerPanel",
+__all__ = ["Dashboard", "LivePanel", "RewardCurve", "RunnerPanel", "SpanBrowser", "SpanTable", "RunPanel",
            "close_all", "dashboard", "live_panels", "restart_runners"]

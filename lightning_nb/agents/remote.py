@@ -37,7 +37,8 @@ __all__ = ["RemoteRolloutAgent", "RolloutServerTimeout", "task_messages", "final
 #: seconds :meth:`RemoteRolloutAgent.preflight` waits for ``GET /tools``
 PREFLIGHT_TIMEOUT_S = 3.0
 #: the name of the span recording each ``POST /rollout`` (``tool:rollout_server``; a tool span, so the trainers
-#: and the adapter ignore it): ``tool.input`` the request (without ``callback_api_key``), ``tool.output`` the answer
+#: and the adapter ignore it): ``semconv.TOOL_INPUT`` the request (without ``callback_api_key``),
+#: ``semconv.TOOL_OUTPUT`` the answer
 ROLLOUT_SERVER_SPAN = "rollout_server"
 _ATTRIBUTED = re.compile(r"^(?P<base>https?://.+)/rollout/(?P<rollout>[^/]+)/attempt/(?P<attempt>[^/]+)/v1/?$")
 

@@ -10,10 +10,16 @@ Search", EMNLP), as Agent Lightning's APO runs it on rollouts. Each round (:meth
    ``branch_factor`` new prompts from the prompt and the critique (:mod:`~lightning_nb.algorithm.apo_prompts`);
 3. run every new prompt on the same tasks and keep the ``beam_width`` prompts with the highest mean reward.
 
-When :meth:`APO.run` ends, the winner (the top of the beam) is evaluated on ``val_tasks`` (its held-out score,
-:meth:`APO.best`) and published: ``store.add_resources`` writes the target resources set again (its id,
-``resources_id``: by default the store's latest set when APO was built) with the winner in place of the prompt,
-so its ``version`` goes up by one and rollouts enqueued from then on run with it.
+APO keeps the best prompt it has actually measured. The starting prompt is candidate zero (``c0``); when
+:meth:`APO.run` ends, ``c0`` and the winner (the top of the beam, chosen on training tasks) are evaluated on the
+same ``val_tasks`` (:meth:`APO.best`), and the winner is published only if its held-out mean reward beats the
+start's by more than ``APOConfig.publish_margin`` (default 0.05); else the start stays. Publishing:
+``store.add_resources`` writes the target resources set again (``resources_id``: by default the store's latest set
+when APO was built) with the winner as the prompt, so its ``version`` goes up by one and rollouts enqueued from then
+on run with it. An editor reply that is not a prompt for this agent is recorded in :meth:`APO.calls_df`
+(``errors``) and never run: no prompt in it, a template that does not parse, a variable the agent does not fill,
+none of those it fills (if it fills any: ``APOConfig.variables``, else the start's), a critique or an answer
+(:func:`~lightning_nb.algorithm.apo_prompts.not_a_prompt`), a prompt already tried.
 
 Where this departs from the paper: no bandit selection (every candidate runs on every task of the round's
 batch, so all are compared on the same tasks); no Monte-Carlo paraphrase step; a prompt is run at most once per
@@ -26,8 +32,8 @@ Notebook verbs as :class:`~lightning_nb.algorithm.lightning_rl.LightningRL`'s (a
 ``progress``; :meth:`APO.save` / :meth:`APO.load` write and read a JSON file of the beam and its history.
 
 Side effect to know: ``add_resources`` makes each candidate's set the store's latest while APO evaluates it,
-so a rollout enqueued *without* ``resources_id`` meanwhile runs with the candidate added last; publishing the
-winner makes the target set the latest again.
+so a rollout enqueued *without* ``resources_id`` meanwhile runs with the candidate added last; when ``run`` ends
+with ``config.publish``, the target set is the latest again (with the winner, or with the start, rewritten as is).
 """
 
 from __future__ import annotations
@@ -42,9 +48,10 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from lightning_nb import semconv
-from lightning_nb.algorithm.apo_config import APOConfig, BestPrompt, Candidate
-from lightning_nb.algorithm.apo_prompts import candidate_text, failures_text
-from lightning_nb.algorithm.control import BackgroundLoop, TrainerStopped
+from lightning_nb.algorithm.apo_config import APOConfig, BestPrompt, Candidate, proposer_endpoint
+from lightning_nb.algorithm.apo_prompts import candidate_text, failures_text, not_a_prompt, variables_text
+from lightning_nb.algorithm.base import Algorithm
+from lightning_nb.algorithm.control import TrainerStopped
 from lightning_nb.algorithm.lightning_rl import task_key
 from lightning_nb.errors import ConfigError, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
@@ -58,7 +65,7 @@ log = logging.getLogger(__name__)
 _FORMAT = "lightning_nb.apo/1"  # the save file's format tag
 
 
-class APO(BackgroundLoop):
+class APO(Algorithm):
     """Tune the PromptTemplate ``config.prompt_name`` of a resources set by beam search over LLM-edited prompts.
 
     Runners must be consuming ``store`` (:func:`~lightning_nb.runners.start_runners`) with an agent that reads
@@ -78,7 +85,8 @@ class APO(BackgroundLoop):
         id_key: the task field that names a task (:func:`~lightning_nb.algorithm.lightning_rl.task_key`).
 
     Raises:
-        ConfigError: no train tasks; no resources in the store, or (without ``resources_id``) its latest set is
+        ConfigError: no train tasks; ``config.publish`` without ``val_tasks`` (the winner is published only after
+            it beats the start on them); no resources in the store, or (without ``resources_id``) its latest set is
             a candidate set of an earlier APO run; the set has no PromptTemplate named ``config.prompt_name``;
             a critic/editor is not an LLMResource or is an attempt's URL; a bad config.
         NotFoundError: ``resources_id`` is not in the store.
@@ -90,8 +98,13 @@ class APO(BackgroundLoop):
                  id_key: str = "id") -> None:
         if not train_tasks:
             raise ConfigError("train_tasks is empty; load some with lightning_nb.tasks.calc.load_tasks('train')")
-        self.store, self.config, self.id_key = store, config or APOConfig(), id_key
+        self._init_algorithm(store, None)  # no trainer: APO tunes a prompt, not weights; a step is a round
+        self.config, self.id_key = config or APOConfig(), id_key
         self.train_tasks, self.val_tasks = list(train_tasks), list(val_tasks)
+        if self.config.publish and not self.val_tasks:
+            raise ConfigError("APOConfig.publish=True needs val_tasks: the winner is published only if it beats the "
+                              "starting prompt on them; pass APO(store, train_tasks, val_tasks, ...) or "
+                              "config=APOConfig(publish=False)")
         target = self._target(resources_id)
         self.resources_id = target.resources_id
         start = target.resources.get(self.config.prompt_name)
@@ -101,17 +114,20 @@ class APO(BackgroundLoop):
                 f"resources {self.resources_id!r} has {sorted(target.resources)}; publish one, e.g. "
                 "store.add_resources(calc_resources(proxy.as_resource()))")
         default = target.resources.get(self.config.llm_name)
-        self.critic = _proposer(critic, default, "critic", self.config.llm_name)
-        self.editor = _proposer(editor, default, "editor", self.config.llm_name)
+        self.critic = proposer_endpoint(critic, default, "critic", self.config.llm_name)
+        self.editor = proposer_endpoint(editor, default, "editor", self.config.llm_name)
         self.run_id = new_id("apo").split("-", 1)[1]
         self.candidates: dict[str, Candidate] = {"c0": Candidate("c0", start)}
         self.beam: list[str] = ["c0"]
-        self.round = 0
         self.rows: list[dict[str, Any]] = []   # beam_df
         self.calls: list[dict[str, Any]] = []  # calls_df: every critic and editor call
         self.published: list[dict[str, Any]] = []
         self._rng = random.Random(self.config.seed)
-        self._init_loop()
+
+    @property
+    def round(self) -> int:
+        """Rounds done: this algorithm's ``global_step`` (a round is a step)."""
+        return self.global_step
 
     def _target(self, resources_id: Optional[str]) -> ResourcesUpdate:
         if resources_id is not None:
@@ -127,18 +143,14 @@ class APO(BackgroundLoop):
         return latest
 
     # ----- the loop's verbs (a round is a step) ----------------------------------------------
-    def start(self, rounds: Optional[int] = None) -> "APO":
-        """Run :meth:`run` (``rounds``, default ``config.rounds``) in a background thread; returns at once.
+    def start(self, steps: Optional[int] = None) -> "APO":
+        """Run :meth:`run` (``steps`` rounds, default ``config.rounds``) in a background thread; returns at once.
 
         Raises:
             LightningNbError: this APO's loop is still running.
         """
-        n = self.config.rounds if rounds is None else rounds
-        self._start_loop(lambda: self.run(rounds), self.round, self.round + n)
+        super().start(self.config.rounds if steps is None else steps)
         return self
-
-    def _steps_done(self) -> int:
-        return self.round
 
     def _rollout_share(self) -> float:
         return 0.5
@@ -146,23 +158,39 @@ class APO(BackgroundLoop):
     def _check_before_resume(self) -> None:
         self.config.validate()
 
+    def stall_advice(self) -> str:
+        """What ``wait()`` says after a stall: while proposing, the critic's and the editor's LLM calls; else the
+        default (rollouts no runner takes, a pause: :meth:`BackgroundLoop.stall_advice`)."""
+        if self.progress.phase == "propose":
+            return ("The critic and the editor LLM calls run (a minute or more each for a small model on a CPU); "
+                    "apo.calls_df() lists those done, with their errors.")
+        return super().stall_advice()
+
     def run(self, rounds: Optional[int] = None) -> None:
-        """Run ``rounds`` rounds (default ``config.rounds``), then evaluate the winner on ``val_tasks`` (when
-        given) and, with ``config.publish``, publish it (:meth:`publish`). Ends early when stopped.
+        """Run ``rounds`` rounds (default ``config.rounds``), then, with ``val_tasks``, evaluate the start and the
+        winner on them (:meth:`best`, logged) and, with ``config.publish``, publish the winner only if it beat the
+        start by more than ``config.publish_margin``; else the start stays (:meth:`publish` writes the target set
+        again unchanged, only so that it is the store's latest set again). Ends early when stopped.
         """
         for _ in range(self.config.rounds if rounds is None else rounds):
             if self.stop_requested:
                 raise TrainerStopped(f"stopped after round {self.round}")
             self.step()
         self.at_boundary("before held-out evaluation")
-        if self.val_tasks:
-            self.best()
+        if not self.val_tasks:
+            return
+        best = self.best()
+        log.info("APO round %d: %s", self.round, best)
         if self.config.publish:
-            self.publish()
+            self.publish(best.candidate_id)
 
-    def step(self) -> list[dict[str, Any]]:
-        """One round (see the module docstring); returns its rows of :meth:`beam_df`."""
+    def step(self) -> dict[str, Any]:
+        """One round (see the module docstring); returns its metrics row (:meth:`metrics_df`): ``step`` (the round),
+        ``best_score`` and ``best_candidate`` (the round's top of the beam, its mean reward on the round's tasks),
+        ``candidates`` (scored this round), ``new_candidates`` (the editor's), ``beam`` (the kept ids),
+        ``round_seconds``. Its candidates' rows are in :meth:`beam_df`."""
         r = self.round + 1
+        t0 = time.perf_counter()
         self.report_progress("rollouts", 0, 0, unit="rollouts", step=r)
         self.at_boundary("before round")
         self.config.validate()
@@ -178,8 +206,9 @@ class APO(BackgroundLoop):
         self.at_boundary("before evaluate candidates")
         self._run_rollouts(children, tasks, r)
         rows = self._select(parents + children, keys, r, {c.id for c in children})
-        self.round = r
-        return rows
+        return self.record({"best_score": rows[0]["score"], "best_candidate": rows[0]["candidate_id"],
+                            "candidates": len(rows), "new_candidates": len(children), "beam": list(self.beam),
+                            "round_seconds": time.perf_counter() - t0})
 
     def _select(self, pool: list[Candidate], keys: list[str], r: int, new: set[str]) -> list[dict[str, Any]]:
         """Rank ``pool`` by mean reward on ``keys`` (ties: the older candidate first), keep ``beam_width``."""
@@ -285,6 +314,7 @@ class APO(BackgroundLoop):
         critique = self._call(r, "critic", parent.id, self.critic,
                               PromptTemplate(template=self.config.critic_prompt).format(**fields), 1)[0]
         fields["critique"] = critique
+        fields["variables"] = variables_text(self._variables(), parent.template.engine)
         replies = self._call(r, "editor", parent.id, self.editor,
                              PromptTemplate(template=self.config.editor_prompt).format(**fields),
                              self.config.branch_factor)
@@ -301,7 +331,7 @@ class APO(BackgroundLoop):
 
     def _candidate(self, reply: str, parent: Candidate, critique: str,
                    r: int) -> tuple[Optional[Candidate], Optional[str]]:
-        """``(new candidate, None)`` from one editor reply, or ``(None, why not)``."""
+        """``(new candidate, None)`` from one editor reply, or ``(None, why not)`` (module docstring: the rules)."""
         text = candidate_text(reply)
         if text is None:
             return None, "the editor's reply holds no candidate prompt (empty, or empty between <prompt> tags)"
@@ -309,16 +339,26 @@ class APO(BackgroundLoop):
             template = PromptTemplate(template=text, engine=parent.template.engine)
         except ConfigError as exc:
             return None, f"not a valid template: {exc}"
-        allowed = set(self.config.variables if self.config.variables is not None
-                      else self.candidates["c0"].template.variables)
+        allowed = self._variables()
         if not template.variables <= allowed:
             return None, f"uses {sorted(template.variables - allowed)}; the agent fills only {sorted(allowed)}"
+        if allowed and not template.variables & allowed:
+            return None, (f"uses none of the agent's variables {sorted(allowed)}: a critique or an answer, not a "
+                          "prompt for this agent")
+        why = not_a_prompt(text, critique)
+        if why:
+            return None, why
         same = [c.id for c in self.candidates.values() if c.template == template]
         if same:
             return None, f"the same prompt as {same[0]}"
         cand = Candidate(f"c{len(self.candidates)}", template, parent=parent.id, critique=critique, round=r)
         self.candidates[cand.id] = cand
         return cand, None
+
+    def _variables(self) -> set[str]:
+        """The fields the agent fills: ``config.variables``, else the starting prompt's."""
+        return set(self.config.variables if self.config.variables is not None
+                   else self.candidates["c0"].template.variables)
 
     def _call(self, r: int, role: str, parent: str, llm: LLMResource, content: str, n: int) -> list[str]:
         """One chat call of the critic or editor (``n`` choices), recorded; returns the choices' texts.
@@ -394,27 +434,54 @@ class APO(BackgroundLoop):
                                                                        round=self.round)
         return cand
 
-    def best(self) -> BestPrompt:
-        """The winning template (the top of the beam) and its held-out score: its mean final reward on
-        ``val_tasks`` (:meth:`evaluate`; run once, then kept).
+    def best(self, prompt: Optional[PromptTemplate | str] = None) -> BestPrompt:
+        """The starting prompt ``c0`` and the winner, both scored on the same ``val_tasks``, and which APO keeps.
 
-        The winner is chosen on training tasks only, so the score is an unbiased held-out estimate.
+        The winner is the top of the beam, or ``prompt`` (as :meth:`evaluate` takes it). Each score is the mean
+        final reward over the val tasks both prompts have a finished rollout on (each task run once with
+        ``config.temperature``, then kept: asking again costs nothing). APO keeps the winner only if it beats the
+        start by more than ``config.publish_margin``, else the start (:class:`BestPrompt`: ``str()`` says which,
+        ``df()`` is the table); :meth:`run` publishes the winner only then. The winner is chosen on training
+        tasks only, so both scores are unbiased held-out estimates.
 
         Raises:
-            ConfigError: APO was built without ``val_tasks``.
+            ConfigError: APO was built without ``val_tasks``; ``prompt`` is an unknown candidate id.
+            TrainerStopped: the loop was stopped meanwhile (the rollouts are cancelled).
         """
         if not self.val_tasks:
-            raise ConfigError("best() scores the winner on val_tasks, and this APO has none: "
+            raise ConfigError("best() scores the start and the winner on val_tasks, and this APO has none: "
                               "APO(store, train_tasks, val_tasks, ...)")
-        return BestPrompt(self.winner().template, self.evaluate(self.winner().id))
+        start, winner = self.candidates["c0"], self._as_candidate(prompt)
+        self._run_rollouts([start] if winner is start else [start, winner], self.val_tasks, self.round,
+                           held_out=True)
+        keys = [k for k in (task_key(t, self.id_key) for t in self.val_tasks)
+                if k in start.held_out and k in winner.held_out]
+
+        def mean(cand: Candidate) -> float:
+            return sum(cand.held_out[k] for k in keys) / len(keys) if keys else math.nan
+
+        return BestPrompt(start.template, mean(start), winner.id, winner.template, mean(winner), len(keys),
+                          self.config.publish_margin)
 
     def publish(self, prompt: Optional[PromptTemplate | str] = None) -> ResourcesUpdate:
-        """Write the target resources set again with ``prompt`` (default: the winner) as ``config.prompt_name``,
-        keeping its other resources (the LLM); its ``version`` goes up by one and it becomes the store's latest,
-        so rollouts enqueued from now on run with it. Recorded in :attr:`published`. Returns the stored update.
+        """Write the target resources set again with ``prompt`` as ``config.prompt_name``, keeping its other
+        resources (the LLM); its ``version`` goes up by one and it becomes the store's latest, so rollouts enqueued
+        from now on run with it. Recorded in :attr:`published`. Returns the stored update.
+
+        ``prompt`` as :meth:`evaluate` takes it; default: the prompt :meth:`best` keeps (the winner only if it beat
+        the start on ``val_tasks`` by more than ``config.publish_margin``). A set that already holds that template
+        (the start, when it stays) is written again, unchanged, only when it is not the store's latest set (APO's
+        candidate sets became the latest while they ran), so rollouts enqueued without ``resources_id`` run with
+        it; else its current update is returned and nothing is recorded.
+
+        Raises:
+            ConfigError: no ``prompt`` and no ``val_tasks`` (:meth:`best` needs them); an unknown candidate id.
         """
-        cand = self._as_candidate(prompt)
-        current = self.store.get_resources_by_id(self.resources_id).resources
+        cand = self._as_candidate(prompt) if prompt is not None else self.candidates[self.best().candidate_id]
+        target, latest = self.store.get_resources_by_id(self.resources_id), self.store.get_latest_resources()
+        if target.resources.get(self.config.prompt_name) == cand.template and latest.resources_id == self.resources_id:
+            return target  # already published and the latest: nothing to write
+        current = target.resources
         update = self.store.add_resources({**current, self.config.prompt_name: cand.template},
                                           resources_id=self.resources_id)
         self.published.append({"round": self.round, "candidate_id": cand.id, "resources_id": update.resources_id,
@@ -443,8 +510,8 @@ class APO(BackgroundLoop):
     # ----- save / load -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything :meth:`load` restores, as JSON-ready values (the config is saved but not restored)."""
-        return {"format": _FORMAT, "run_id": self.run_id, "resources_id": self.resources_id, "round": self.round,
-                "beam": list(self.beam), "candidates": [_candidate_json(c) for c in self.candidates.values()],
+        return {"format": _FORMAT, **self.run_record(), "run_id": self.run_id, "resources_id": self.resources_id,
+                "round": self.round, "beam": list(self.beam), "candidates": [_candidate_json(c) for c in self.candidates.values()],
                 "rows": list(self.rows), "calls": list(self.calls), "published": list(self.published),
                 "rng": _json_rng(self._rng.getstate()), "config": asdict(self.config)}
 
@@ -472,7 +539,14 @@ class APO(BackgroundLoop):
         state = json.loads(Path(path).read_text())
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             raise ConfigError(f"{path} is not an APO save file (format {_FORMAT!r})")
-        self.run_id, self.round, self.beam = state["run_id"], int(state["round"]), list(state["beam"])
+        self.load_state_dict(state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (see :meth:`load`)."""
+        if "global_step" not in state:  # saved by an earlier version: rounds, no metrics rows
+            state = {**state, "global_step": int(state["round"]), "metrics": [], "config_changes": []}
+        self.load_run_record(state)
+        self.run_id, self.beam = state["run_id"], list(state["beam"])
         self.candidates = {c["id"]: _candidate_from_json(c) for c in state["candidates"]}
         self.rows, self.calls, self.published = state["rows"], state["calls"], state["published"]
         version, internal, gauss = state["rng"]
@@ -481,20 +555,6 @@ class APO(BackgroundLoop):
     def __repr__(self) -> str:
         return (f"APO(round={self.round}, state={self.state!r}, beam={self.beam}, candidates={len(self.candidates)}, "
                 f"resources_id={self.resources_id!r})")
-
-
-def _proposer(given: Optional[LLMResource], default: Any, role: str, llm_name: str) -> LLMResource:
-    """The critic's or editor's endpoint: ``given``, else the target set's LLM resource; never an attempt URL."""
-    llm = given if given is not None else default
-    if not isinstance(llm, LLMResource):
-        raise ConfigError(f"APO's {role} must be an LLMResource (endpoint, model, api_key), got "
-                          f"{type(given).__name__}" if given is not None else
-                          f"APO's {role} defaults to the resources' {llm_name!r} LLMResource, and there is none; "
-                          f"pass {role}=LLMResource(endpoint=..., model=...)")
-    if "/rollout/" in llm.endpoint and "/attempt/" in llm.endpoint:
-        raise ConfigError(f"APO's {role} endpoint {llm.endpoint} is an attempt's URL: its calls would be recorded "
-                          "as that attempt's trainable spans; use the proxy's plain base URL (proxy.endpoint())")
-    return llm
 
 
 def _task_text(task: Any) -> str:

@@ -22,18 +22,20 @@ __all__ = ["RunCheckpoint"]
 class RunCheckpoint:
     """``save`` / ``load`` of a run, and the algorithm's own state in it; mixed into the algorithm.
 
-    The class it is mixed into has ``trainer``, ``store``, ``config``, ``_rng`` (the task sampler),
-    ``val_history``, ``_step_start`` (set at a step's start, cleared when its update begins) and the
-    loop's ``paused_at``.
+    The class it is mixed into is an :class:`~lightning_nb.algorithm.base.Algorithm` with a ``trainer`` and
+    ``_rng`` (the task sampler), ``val_history``, ``_step_start`` (set at a step's start, cleared when its
+    update begins).
     """
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs from the algorithm: the task sampler's RNG state, ``val_history``, the config."""
-        return {"rng": self._rng.getstate(), "val_history": [list(v) for v in self.val_history],
+        """What a resumed run needs from the algorithm: the step counter, metrics rows and config log
+        (``run_record()``), the task sampler's RNG state, ``val_history``, the config."""
+        return {**self.run_record(), "rng": self._rng.getstate(), "val_history": [list(v) for v in self.val_history],
                 "config": asdict(self.config)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the config is not changed: edits since are yours)."""
+        self.load_run_record(state)
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
         self.val_history = [(int(s), float(v)) for s, v in state["val_history"]]
@@ -58,10 +60,11 @@ class RunCheckpoint:
         """Write everything a continued run needs to ``path``; returns what was written.
 
         The checkpoint holds: the trainer's ``state_dict()`` (model weights, optimizer and LR-scheduler
-        state; the step, metrics, config edits and config; the weight version; the reference model's
+        state; its update count and config; the weight version; the reference model's
         weights fingerprint and how to rebuild it (the initial weights of the default model); a model
-        signature); the torch, numpy and Python RNG states; this algorithm's state (task sampler RNG,
-        ``val_history``: :meth:`state_dict`); the store's latest resources id. It loads with
+        signature); the torch, numpy and Python RNG states; this algorithm's state (its step counter,
+        metrics rows and config log, the task sampler RNG, ``val_history``: :meth:`state_dict`); the store's
+        latest resources id. It loads with
         ``torch.load(weights_only=True)``. GRPOTrainer writes one file (atomically) at ``path``;
         VerlTrainer writes verl's folder layout under it (``trainer.write_checkpoint``).
         Call it at a step boundary (paused, or after ``wait()``); it takes the trainer's update lock
@@ -79,10 +82,10 @@ class RunCheckpoint:
         """
         trainer = self.trainer
         if self.paused_at == "before evaluate":
-            raise ConfigError(f"trainer.save(): the loop is paused before step {trainer.step}'s evaluation, after "
+            raise ConfigError(f"save(): the loop is paused before step {self.global_step}'s evaluation, after "
                               "its update; its metrics row and evaluation are not done yet, so a run continued from "
-                              "a checkpoint now would differ from this one. trainer.resume() and save at the next "
-                              "pause, or after trainer.wait()")
+                              "a checkpoint now would differ from this one. algo.resume() and save at the next "
+                              "pause, or after algo.wait()")
         with trainer.frozen():
             algorithm_state, rng = self.checkpoint_state()
             latest = self.store.get_latest_resources() if self.store is not None else None
@@ -94,7 +97,7 @@ class RunCheckpoint:
         """Restore a :meth:`save` checkpoint into the trainer, its engine's model and this algorithm.
 
         The RNG states are restored too, so the continued run samples what the uninterrupted run would
-        have. ``resources_id`` of the checkpoint is kept in ``trainer.checkpoint_resources_id`` (the
+        have. ``resources_id`` of the checkpoint is kept in :attr:`checkpoint_resources_id` (the
         proxy URL of a new process differs: publish the new one with ``store.add_resources``). The
         trainer's config takes the checkpoint's values unless ``keep_config`` (see the trainer's
         ``load_state_dict``). ``options`` are the trainer's layout's (VerlTrainer: ``resume_mode``).
@@ -104,9 +107,17 @@ class RunCheckpoint:
             ConfigError: the file is not a lightning-nb checkpoint of this format, was saved from
                 another model, or its reference model differs from the trainer's and cannot be rebuilt.
         """
+        if self.running and self.state != "paused":
+            raise ConfigError("load() while the loop is running: pause() or stop() it first")
         run = restore_checkpoint(self.trainer, path, keep_config=keep_config, **options)
         if run is None:
             return
         set_rng_state(run["rng"])
-        if run.get("algorithm") is not None:
-            self.load_state_dict(run["algorithm"])
+        self.checkpoint_resources_id = run["resources_id"]
+        # a checkpoint of an earlier version kept the run's rows with the trainer, and its step counter
+        legacy = {"global_step": self.trainer.step, "metrics": run.get("metrics") or [],
+                  "config_changes": run.get("config_changes") or []}
+        if run.get("algorithm") is None:  # saved with no algorithm's state: the run's record only
+            self.load_run_record(legacy)
+        else:
+            self.load_state_dict({**legacy, **run["algorithm"]})

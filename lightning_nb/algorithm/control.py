@@ -1,9 +1,8 @@
 """Run an algorithm's loop in a background thread that a notebook cell can pause, resume and stop.
 
-:class:`BackgroundLoop` is the control surface of the algorithm that owns the training loop
-(mixed into :class:`~lightning_nb.algorithm.lightning_rl.LightningRL`: ``start``, ``pause``,
-``resume``, ``stop``, ``wait``, ``state``, ``progress``; every trainer's verbs of the same names
-delegate here). The loop itself (the algorithm's ``run``) calls
+:class:`BackgroundLoop` is the control surface of every algorithm, which owns its loop
+(the base of :class:`~lightning_nb.algorithm.base.Algorithm`: ``pause``, ``resume``, ``stop``, ``wait``,
+``state``, ``progress``; ``start`` is the Algorithm's). The loop itself (the algorithm's ``run``) calls
 :meth:`BackgroundLoop.at_boundary` at each point where nothing is in flight: before a
 step collects rollouts, between dynamic-sampling rounds, before the weight update and
 before an evaluation. That is where it parks while paused and where it ends when stopped.
@@ -25,16 +24,69 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import replace
+import warnings
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional
 
-from lightning_nb.errors import LightningNbError
-# the progress record and the config-edit rule live with the trainers, which report and apply them too
-from lightning_nb.trainers.base import LoopProgress, config_edits
+from lightning_nb.algorithm.waiting import default_stall_advice, rollouts_waiting_for
+from lightning_nb.errors import ConfigError, LightningNbError, WaitWarning
+# the config-edit rule lives with the trainers, which apply their own config's edits too
+from lightning_nb.trainers.base import config_edits
 
 __all__ = ["BackgroundLoop", "LoopProgress", "TrainerStopped", "config_edits"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoopProgress:
+    """Where an algorithm's loop is: the snapshot ``algo.progress`` returns.
+
+    The algorithm's loop (:class:`BackgroundLoop`) replaces it as it works; the trainer's update moves it
+    through its ``on_progress`` callback. Reading it costs nothing.
+
+    Attributes:
+        step: the step the loop works on, numbered as its metrics row will be: ``algo.global_step + 1``
+            while it collects rollouts and updates, ``algo.global_step`` while it evaluates after the update
+            (0 before any start).
+        phase: ``"idle"`` (never started), ``"starting"``, ``"rollouts"`` (collecting the step's
+            training rollouts), ``"update"`` (the weight update), ``"evaluate"`` (held-out evaluation),
+            ``"paused"`` (parked at the step boundary ``boundary``; ``done``/``total`` are those the
+            phase before reached), ``"ended"`` (the loop returned, was stopped or failed: see ``state``).
+        done, total: units of the phase finished and planned; 0/0 until the phase has counted.
+            ``rollouts``: rollouts of the step finished of those enqueued so far (every sample round:
+            ``total`` grows when dynamic sampling adds a round); ``update``: micro-batches (forward
+            passes) done of the update's; ``evaluate``: evaluation rollouts finished of enqueued.
+        unit: what ``done``/``total`` count (``"rollouts"``, ``"micro-batches"``, ...).
+        boundary: the step boundary the loop is parked at (``"before update"``) when ``phase`` is ``"paused"``.
+    """
+
+    step: int = 0
+    phase: str = "idle"
+    done: int = 0
+    total: int = 0
+    unit: str = ""
+    boundary: str = ""
+
+    @property
+    def fraction(self) -> float:
+        """``done / total`` in [0, 1]; 0.0 while ``total`` is 0."""
+        return min(1.0, self.done / self.total) if self.total > 0 else 0.0
+
+    def __str__(self) -> str:
+        """``"step 2 · update 3/4 micro-batches"``, ``"step 2 · rollouts 5/16"``, ``"step 2 · paused before update"``,
+        ``"ended in step 3"``."""
+        if self.phase == "paused":
+            return f"step {self.step} · paused {self.boundary}".rstrip()
+        if self.phase in ("idle", "ended"):
+            return self.phase if self.phase == "idle" else f"ended in step {self.step}"
+        unit = "" if self.unit == self.phase else f" {self.unit}"
+        counts = f" {self.done}/{self.total}{unit}" if self.total else ""
+        return f"step {self.step} · {self.phase}{counts}"
+
+    def paused_at(self, boundary: str) -> "LoopProgress":
+        """This snapshot as it reads while the loop is parked at ``boundary``."""
+        return replace(self, phase="paused", boundary=boundary)
 
 
 class TrainerStopped(LightningNbError):
@@ -104,10 +156,10 @@ class _Bar:
 class BackgroundLoop:
     """Pause/resume/stop control of one background loop; mixed into the algorithm that owns the loop.
 
-    The class it is mixed into has a ``trainer`` (whose ``step`` counts the steps done and whose
-    ``metrics`` rows time them), a ``store`` (whose rollouts :meth:`wait_for` waits for) and a
-    ``run(steps)`` method, the loop itself; :meth:`start` runs
-    ``run`` in a daemon thread. States (:attr:`state`): ``idle`` (never started), ``running``, ``pausing`` (a pause
+    The class it is mixed into (:class:`~lightning_nb.algorithm.base.Algorithm`) has ``global_step`` (the steps
+    done), ``metrics`` (rows that time them), a ``store`` (whose rollouts :meth:`wait_for` waits for) and a
+    ``run(steps)`` method, the loop itself; its ``start`` runs ``run`` in a daemon thread (:meth:`_start_loop`).
+    States (:attr:`state`): ``idle`` (never started), ``running``, ``pausing`` (a pause
     was asked; the loop has not reached its next step boundary yet), ``paused`` (parked
     at a step boundary), ``stopped``, ``failed`` (:attr:`error` holds the exception),
     ``finished``. Inside a step, :attr:`progress` says where the loop is (:class:`LoopProgress`).
@@ -130,28 +182,14 @@ class BackgroundLoop:
         self._cell_bar: Optional[_Bar] = None  # step_bar(): a step run from a cell shows its phase
 
     # ----- the loop's side ------------------------------------------------------------
-    def start(self, steps: Optional[int] = None) -> "BackgroundLoop":
-        """Run ``self.run(steps)`` in a background thread and return at once (``steps`` None: ``config.steps``).
-
-        Raises:
-            LightningNbError: a loop started earlier on this trainer is still running (even if a wait()
-                was interrupted).
-        """
-        if getattr(self.trainer, "algorithm", None) is not self and hasattr(self.trainer, "attach"):
-            self.trainer.attach(self)  # refuses while another algorithm's loop runs on the trainer
-        n = steps if steps is not None else getattr(getattr(self, "config", None), "steps", None)
-        first = self._steps_done()
-        self._start_loop(lambda: self.run(steps), first, None if n is None else first + n)
-        return self
-
     def _steps_done(self) -> int:
-        """The trainer's step: updates done."""
-        return int(getattr(self.trainer, "step", 0))
+        """Steps done (the algorithm's ``global_step``); what ``wait(until_step=)`` and the bars count."""
+        return int(getattr(self, "global_step", 0))
 
     def _start_loop(self, body: Callable[[], Any], first_step: int, last_step: Optional[int]) -> None:
         """Run ``body()`` in a daemon thread; raises if a loop is still running."""
         if not self._done.is_set():
-            raise LightningNbError("the trainer is already running; call stop() or wait() first")
+            raise LightningNbError("this algorithm's loop is already running; call stop() or wait() first")
         self._stop.clear()
         with self._control:
             self._pause_requested = False
@@ -165,7 +203,7 @@ class BackgroundLoop:
             try:
                 body()
             except TrainerStopped:
-                log.info("trainer stopped at step %s", self._steps_done())
+                log.info("loop stopped at step %s", self._steps_done())
             except BaseException as exc:  # surfaced through .state and .error
                 self.error = exc
                 log.exception("training loop failed at step %s", self._steps_done())
@@ -379,50 +417,124 @@ class BackgroundLoop:
             self._control.notify_all()
         return self._wait_done(timeout)
 
+    #: Seconds without progress after which :meth:`wait` says what it waits for and why (``wait(stall_s=...)``).
+    STALL_S = 60.0
+
     def wait(self, timeout: Optional[float] = None, progress: bool = False,
-             until_step: Optional[int] = None) -> bool:
+             until_step: Optional[int] = None, *, stall_s: Optional[float] = None) -> bool:
         """Block until the loop ends (or ``timeout`` seconds pass); re-raise its error if it failed.
 
-        ``until_step`` also returns once ``trainer.step >= until_step`` (that step's update is done;
+        ``until_step`` also returns once ``global_step >= until_step`` (that step's update is done;
         the loop goes on: e.g. ``wait(until_step=1)`` then :meth:`pause`). ``progress`` shows a
         tqdm.auto bar of training steps (to ``until_step`` when given) that moves inside a step:
         completed steps plus the fraction of the current one (its rollouts, then its update
         micro-batches, weighed by the previous step's ``rollout_seconds`` and ``update_seconds``,
-        half each before any), with the step and phase after the time (:attr:`progress`). It
+        half each before any), with the step and phase after the time (:attr:`progress`) and what
+        the loop waits for (:meth:`waiting_for`: ``16 queued, 0 running in the store``, ``2 unlabelled``). It
         shows no ETA until a whole step's worth of progress was measured since the call, and its
         clock leaves out the time the loop spent paused.
+
+        It says why it waits: when neither the step nor :attr:`progress` moved for ``stall_s`` seconds
+        (default :attr:`STALL_S`, 60 s), it warns once (:class:`~lightning_nb.errors.WaitWarning`, shown
+        under the cell) with what the loop waits for, why it may not move and what to do
+        (:meth:`stall_advice`), and again after each later stall. A ``timeout`` that expires warns the same
+        way (the loop goes on) and returns False.
 
         Interrupting this call (Jupyter's "interrupt kernel") leaves the loop running, and
         :attr:`state` true. Returns True when the loop has ended or ``until_step`` was reached,
         False when ``timeout`` passed first.
 
         Raises:
+            ConfigError: ``stall_s`` is not a number of seconds > 0.
             BaseException: the loop's own error (:attr:`error`) when it failed.
         """
+        stall = self.STALL_S if stall_s is None else stall_s
+        if isinstance(stall, bool) or not isinstance(stall, (int, float)) or not stall > 0:
+            raise ConfigError(f"wait(stall_s=...) must be a number of seconds > 0 (the default is "
+                              f"BackgroundLoop.STALL_S = {self.STALL_S:g}), got {stall_s!r}")
+        t0 = time.monotonic()
         bar = self._step_bar(until_step) if progress and not self._reached(until_step) else None
         try:
-            done = self._wait_done(timeout, bar, until_step)
+            done = self._wait_done(timeout, bar, until_step, stall_s=stall)
         finally:
             if bar is not None:
                 bar.close()
         if self.error is not None:
             raise self.error
+        if not done:
+            goal = "the loop's end" if until_step is None else f"step {until_step} (at step {self._steps_done()})"
+            self._warn_waiting(f"timeout={timeout:g} s expired after {time.monotonic() - t0:.1f} s, before {goal}; "
+                               "the loop goes on (wait() again, or stop())", stacklevel=3)
         return done
 
     def _reached(self, until_step: Optional[int]) -> bool:
         return until_step is not None and self._steps_done() >= until_step
 
     def _wait_done(self, timeout: Optional[float], bar: Optional[_Bar] = None,
-                   until_step: Optional[int] = None) -> bool:
+                   until_step: Optional[int] = None, stall_s: Optional[float] = None) -> bool:
+        """Wait for the loop's end or ``until_step``; move ``bar``; warn after ``stall_s`` s without progress."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        watch: list[Any] = [None, time.monotonic(), False]  # (step, progress) last seen, since when, warned
         while not (self._reached(until_step) or self._done.wait(0.2)):
             if bar is not None:
                 bar.move(*self._step_position(bar.first))
+            if stall_s is not None:
+                self._check_stall(watch, stall_s)
             if deadline is not None and time.monotonic() >= deadline:
                 return False
         if bar is not None:
             bar.move(*self._step_position(bar.first))
         return True
+
+    def _check_stall(self, watch: list[Any], stall_s: float) -> None:
+        """Warn once when the step and :attr:`progress` stayed as ``watch`` saw them for ``stall_s`` seconds."""
+        key, now = (self._steps_done(), self.progress), time.monotonic()
+        if key != watch[0]:
+            watch[:] = [key, now, False]
+        elif not watch[2] and now - watch[1] >= stall_s:
+            watch[2], quiet = True, now - watch[1]
+            self._warn_waiting(f"no progress for {quiet:.{1 if quiet < 10 else 0}f} s", stacklevel=5)
+
+    def _warn_waiting(self, what: str, stacklevel: int) -> None:
+        """Warn (:class:`~lightning_nb.errors.WaitWarning`) with ``what``, the live line and :meth:`stall_advice`."""
+        self._live = None  # read afresh
+        advice = self._hook_text(self.stall_advice)
+        message = f"{type(self).__name__}.wait(): {what}. Waiting at: {self._live_line()}."
+        warnings.warn(WaitWarning(f"{message} {advice}" if advice else message), stacklevel=stacklevel)
+
+    def _live_line(self) -> str:
+        """``str(progress)``, then what :meth:`waiting_for` adds; the hook is read at most once a second (it may
+        query the store) and again whenever :attr:`progress` changed."""
+        p, now = self.progress, time.monotonic()
+        live = getattr(self, "_live", None)
+        if live is None or live[1] != p or now - live[0] >= 1.0:
+            extra = self._hook_text(self.waiting_for)
+            live = self._live = (now, p, f"{p} · {extra}" if extra else str(p))
+        return live[2]
+
+    def _hook_text(self, hook: Callable[[], str]) -> str:
+        """``hook()``, or ``""`` when it fails (a store that went away must not break a wait)."""
+        try:
+            return hook()
+        except Exception:  # the wait goes on without the text
+            log.debug("%s failed", getattr(hook, "__name__", hook), exc_info=True)
+            return ""
+
+    def waiting_for(self) -> str:
+        """What the loop waits for beyond :attr:`progress`, in a few words (``""``: nothing to add).
+
+        :meth:`wait` shows it after the phase on its bar and in its warnings; it is read about once a second
+        while a bar shows, so it may query the store. The default, while the phase counts rollouts: the
+        store's unfinished rollouts, ``"16 queued, 0 running in the store"``
+        (:func:`~lightning_nb.algorithm.waiting.rollouts_waiting_for`). Algorithms add their own.
+        """
+        return rollouts_waiting_for(self.progress, getattr(self, "store", None))
+
+    def stall_advice(self) -> str:
+        """Why the loop may not move where it is now, and what to do: the end of :meth:`wait`'s warnings (``""``:
+        nothing to say). The default (:func:`~lightning_nb.algorithm.waiting.default_stall_advice`) covers a pause,
+        rollouts no runner takes, rollouts that run long and the weight update; algorithms add their own."""
+        return default_stall_advice(self.progress, getattr(self, "store", None))
 
     def _step_bar(self, until_step: Optional[int]) -> Optional[_Bar]:
         """The bar of :meth:`wait`, counting steps from the running loop's first (None when no loop runs)."""
@@ -437,7 +549,7 @@ class BackgroundLoop:
         return bar
 
     def _step_position(self, first: int) -> tuple[float, str]:
-        """``(steps done since step first, with the fraction of the step in progress; the text of progress)``.
+        """``(steps done since step first, with the fraction of the step in progress; the live line)``.
 
         The fraction is ``share × rollouts done/total`` while collecting and ``share + (1 − share) ×
         micro-batches done/total`` while updating, ``share`` the previous step's part of rollout time
@@ -449,11 +561,11 @@ class BackgroundLoop:
         if p.step == step + 1 and p.phase in ("rollouts", "update"):
             share = self._rollout_share()
             within = share * p.fraction if p.phase == "rollouts" else share + (1 - share) * p.fraction
-        return max(0.0, step - first + min(within, 0.999)), str(self.progress)
+        return max(0.0, step - first + min(within, 0.999)), self._live_line()
 
     def _rollout_share(self) -> float:
         """The last step's rollout seconds over its rollout + update seconds, in [0.05, 0.95]; 0.5 before any."""
-        rows = getattr(self.trainer, "metrics", None) or [{}]
+        rows = getattr(self, "metrics", None) or [{}]
         r, u = rows[-1].get("rollout_seconds"), rows[-1].get("update_seconds")
         if not isinstance(r, (int, float)) or not isinstance(u, (int, float)) or not r + u > 0:
             return 0.5

@@ -5,9 +5,10 @@ paper with GRPO groups: each step draws ``tasks_per_step`` distinct training tas
 (without replacement: one group per task), enqueues each ``group_size``
 times (one group id, under the adapter's ``group_key``), waits for the runners,
 adapts the spans with :class:`~lightning_nb.adapter.TripletAdapter` and calls the
-trainer's ``update`` (:class:`~lightning_nb.trainers.base.Trainer`). It owns the loop: the
-background thread and its step boundaries (:class:`~lightning_nb.algorithm.control.BackgroundLoop`)
-and the run's checkpoint (:class:`~lightning_nb.algorithm.checkpoint.RunCheckpoint`).
+trainer's ``update`` (:class:`~lightning_nb.trainers.base.Trainer`). It owns the run
+(:class:`~lightning_nb.algorithm.base.Algorithm`): the background thread and its step boundaries
+(:class:`~lightning_nb.algorithm.control.BackgroundLoop`), the step counter and metrics rows, and the
+run's checkpoint (:class:`~lightning_nb.algorithm.checkpoint.RunCheckpoint`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Callable, Optional, Sequence, Union, overload
 
 from lightning_nb.adapter import TripletAdapter
+from lightning_nb.algorithm.base import Algorithm
 from lightning_nb.algorithm.checkpoint import RunCheckpoint
-from lightning_nb.algorithm.control import BackgroundLoop, TrainerStopped, config_edits
+from lightning_nb.algorithm.control import TrainerStopped, config_edits
 from lightning_nb.algorithm.slice_report import SliceReport
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.loggers import MetricLogger, make_loggers
@@ -87,7 +89,7 @@ class AlgorithmConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ConfigError naming the first field out of range (also run by ``trainer.resume()``)."""
+        """Raise ConfigError naming the first field out of range (also run by ``algo.resume()``)."""
         for name in ("steps", "tasks_per_step", "group_size", "max_tokens", "max_attempts", "max_sample_rounds"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"AlgorithmConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -107,14 +109,14 @@ class AlgorithmConfig:
                                       f"got {w!r}")
 
 
-class LightningRL(BackgroundLoop, RunCheckpoint):
+class LightningRL(RunCheckpoint, Algorithm):
     """Drive GRPO training of ``trainer`` on ``train_tasks`` through ``store``; own the loop and its checkpoints.
 
     ``start(steps)`` runs :meth:`run` in a background thread that ``pause()`` parks at a step
     boundary, ``resume()`` continues (checking config edits first) and ``stop()`` ends
-    (:class:`~lightning_nb.algorithm.control.BackgroundLoop`; the trainer's verbs of the same names
-    delegate here). :meth:`save` / :meth:`load` checkpoint the run: this algorithm's state, the task
-    sampler's, the RNG states and the trainer's ``state_dict()``.
+    (:class:`~lightning_nb.algorithm.base.Algorithm`, the contract). ``global_step`` counts the steps done,
+    :meth:`metrics_df` has one row per step (:meth:`step`). :meth:`save` / :meth:`load` checkpoint the run:
+    this algorithm's state, the task sampler's, the RNG states and the trainer's ``state_dict()``.
 
     Runners must be consuming ``store`` (see :func:`~lightning_nb.runners.start_runners`).
     Tasks are usually dicts. A step's rollouts of one task form a GRPO group, whose ``group_id`` is
@@ -134,7 +136,7 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
             :class:`~lightning_nb.loggers.MetricLogger` objects, or the shorthands
             ``"tensorboard"``, ``"wandb"`` (offline), ``"mlflow"`` with default settings.
             Flushed when :meth:`run` ends, closed by :meth:`close_loggers` (and by :meth:`run`
-            when the trainer is stopped or the loop fails). Raises MissingDependencyError
+            when the loop is stopped or fails). Raises MissingDependencyError
             (an ImportError naming the extra) when a logger's package is missing.
         slice_by: a task field name (``"ops"``) or a function ``task -> label``: the periodic
             evaluation of :meth:`step` (``config.val_every``) also records the held-out reward
@@ -165,7 +167,7 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
             slice_keys(list(val_tasks), slice_by)  # a bad field or function fails here, not after a step
         self.slice_by = slice_by
         self.last_report: Optional[SliceReport] = None  # the latest evaluate(by=...) result
-        self.store, self.trainer = store, trainer
+        self._init_algorithm(store, trainer)
         self.train_tasks, self.val_tasks = list(train_tasks), list(val_tasks)
         self.config = config or AlgorithmConfig()
         self.adapter = adapter or TripletAdapter()
@@ -191,8 +193,6 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         self._weights: tuple[Any, Optional[list[float]]] = (None, None)
         self._task_weights()  # a bad slice_weights fails here
         self.loggers = make_loggers(loggers, config=self._logged_config()) if loggers else []
-        self._init_loop()
-        trainer.attach(self)
 
     def _check_before_resume(self) -> None:
         """``resume()`` first checks the edits of both configs made while paused (ConfigError if invalid)."""
@@ -274,7 +274,7 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         sampling = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
         ids = []
         for i in self._draw_tasks(n_tasks, taken):
-            group = f"{self.trainer.step + 1}.{round_}:{self._task_keys()[i]}"
+            group = f"{self.global_step + 1}.{round_}:{self._task_keys()[i]}"
             # one call per group: one transaction (and one fsync) in a SqliteStore, one lock in memory
             ids += [r.rollout_id for r in self.store.enqueue_rollouts(
                 [self.train_tasks[i]] * cfg.group_size, mode="train", config=self._rollout_config(),
@@ -305,7 +305,7 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
             if round_ > 0:
                 self.at_boundary("between sample rounds")
             new_ids = self._enqueue_groups(cfg.tasks_per_step - with_signal, round_, taken)
-            self.wait_for(new_ids, on_progress=self._reporter("rollouts", self.trainer.step + 1, len(new_ids),
+            self.wait_for(new_ids, on_progress=self._reporter("rollouts", self.global_step + 1, len(new_ids),
                                                               before=len(ids)))
             if self.group_judge is not None:  # the judge's rewards replace the agent's before the adapter reads them
                 for k, v in self.group_judge.judge_rollouts(self.store, new_ids).items():
@@ -378,7 +378,7 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
                 field, the first such task's index and its keys); ``by`` raised on a task (the
                 error names the task's index and the exception); ``by`` is neither a str nor
                 callable. Nothing is enqueued then.
-            TrainerStopped: the trainer was stopped while waiting (the rollouts are cancelled).
+            TrainerStopped: the loop was stopped while waiting (the rollouts are cancelled).
         """
         tasks = list(self.val_tasks if tasks is None else tasks)
         if not tasks:
@@ -388,7 +388,7 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         ids = [r.rollout_id for r in self.store.enqueue_rollouts(tasks, mode="val", config=self._rollout_config(),
                                                                  metadata={SAMPLING_PARAMETERS_KEY: sampling})]
         self.wait_for(ids, desc="evaluating" if progress else None,
-                      on_progress=self._reporter("evaluate", self.trainer.step, len(ids)))
+                      on_progress=self._reporter("evaluate", self.global_step, len(ids)))
         finished = self._finished_rewards(ids)
         rewards = list(finished.values())
         mean = sum(rewards) / len(rewards) if rewards else math.nan
@@ -404,14 +404,14 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
                                        solved=sum(1 for x in rewards if x == 1.0), slices=slices)
         return self.last_report
 
-    def _config_edits(self) -> list[str]:
-        """Edits of :attr:`config` since the last step, as text (validated first)."""
+    def _config_edits(self) -> list[tuple[str, Any, Any, str]]:
+        """Edits of :attr:`config` since the last step, ``(field, old, new, text)`` (validated first)."""
         self.config.validate()
         self._task_weights()
         now = asdict(self.config)
         edits = config_edits(self._applied_config, now)
         self._applied_config = now
-        return [text for *_, text in edits]
+        return edits
 
     def step(self, progress: bool = True) -> dict[str, Any]:
         """One full step: collect → update (→ evaluate when due). Returns the metrics row.
@@ -420,9 +420,10 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         the update's micro-batches, then the evaluation when due), for a step run from a cell; :meth:`run`
         (the background loop, whose bar is ``wait(progress=True)``'s) passes False.
 
-        Step boundaries (where ``trainer.pause()`` parks the loop and ``trainer.stop()``
+        Step boundaries (where ``pause()`` parks the loop and ``stop()``
         ends it): before the step collects, between sample rounds, before the update and
-        before an evaluation. Columns added to the trainer's row: ``reward_mean`` (mean
+        before an evaluation. The row is the trainer's update row (its ``step`` this algorithm's
+        ``global_step``, :meth:`~lightning_nb.algorithm.base.Algorithm.record`) with: ``reward_mean`` (mean
         final reward of every rollout of the step, failed ones as 0: the train reward),
         ``rollouts``, ``rollouts_failed``, ``sample_rounds``, ``skipped_<reason>`` (rollouts
         the adapter could not use, see :class:`TripletAdapter`), ``rollout_seconds``,
@@ -433,7 +434,7 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         ``config_changes`` (edits of either config applied at this step); with ``group_judge``, ``judge_groups``,
         ``judge_groups_failed`` and ``judge_groups_skipped`` (:meth:`~lightning_nb.rewards.GroupJudge.judge_rollouts`).
 
-        While it runs, ``trainer.progress`` (:class:`~lightning_nb.algorithm.control.LoopProgress`) says where it is:
+        While it runs, ``progress`` (:class:`~lightning_nb.algorithm.control.LoopProgress`) says where it is:
         phase ``"rollouts"`` (the step's rollouts finished of those enqueued, every sample round), then
         ``"update"`` (micro-batches done, reported by the trainer), then ``"evaluate"`` when due.
 
@@ -445,7 +446,7 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
 
     def _step(self) -> dict[str, Any]:
         """:meth:`step`'s work."""
-        self.report_progress("rollouts", 0, 0, unit="rollouts", step=self.trainer.step + 1)
+        self.report_progress("rollouts", 0, 0, unit="rollouts", step=self.global_step + 1)
         self.at_boundary("before collect")
         self._step_start = (self.state_dict(), rng_state())  # what a checkpoint saved inside this step holds
         edits = self._config_edits()
@@ -459,7 +460,10 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
         self.at_boundary("before update")
         self._step_start = None  # from here on the weights change: a checkpoint is of this step
         metrics = self.trainer.update(triplets, on_progress=self._update_reporter())
-        step = metrics["step"]
+        row = self.record(dict(metrics))  # global_step + 1: the step's row, completed below
+        step = row["step"]
+        self.config_changes.extend({"step": step, "config": "algorithm", "field": k, "old": old, "new": new}
+                                   for k, old, new, _ in edits)
         rollouts = self.store.query_rollouts(rollout_ids=ids)
         finished = self._finished_rewards(ids)
         rewards = list(finished.values())
@@ -472,7 +476,8 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
             **self._component_means(list(finished)), **self.last_judge,
         }
         if edits:
-            extra["config_changes"] = "; ".join(filter(None, [metrics.get("config_changes", ""), *edits]))
+            extra["config_changes"] = "; ".join(filter(None, [metrics.get("config_changes", ""),
+                                                              *(text for *_, text in edits)]))
         if self.config.val_every and step % self.config.val_every == 0 and self.val_tasks:
             self.at_boundary("before evaluate")
             if self.slice_by is None:
@@ -483,8 +488,7 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
                 extra.update(report.metrics())
             self.val_history.append((step, extra["val_reward"]))
         extra["step_seconds"] = time.perf_counter() - t0 - (self.paused_seconds - paused0)
-        self.trainer.add_metrics(step, **extra)
-        row = self.trainer.metrics[-1]
+        row.update(extra)
         for logger in self.loggers:
             logger.log_row(row)
         if self.on_step:
@@ -493,7 +497,7 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
 
     def _update_reporter(self) -> Callable[[int, int, str], None]:
         """The trainer update's ``on_progress``: reports phase ``"update"`` of the step being updated."""
-        step = self.trainer.step + 1
+        step = self.global_step + 1
 
         def report(done: int, total: int, unit: str) -> None:
             self.report_progress("update", done, total, unit=unit, step=step)
@@ -518,7 +522,7 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
                 **{f"trainer.{k}": v for k, v in trainer_fields.items()}}
 
     def metrics_added(self, step: int, values: dict[str, Any]) -> None:
-        """Log ``values`` added to the row of an already logged ``step`` (``trainer.add_metrics`` calls this)."""
+        """Log ``values`` added to the row of an already logged ``step`` (:meth:`add_metrics` calls this)."""
         for logger in self.loggers:
             logger.log_added(step, values)
 
@@ -528,16 +532,16 @@ class LightningRL(BackgroundLoop, RunCheckpoint):
             logger.close(status)
 
     def run(self, steps: Optional[int] = None) -> None:
-        """Run ``steps`` steps (default ``config.steps``); stops early if the trainer is stopped.
+        """Run ``steps`` steps (default ``config.steps``); stops early when stopped (:meth:`stop`).
 
-        When it ends the loggers are flushed; when the trainer was stopped or a step failed
+        When it ends the loggers are flushed; when the loop was stopped or a step failed
         they are closed with that status (:meth:`close_loggers`).
         """
         n = self.config.steps if steps is None else steps
         try:
             for _ in range(n):
                 if self.stop_requested:
-                    raise TrainerStopped(f"stopped at step {self.trainer.step}")
+                    raise TrainerStopped(f"stopped at step {self.global_step}")
                 self.step(progress=False)
         except BaseException as exc:
             self.close_loggers("stopped" if isinstance(exc, TrainerStopped) else "failed")

@@ -9,20 +9,25 @@ the weights (which the engine serves at once, so users get the new policy while 
 and records exactly which rollouts each update used (:meth:`TrafficLearner.updates_df`), with a
 checkpoint of the weights before it, so an update can be audited and undone (:meth:`TrafficLearner.undo`).
 
-Groups and the baseline (GRPO, Shao et al. 2024, §4.1.2, needs a group to compare against):
+Groups and baselines: each labelled rollout is compared with something, so one labelled request is enough.
 
 * rollouts with an equal input (:func:`~lightning_nb.algorithm.lightning_rl.task_key`: the task's
-  ``id`` field, else a hash of its content; for the proxy route, the request's messages) form one
-  GRPO group when at least two of them are in the batch: group-relative advantage, as LightningRL;
-* every other rollout of the batch (a singleton: its input seen once) joins one pooled group,
-  ``"<update>:pool"``, so its baseline is the **mean reward of the pooled singletons of the batch**
-  (and the scale their standard deviation): REINFORCE with a batch-mean baseline (Williams 1992) in
-  GRPO's normalised form. The trainer gives a group of one no baseline (it drops groups under
-  ``min_group_size``), so a lone singleton is never sent alone: it waits for the next update;
-* a group whose rewards are all equal has advantage 0 (nothing to learn relative to its baseline):
-  it is held back, not used, and waits for more labelled rollouts of its kind (a later batch where
-  its rewards differ). An update runs only when some group carries signal
-  (``trainer.signal_groups``), so advantages are never silently zero.
+  ``id`` field, else a hash of its content; for the proxy route, the request's messages) whose rewards
+  differ form one GRPO group (group-relative advantage, as LightningRL; GRPO, Shao et al. 2024, §4.1.2);
+* every other labelled rollout (a singleton: its input seen once in the batch; or one of a group whose
+  rewards are all equal, where the group mean compares nothing) trains against a **running baseline**:
+  advantage = reward − b (REINFORCE with a baseline, Williams 1992; Sutton & Barto 2018, §13.4), carried
+  to the trainer as :attr:`~lightning_nb.types.Triplet.baseline`. ``b`` is the mean final reward of the
+  earlier rollouts of the same input that updates used; for an input never used before, the mean over
+  every rollout updates used; before any update, ``TrafficConfig.baseline_init``
+  (:meth:`TrafficLearner.baseline`). Only rewards of earlier updates enter ``b``, never the rollout's own;
+* a rollout whose reward equals its baseline has advantage 0 (nothing to learn): it waits, pending, for
+  a later batch (its baseline moves with each update). An update runs only when some rollout carries
+  signal (``trainer.signal_groups``), so advantages are never silently zero.
+
+:meth:`TrafficLearner.waiting_for` says what the learner waits for (labelled of ``min_labelled``,
+unlabelled, rewards equal to their baselines); ``wait()`` shows it and warns after a stall
+(:meth:`~lightning_nb.algorithm.control.BackgroundLoop.wait`).
 
 Rules: an unlabelled rollout (final reward None) is never trained on; a rollout is used by at most one
 update (also after :meth:`TrafficLearner.undo`, which restores weights but keeps the record); only
@@ -45,8 +50,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from lightning_nb.adapter import TripletAdapter
+from lightning_nb.algorithm.base import Algorithm
 from lightning_nb.algorithm.checkpoint import RunCheckpoint
-from lightning_nb.algorithm.control import BackgroundLoop, TrainerStopped
+from lightning_nb.algorithm.control import TrainerStopped
 from lightning_nb.algorithm.lightning_rl import task_key
 from lightning_nb.errors import ConfigError
 from lightning_nb.store.base import LightningStore
@@ -56,7 +62,7 @@ from lightning_nb.types import GROUP_ID_KEY, TRAFFIC_KEY, Rollout, Triplet
 
 __all__ = ["TrafficConfig", "TrafficLearner", "is_traffic", "TRAFFIC_KEY"]
 
-UPDATE_COLUMNS = ["update", "time", "rollout_ids", "n", "groups", "pooled", "reward_mean", "weight_version_before",
+UPDATE_COLUMNS = ["update", "time", "rollout_ids", "n", "groups", "baselined", "reward_mean", "weight_version_before",
                   "weight_version_after", "trainer_step", "checkpoint", "stale_episodes_dropped", "undone"]
 
 
@@ -75,22 +81,26 @@ class TrafficConfig:
     """When and on what :class:`TrafficLearner` updates. Validated on construction and before each poll."""
 
     min_labelled: int = field(default=8, metadata={
-        "help": "Labelled, unused rollouts needed before an update (>= 2: a baseline needs two rewards)."})
+        "help": "Labelled, unused rollouts needed before an update (>= 1: one is enough, it trains against its "
+                "running baseline; more make an update less noisy and write fewer checkpoints)."})
     max_batch: int = field(default=64, metadata={
         "help": "Most labelled rollouts one update takes, oldest finished first (>= min_labelled)."})
     poll_s: float = field(default=1.0, metadata={"help": "Seconds between polls of the store while waiting (> 0)."})
     keep_checkpoints: int = field(default=3, metadata={
         "help": "Checkpoints (the weights before an update) kept on disk; older ones are deleted, and undo() "
                 "past them is refused (>= 1). A GRPOTrainer checkpoint of SmolLM2-135M is ~0.5-1.6 GB."})
+    baseline_init: float = field(default=0.5, metadata={
+        "help": "The baseline of a reward before any update used a labelled rollout (reward units, finite): the "
+                "middle of your label scale (0.5 for 0/1 labels, 0.0 for -1/+1)."})
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Raise ConfigError naming the first field out of range."""
-        if isinstance(self.min_labelled, bool) or not isinstance(self.min_labelled, int) or self.min_labelled < 2:
-            raise ConfigError(f"TrafficConfig.min_labelled must be an int >= 2 (a group-relative baseline needs two "
-                              f"rewards), got {self.min_labelled!r}")
+        if isinstance(self.min_labelled, bool) or not isinstance(self.min_labelled, int) or self.min_labelled < 1:
+            raise ConfigError(f"TrafficConfig.min_labelled must be an int >= 1 (labelled rollouts per update), "
+                              f"got {self.min_labelled!r}")
         if not isinstance(self.max_batch, int) or self.max_batch < self.min_labelled:
             raise ConfigError(f"TrafficConfig.max_batch must be an int >= min_labelled ({self.min_labelled}), "
                               f"got {self.max_batch!r}")
@@ -98,15 +108,19 @@ class TrafficConfig:
             raise ConfigError(f"TrafficConfig.poll_s must be a number of seconds > 0, got {self.poll_s!r}")
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
             raise ConfigError(f"TrafficConfig.keep_checkpoints must be an int >= 1, got {self.keep_checkpoints!r}")
+        b = self.baseline_init
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+            raise ConfigError(f"TrafficConfig.baseline_init must be a finite number of reward units (0.5 for 0/1 "
+                              f"labels), got {b!r}")
 
 
-class TrafficLearner(BackgroundLoop, RunCheckpoint):
+class TrafficLearner(RunCheckpoint, Algorithm):
     """Train ``trainer`` on labelled traffic from ``store`` while users keep sending it (see the module docstring).
 
-    The notebook verbs are LightningRL's (:class:`~lightning_nb.algorithm.control.BackgroundLoop`):
+    The notebook verbs are every algorithm's (:class:`~lightning_nb.algorithm.base.Algorithm`):
     ``start(updates)`` returns at once and polls in a background thread (``updates`` None: until
     stopped), ``pause()`` parks it at an update boundary, ``resume()``, ``stop()``, ``wait(until_step=k)``
-    (the trainer's step). :meth:`step` runs one poll (and an update when one is due) from a cell instead.
+    (``global_step``: updates done). :meth:`step` runs one poll (and an update when one is due) from a cell instead.
     :meth:`save` / :meth:`load` checkpoint the run (trainer state, this learner's record).
 
     Args:
@@ -136,7 +150,7 @@ class TrafficLearner(BackgroundLoop, RunCheckpoint):
             raise ConfigError(f"select must be a function rollout -> bool, got {type(select).__name__}")
         if isinstance(since, bool) or not isinstance(since, (int, float)) or not math.isfinite(since):
             raise ConfigError(f"since must be float seconds since the epoch (0.0: every rollout), got {since!r}")
-        self.store, self.trainer = store, trainer
+        self._init_algorithm(store, trainer)  # metrics: one row per update (updates_df() shows its columns)
         self.config = config or TrafficConfig()
         self.select = select or is_traffic
         self.adapter = adapter or TripletAdapter()
@@ -148,12 +162,55 @@ class TrafficLearner(BackgroundLoop, RunCheckpoint):
         self.pending: dict[str, float] = {}  # traffic rollout id -> end_time, not yet used
         self.used: set[str] = set()
         self.unusable: set[str] = set()  # labelled, but the adapter made no triplet of it
-        self.updates: list[dict[str, Any]] = []
+        self.reward_sums: dict[str, list[float]] = {}  # task key -> [sum, count] of used rewards (baseline())
         self.last_poll: dict[str, Any] = {}
         self._poll_lock = threading.RLock()  # a cell's poll()/labelled() beside the loop's
         self._step_start = None  # (RunCheckpoint) a checkpoint is always of the last finished update
-        self._init_loop()
-        trainer.attach(self)
+
+    @property
+    def updates(self) -> list[dict[str, Any]]:
+        """The rows of :meth:`updates_df`, one per update: :attr:`metrics` (the update's step row)."""
+        return self.metrics
+
+    def baseline(self, key: Optional[str] = None) -> float:
+        """The running baseline a rollout with task key ``key`` trains against (module docstring), reward units.
+
+        The mean final reward of the rollouts with that key that updates used; for a key none used (or
+        ``key`` None), the mean over every rollout updates used; before any, ``config.baseline_init``.
+        Undone updates still count: their labels were real rewards of the policy of that time.
+        """
+        sums = self.reward_sums.get(key) if key is not None else None
+        if sums is None:
+            total = [sum(v[0] for v in self.reward_sums.values()), sum(v[1] for v in self.reward_sums.values())]
+            sums = total if total[1] else None
+        return sums[0] / sums[1] if sums is not None else float(self.config.baseline_init)
+
+    def waiting_for(self) -> str:
+        """What the learner waits for, from :attr:`last_poll` (no store query): ``"3 of 8 labelled,
+        5 unlabelled: waiting for 5 more labelled rollouts"``; ``""`` while an update runs. ``wait()`` shows it."""
+        poll = self.last_poll
+        if not poll:
+            return "the first poll of the store"
+        if "waiting_for" not in poll:
+            return ""
+        return (f"{poll['labelled']} of {self.config.min_labelled} labelled, {poll['unlabelled']} unlabelled: "
+                f"waiting for {poll['waiting_for']}")
+
+    def stall_advice(self) -> str:
+        """Why no update comes, and what to do: no traffic, too few labels, or rewards equal to their baselines."""
+        poll = self.last_poll
+        if self.progress.phase == "paused" or "waiting_for" not in poll:
+            return super().stall_advice()
+        if poll["pending"] == 0:
+            return ("No unused finished traffic: requests to proxy.traffic_endpoint() or Runner.step(task) are "
+                    "traffic (select= picks which); traffic an update used is never used again.")
+        if poll["labelled"] < self.config.min_labelled:
+            ids = [rid for rid, reward in self.store.final_rewards(list(self.pending)).items() if reward is None]
+            return (f"Label traffic with store.label(rollout_id, reward) ({len(ids)} unlabelled, e.g. {ids[:3]}), "
+                    f"or lower TrafficConfig.min_labelled (now {self.config.min_labelled}; 1 is enough: a lone "
+                    "label trains against its baseline).")
+        return (f"Each labelled reward equals its baseline (learner.baseline(), now {self.baseline():.3g} over all "
+                "used traffic), so an update would learn nothing: label more traffic, with rewards that differ.")
 
     # ----- polling -------------------------------------------------------------------------
     def poll(self) -> dict[str, Any]:
@@ -203,16 +260,17 @@ class TrafficLearner(BackgroundLoop, RunCheckpoint):
             poll = self._poll()
             ready = poll["ready"]
             self.report_progress("waiting", len(ready), self.config.min_labelled, unit="labelled",
-                                 step=self.trainer.step + 1)
+                                 step=self.global_step + 1)
             if len(ready) < self.config.min_labelled:
                 poll["waiting_for"] = f"{self.config.min_labelled - len(ready)} more labelled rollouts"
                 return None
-            triplets, pooled = self._batch(ready)
+            triplets, keys = self._batch(ready)
             if not triplets:
-                poll["waiting_for"] = "a group whose rewards differ (all groups have equal rewards)"
+                poll["waiting_for"] = "a reward that differs from its baseline (each equals it: nothing to learn)"
                 return None
         self.at_boundary("before update")
         k = len(self.updates) + 1
+        self.report_progress("checkpoint", 0, 0, unit="", step=k)  # the weights before it: seconds, ~1 GB
         checkpoint = self._checkpoint(k)
         rollout_ids = list(dict.fromkeys(t.rollout_id for t in triplets))
         rewards = self.store.final_rewards(rollout_ids)
@@ -222,21 +280,25 @@ class TrafficLearner(BackgroundLoop, RunCheckpoint):
             self.used.update(rollout_ids)
             for rid in rollout_ids:
                 self.pending.pop(rid, None)
+                sums = self.reward_sums.setdefault(keys[rid], [0.0, 0])
+                sums[0], sums[1] = sums[0] + float(rewards[rid] or 0.0), sums[1] + 1
         row = {"update": k, "time": time.time(), "rollout_ids": rollout_ids, "n": len(rollout_ids),
-               "groups": len({t.group_id for t in triplets}), "pooled": pooled,
+               "groups": len({t.group_id for t in triplets}),
+               "baselined": len({t.rollout_id for t in triplets if t.baseline is not None}),
                "reward_mean": sum(rewards.values()) / len(rewards), "weight_version_before": version_before,
                "weight_version_after": self.trainer.engine.weight_version, "trainer_step": metrics["step"],
                "checkpoint": str(checkpoint), "stale_episodes_dropped": metrics.get("stale_episodes_dropped", 0),
                "undone": False}
-        self.updates.append(row)
+        row = self.record({**metrics, **row})  # the trainer's update row with this learner's columns; step = update
         self._prune_checkpoints()
         return row
 
-    def _batch(self, ready: Sequence[str]) -> tuple[list[Triplet], int]:
-        """``(triplets with their update's group ids, rollouts in the pool)`` of the groups with signal among ``ready``.
+    def _batch(self, ready: Sequence[str]) -> tuple[list[Triplet], dict[str, str]]:
+        """``(triplets with their update's group ids and baselines, rollout id -> task key)``: those with signal.
 
-        Groups by :func:`task_key`; singletons pooled (module docstring). A lone singleton, and groups
-        without signal, are left out (they stay pending). Rollouts the adapter cannot use are set aside.
+        Equal inputs (:func:`task_key`) whose rewards differ are one GRPO group; every other rollout carries
+        its :meth:`baseline` (module docstring). Rollouts without signal are left out (they stay pending);
+        rollouts the adapter cannot use are set aside.
         """
         k = len(self.updates) + 1
         triplets = self.adapter.adapt(self.store, ready)
@@ -247,19 +309,19 @@ class TrafficLearner(BackgroundLoop, RunCheckpoint):
                 self.pending.pop(rid, None)
         inputs = {r.rollout_id: r.input for r in self.store.query_rollouts(rollout_ids=sorted(adapted))}
         keys = {rid: task_key(inputs[rid], self.id_key) for rid in adapted}
-        sizes: dict[str, int] = {}
-        for key in keys.values():
-            sizes[key] = sizes.get(key, 0) + 1
-        group = {rid: f"{k}:task:{key}" if sizes[key] >= 2 else f"{k}:pool" for rid, key in keys.items()}
-        pool = [rid for rid, g in group.items() if g.endswith(":pool")]
-        regrouped = [t.model_copy(update={GROUP_ID_KEY: group[t.rollout_id]}) for t in triplets
-                     if len(pool) >= 2 or not group[t.rollout_id].endswith(":pool")]
+        rewards: dict[str, set[float]] = {}
+        for t in triplets:
+            rewards.setdefault(keys[t.rollout_id], set()).add(t.reward)
+        regrouped = [t.model_copy(update={GROUP_ID_KEY: f"{k}:task:{keys[t.rollout_id]}"})
+                     if len(rewards[keys[t.rollout_id]]) > 1 else  # a group whose rewards differ: GRPO
+                     t.model_copy(update={GROUP_ID_KEY: f"{k}:baseline:{keys[t.rollout_id]}",
+                                          "baseline": self.baseline(keys[t.rollout_id])})
+                     for t in triplets]
         with_signal = self.trainer.signal_groups(regrouped) if regrouped else set()
-        chosen = [t for t in regrouped if t.group_id in with_signal]
-        return chosen, sum(1 for rid in {t.rollout_id for t in chosen} if group[rid].endswith(":pool"))
+        return [t for t in regrouped if t.group_id in with_signal], keys
 
     def _update_reporter(self) -> Callable[[int, int, str], None]:
-        step = self.trainer.step + 1
+        step = self.global_step + 1
 
         def report(done: int, total: int, unit: str) -> None:
             self.report_progress("update", done, total, unit=unit, step=step)
@@ -279,14 +341,17 @@ class TrafficLearner(BackgroundLoop, RunCheckpoint):
 
     # ----- audit and undo ------------------------------------------------------------------------
     def updates_df(self) -> Any:
-        """One row per update: ``update`` (1-based), ``time`` (epoch s), ``rollout_ids`` (the rollouts it
-        trained on), ``n``, ``groups``, ``pooled`` (rollouts in the singleton pool), ``reward_mean`` (their
+        """One row per update: ``update`` (1-based), ``time`` (when it ended: a datetime in UTC, timezone-naive,
+        as the store's frames), ``rollout_ids`` (the rollouts it trained on), ``n``, ``groups``, ``baselined``
+        (rollouts trained against their running :meth:`baseline`, not in a group), ``reward_mean`` (their
         final rewards), ``weight_version_before`` / ``_after``, ``trainer_step``, ``checkpoint`` (the weights
         before it; None once deleted, see ``keep_checkpoints``), ``stale_episodes_dropped`` (by the trainer),
         ``undone`` (its weights were rolled back by :meth:`undo` / :meth:`load_checkpoint`)."""
         import pandas as pd
 
-        return pd.DataFrame([dict(r) for r in self.updates], columns=UPDATE_COLUMNS)
+        df = pd.DataFrame([dict(r) for r in self.updates], columns=UPDATE_COLUMNS)
+        df["time"] = pd.to_datetime(df["time"].astype("float64"), unit="s")  # the rows keep epoch seconds
+        return df
 
     def _checkpoint(self, update: int) -> Path:
         """Save the run (trainer state: the weights before ``update``) to ``checkpoint_dir``; returns the path."""
@@ -354,14 +419,19 @@ class TrafficLearner(BackgroundLoop, RunCheckpoint):
 
     # ----- the run's checkpoint (RunCheckpoint) -----------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This learner's record: the updates, the used and unusable rollout ids, the poll position, the config."""
-        return {"updates": [dict(r) for r in self.updates], "used": sorted(self.used),
-                "unusable": sorted(self.unusable), "since": self._since, "config": asdict(self.config)}
+        """This learner's record: the updates, the used and unusable rollout ids, the poll position, the config and
+        the used rewards per task key (:meth:`baseline`)."""
+        return {**self.run_record(), "used": sorted(self.used),
+                "unusable": sorted(self.unusable), "since": self._since, "config": asdict(self.config),
+                "reward_sums": {k: list(v) for k, v in self.reward_sums.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the config is not changed); pending traffic is read again at the next poll."""
-        self.updates = [dict(r) for r in state["updates"]]
+        if "updates" in state:  # saved by an earlier version: the rows were "updates"
+            state = {**state, "global_step": len(state["updates"]), "metrics": state["updates"]}
+        self.load_run_record(state)
         self.used, self.unusable = set(state["used"]), set(state["unusable"])
+        self.reward_sums = {k: list(v) for k, v in state.get("reward_sums", {}).items()}  # (older saves: none)
         self._seen = set(self.used) | set(self.unusable)
         self._since, self.pending = 0.0, {}
         self._step_start = None

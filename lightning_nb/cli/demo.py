@@ -224,21 +224,21 @@ def run_demo(settings: DemoSettings) -> dict:
                            loggers=_demo_loggers(s.loggers, s.out), slice_by=s.slice_by)
         checkpoint = s.out / ("checkpoints" if s.trainer_kind == "verl" else "checkpoint.pt")
         if s.resume is not None:
-            trainer.load(s.resume)
-            print(f"[demo] resumed from {s.resume} at step {trainer.step}", flush=True)
+            algo.load(s.resume)
+            print(f"[demo] resumed from {s.resume} at step {algo.global_step}", flush=True)
         print(f"[demo] evaluating on {s.val_size} held-out tasks (greedy) ...", flush=True)
         before, before_report = _evaluate_val(algo, s.slice_by, "before training")
         n_ood = s.val_size if s.ood_size is None else s.ood_size
         ood_tasks = load_tasks("val_ood", limit=n_ood) if n_ood > 0 else []
         ood_before = _evaluate_ood(algo, ood_tasks, s.slice_by, "demo", "before training")
-        _train(algo, trainer, s.steps, s.checkpoint_every, checkpoint)
-        after, after_report = _evaluate_after_training(algo, trainer, s.steps, s.slice_by)
+        _train(algo, s.steps, s.checkpoint_every, checkpoint)
+        after, after_report = _evaluate_after_training(algo, s.steps, s.slice_by)
         ood_after = _evaluate_ood(algo, ood_tasks, s.slice_by, "demo", "after training")
         if ood_after is not None:
-            trainer.add_metrics(trainer.step, val_ood_reward=ood_after[0])
+            algo.add_metrics(algo.global_step, val_ood_reward=ood_after[0])
         algo.close_loggers()
-        _save_final(trainer, checkpoint)
-    df = _write_metrics(trainer, s.out, before, after, before_report, ood_before)
+        _save_final(algo, checkpoint)
+    df = _write_metrics(algo, s.out, before, after, before_report, ood_before)
     summary = {"val_reward_before": before, "val_reward_after": after, "steps": s.steps, "val_size": s.val_size,
                "minutes": (time.time() - t_start) / 60, "out": str(s.out), "checkpoint": str(checkpoint),
                "engine": s.engine, "trainer": s.trainer_kind, "lora_rank": s.lora_rank, "learning_rate": s.learning_rate,
@@ -272,57 +272,57 @@ def _evaluate_val(algo: Any, slice_by: Optional[str], when: str) -> tuple[float,
     return mean, report
 
 
-def _train(algo: Any, trainer: Any, steps: int, checkpoint_every: int, checkpoint: Path) -> None:
-    """Run ``algo.step()`` until the trainer is at ``steps``, with a tqdm bar (reward, loss, KL), the held-out reward
+def _train(algo: Any, steps: int, checkpoint_every: int, checkpoint: Path) -> None:
+    """Run ``algo.step()`` until the run is at ``steps``, with a tqdm bar (reward, loss, KL), the held-out reward
     of the steps that evaluated it, and a checkpoint every ``checkpoint_every`` steps (0: none) before the last."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=steps, initial=trainer.step, desc="training", unit="step", file=sys.stdout, mininterval=0)
-    while trainer.step < steps:
+    bar = tqdm(total=steps, initial=algo.global_step, desc="training", unit="step", file=sys.stdout, mininterval=0)
+    while algo.global_step < steps:
         row = algo.step(progress=False)  # this bar counts the steps
         bar.update(1)
         bar.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{row['loss']:.3f}", kl=f"{row['kl']:.4f}")
         if "val_reward" in row:
             per = "".join(f", {k.split('/', 1)[1]} {v:.3f}" for k, v in row.items() if k.startswith("val_reward/"))
             bar.write(f"[demo] step {row['step']}: val reward {row['val_reward']:.3f}{per}")
-        if checkpoint_every and trainer.step % checkpoint_every == 0 and trainer.step < steps:
-            trainer.save(checkpoint)
-            bar.write(f"[demo] step {trainer.step}: checkpoint {checkpoint}")
+        if checkpoint_every and algo.global_step % checkpoint_every == 0 and algo.global_step < steps:
+            algo.save(checkpoint)
+            bar.write(f"[demo] step {algo.global_step}: checkpoint {checkpoint}")
     bar.close()
 
 
-def _evaluate_after_training(algo: Any, trainer: Any, steps: int, slice_by: Optional[str]) -> tuple[float, Any]:
+def _evaluate_after_training(algo: Any, steps: int, slice_by: Optional[str]) -> tuple[float, Any]:
     """Held-out reward after training, printed: the last step's when ``val_every`` evaluated it, else evaluated now
     and added to the last metrics row (with its slices). ``(mean, SliceReport or None)``."""
     after_report = None
-    if trainer.metrics and "val_reward" in trainer.metrics[-1]:
-        after = trainer.metrics[-1]["val_reward"]  # val_every already evaluated the last step
+    if algo.metrics and "val_reward" in algo.metrics[-1]:
+        after = algo.metrics[-1]["val_reward"]  # val_every already evaluated the last step
         after_report = algo.last_report if slice_by else None
     elif slice_by:
         after_report = algo.evaluate(by=slice_by)
         after = after_report.mean
-        trainer.add_metrics(trainer.step, val_reward=after, **after_report.metrics())
+        algo.add_metrics(algo.global_step, val_reward=after, **after_report.metrics())
     else:
         after = algo.evaluate()
-        trainer.add_metrics(trainer.step, val_reward=after)
+        algo.add_metrics(algo.global_step, val_reward=after)
     print(f"[demo] val reward after {steps} steps: {after:.3f}", flush=True)
     if after_report is not None:
         print(f"[demo] after training, {after_report}", flush=True)
     return after, after_report
 
 
-def _save_final(trainer: Any, checkpoint: Path) -> None:
+def _save_final(algo: Any, checkpoint: Path) -> None:
     """Save the final checkpoint and print its size and the command that evaluates it."""
-    written = trainer.save(checkpoint)  # the file, or VerlTrainer's global_step_N folder
+    written = algo.save(checkpoint)  # the file, or VerlTrainer's global_step_N folder
     file = written / "trainer.pt" if written.is_dir() else written
     print(f"[demo] final checkpoint {written} ({file.stat().st_size / 1e9:.2f} GB; "
           f"evaluate it with: python -m lightning_nb eval --checkpoint {file})", flush=True)
 
 
-def _write_metrics(trainer: Any, out: Path, before: float, after: float, before_report: Any,
+def _write_metrics(algo: Any, out: Path, before: float, after: float, before_report: Any,
                    ood_before: Optional[tuple[float, Optional[dict]]]) -> Any:
     """Write ``out/metrics.csv`` (main columns first) and ``out/reward_curve.png``; returns the metrics DataFrame."""
-    df = trainer.metrics_df()
+    df = algo.metrics_df()
     cols = ["step", "reward_mean", "val_reward", "loss", "kl", "step_seconds"]
     df = df.reindex(columns=cols + [c for c in df.columns if c not in cols])
     df.to_csv(out / "metrics.csv", index=False)
@@ -374,18 +374,18 @@ def run_eval(val_size: int, *, checkpoint: Optional[Path] = None, runners: int =
     with _serving(runners, engine, device=device, dtype=dtype) as (engine, store):
         trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False, device=device, dtype=dtype,
                                                  **_lora_fields(checkpoint)))
-        if checkpoint is not None:
-            trainer.load(checkpoint)
         val = load_tasks("val", limit=val_size)
         algo = LightningRL(store, trainer, val, val, AlgorithmConfig(max_tokens=max_tokens))
+        if checkpoint is not None:
+            algo.load(checkpoint)
         report = algo.evaluate(by=slice_by) if slice_by else None
         reward = report.mean if report is not None else algo.evaluate()
-        print(f"[eval] held-out reward on {len(val)} val tasks (greedy, step {trainer.step}): {reward:.3f}")
+        print(f"[eval] held-out reward on {len(val)} val tasks (greedy, step {algo.global_step}): {reward:.3f}")
         if report is not None:
             print(f"[eval] {report}")
         ood_size = val_size if ood_size is None else ood_size
         _evaluate_ood(algo, load_tasks("val_ood", limit=ood_size) if ood_size > 0 else [], slice_by, "eval",
-                      f"(greedy, step {trainer.step})")
+                      f"(greedy, step {algo.global_step})")
     return reward
 
 
@@ -397,6 +397,6 @@ def _lora_fields(checkpoint: Optional[Path]) -> dict:
 
     try:
         config = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True).get("config") or {}
-    except Exception:  # not a checkpoint: trainer.load() says so with the fix
+    except Exception:  # not a checkpoint: algo.load() says so with the fix
         return {}
     return {k: config[k] for k in ("lora_rank", "lora_alpha", "lora_target_modules") if k in config}

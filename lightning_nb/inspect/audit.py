@@ -51,7 +51,8 @@ def token_fidelity(store: LightningStore, rollout_ids: Sequence[str], tokenizer:
 
     * ``render``: the recorded messages (``gen_ai.prompt``), rendered as the proxy sent them
       (with ``tool_format="hermes"``, through :func:`~lightning_nb.engines.chat_format.render_tools`
-      with the span's ``gen_ai.request.tools`` and ``tool_choice``) and then through
+      with the span's :data:`~lightning_nb.semconv.REQUEST_TOOLS` and :data:`~lightning_nb.semconv.REQUEST_TOOL_CHOICE`)
+      and then through
       ``tokenizer``'s chat template (:func:`~lightning_nb.engines.chat_format.prompt_token_ids`), must give
       the served ``prompt_token_ids``. ``expected`` is the re-rendering. A mismatch means
       the engine renders with another template or tokenizer than ``tokenizer``. Earlier

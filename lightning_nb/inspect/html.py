@@ -125,23 +125,42 @@ def runner_group_html(group: Any) -> str:
 
 
 def trainer_summary(trainer: "Trainer") -> list[tuple[str, Any]]:
-    """(label, value) pairs of a trainer's state and its last metrics row (units in the labels)."""
-    last = trainer.metrics[-1] if trainer.metrics else {}
-    val = next((m["val_reward"] for m in reversed(trainer.metrics)
+    """(label, value) pairs of a trainer alone: updates applied, weight version, its last update's row."""
+    last = trainer.last_metrics
+    return [("updates", trainer.step), ("weight version", trainer.engine.weight_version),
+            ("loss (last update)", last.get("loss")), ("KL to initial weights", last.get("kl")),
+            ("train tokens/s (last update)", last.get("tokens_per_s"))]
+
+
+def trainer_html(trainer: "Trainer") -> str:
+    """Updates applied, weight version and the last update's loss, KL and speed."""
+    return f'<div style="{BOX_STYLE}"><b>{esc(type(trainer).__name__)}</b>{kv_table(trainer_summary(trainer))}</div>'
+
+
+def run_summary(algorithm: Any) -> list[tuple[str, Any]]:
+    """(label, value) pairs of a run (an :class:`~lightning_nb.algorithm.base.Algorithm`): its state, step and
+    last metrics row (units in the labels); the weight version when it has a trainer."""
+    rows = algorithm.metrics
+    last = rows[-1] if rows else {}
+    val = next((m["val_reward"] for m in reversed(rows)
                 if m.get("val_reward") is not None and not _isnan(m.get("val_reward"))), None)
-    return [
-        ("state", _Html(badge(trainer.state))), ("step", trainer.step),
-        ("weight version", trainer.engine.weight_version),
+    trainer = getattr(algorithm, "trainer", None)
+    items: list[tuple[str, Any]] = [("state", _Html(badge(algorithm.state))), ("step", algorithm.global_step)]
+    if trainer is not None:
+        items.append(("weight version", trainer.engine.weight_version))
+    return items + [
         ("reward (mean, last step)", last.get("reward_mean")), ("val reward (latest)", val),
         ("loss", last.get("loss")), ("KL to initial weights", last.get("kl")),
         ("train tokens/s (last update)", last.get("tokens_per_s")), ("step time (s)", last.get("step_seconds")),
     ]
 
 
-def trainer_html(trainer: "Trainer") -> str:
-    """State, step, last metrics and the error of a failed loop."""
-    error = f'<pre style="color:#cf222e">{esc(repr(trainer.error))}</pre>' if trainer.error is not None else ""
-    return f'<div style="{BOX_STYLE}"><b>{esc(type(trainer).__name__)}</b>{kv_table(trainer_summary(trainer))}{error}</div>'
+def run_html(algorithm: Any) -> str:
+    """A run's state, step, last metrics and the error of a failed loop (:func:`run_summary`)."""
+    error = algorithm.error
+    error_html = f'<pre style="color:#cf222e">{esc(repr(error))}</pre>' if error is not None else ""
+    return (f'<div style="{BOX_STYLE}"><b>{esc(type(algorithm).__name__)}</b>'
+            f'{kv_table(run_summary(algorithm))}{error_html}</div>')
 
 
 def rollout_html(rollout: "Rollout") -> str:

@@ -252,7 +252,7 @@ class Judge:
         ``"record"``.
 
         Inside an attempt (an agent run by a runner) it records a :data:`~lightning_nb.semconv.JUDGE_SPAN` span:
-        prompt, verdict, model, component ``name`` and the score (as ``reward``; with ``clamp``, a note of the
+        prompt, verdict, model, component ``name`` and the score (as ``semconv.REWARD``; with ``clamp``, a note of the
         score written). A judge that gave no score leaves the span's status ``error`` with the error text (and
         no score); the first one of this judge warns once (``RuntimeWarning``). Outside a rollout nothing is
         recorded.

@@ -226,7 +226,7 @@ def redact_attributes(attributes: Any) -> dict[str, Any]:
     ``apikey``, ``authorization``, ``auth_token``, ``access_token``, ``refresh_token``, ``bearer``,
     ``password``, ``passwd``, ``secret``, ``client_secret`` or ``cookie`` (any case), e.g.
     ``llm.api_key`` or ``http.request.header.authorization``; token counts and token IDs
-    (``gen_ai.usage.input_tokens``, ``prompt_token_ids``) are not. Every OTLP export applies it.
+    (``gen_ai.usage.input_tokens``, ``lightning_nb.prompt.token_ids``) are not. Every OTLP export applies it.
     """
     return {k: REDACTED if _SECRET_KEY.search(k) else v for k, v in attributes.items()}
 

@@ -513,7 +513,7 @@ def emit_intermediate_reward(value: float, name: str = "tool_error", **attribute
     credits to a single LLM call rather than to the whole episode. The span is named
     ``"intermediate_reward"`` (never ``"reward"``: the final reward is the last ``"reward"``
     span, :func:`lightning_nb.store.rules.final_reward`, and this does not change it) and
-    carries ``reward`` (float) and ``reward.name`` (``name``, e.g. ``"tool_error"``), plus
+    carries ``semconv.REWARD`` (float) and ``semconv.REWARD_NAME`` (``name``, e.g. ``"tool_error"``), plus
     ``attributes`` (non-scalar values as JSON).
 
     :class:`~lightning_nb.adapter.TripletAdapter` attributes it to the LLM call that most
@@ -553,8 +553,9 @@ def attempt_span(name: str) -> Iterator[Optional[OtelSpan]]:
 
 @contextlib.contextmanager
 def tool_span(name: str, tool_input: Any) -> Iterator[OtelSpan]:
-    """Trace one tool call: a span named ``"tool:" + name`` with ``tool.name`` and ``tool.input`` (JSON text unless
-    a str). Set the output with ``span.set_attribute(semconv.TOOL_OUTPUT, ...)`` (``"tool.output"``).
+    """Trace one tool call: a span named ``"tool:" + name`` with ``semconv.TOOL_NAME`` and ``semconv.TOOL_INPUT`` (JSON
+    text unless a str). Set the output with ``span.set_attribute(semconv.TOOL_OUTPUT, ...)``
+    (``"gen_ai.tool.call.result"``).
 
     Raises:
         LightningNbError: called outside a rollout.

@@ -129,11 +129,18 @@ def advantages(cfg: TrainerConfig, episodes: dict[str, list[Triplet]], groups: d
       (``Triplet.step_reward`` plus the turn's overlong penalty) and the final reward, with ``gamma``, then
       :func:`~lightning_nb.trainers.credit.transition_advantages` over each group's transitions.
 
+    An episode whose triplets carry a ``baseline`` (:attr:`Triplet.baseline`, set by the algorithm) takes no part
+    in its group's statistics: its advantage is its reward (``"episode"``: the shaped ``R_i`` of
+    :func:`build_batch`; ``"reward_to_go"``: each turn's return) minus that baseline, not divided by a standard
+    deviation (REINFORCE with a baseline, Williams 1992; Sutton & Barto 2018, section 13.4), and no group size
+    drops it.
+
     Returns:
         ``(per_episode, per_turn, dropped)``: kept episode -> advantage (``reward_to_go``: the mean over its
         turns, for displays); kept episode -> {turn index 0..T−1 in turn order -> advantage}; undersized
         group -> episodes.
     """
+    baselines = {r: ts[0].baseline for r, ts in episodes.items() if ts[0].baseline is not None}
     if cfg.credit == "reward_to_go":
         returns: dict[tuple[str, int], float] = {}
         for r, ts in episodes.items():
@@ -143,8 +150,9 @@ def advantages(cfg: TrainerConfig, episodes: dict[str, list[Triplet]], groups: d
                      for t in ordered]
             for k, g in enumerate(reward_to_go(steps, ordered[0].reward, cfg.gamma)):
                 returns[(r, k)] = g
-        flat, dropped = transition_advantages(returns, groups, min_group_size=cfg.min_group_size,
-                                              norm_by_std=cfg.norm_adv_by_std)
+        flat, dropped = transition_advantages({rk: g for rk, g in returns.items() if rk[0] not in baselines}, groups,
+                                              min_group_size=cfg.min_group_size, norm_by_std=cfg.norm_adv_by_std)
+        flat.update({rk: g - baselines[rk[0]] for rk, g in returns.items() if rk[0] in baselines})
         by_turn: dict[str, dict[int, float]] = {}
         for (r, k), a in flat.items():
             by_turn.setdefault(r, {})[k] = a
@@ -153,8 +161,9 @@ def advantages(cfg: TrainerConfig, episodes: dict[str, list[Triplet]], groups: d
     for r, kls in (kl_sums or {}).items():
         for kl in kls:  # one subtraction per packed sequence, in order
             shaped[r] -= cfg.kl_coef * kl
-    per_episode, dropped = group_advantages(shaped, groups, min_group_size=cfg.min_group_size,
-                                            norm_by_std=cfg.norm_adv_by_std)
+    per_episode, dropped = group_advantages({r: v for r, v in shaped.items() if r not in baselines}, groups,
+                                            min_group_size=cfg.min_group_size, norm_by_std=cfg.norm_adv_by_std)
+    per_episode.update({r: shaped[r] - b for r, b in baselines.items()})
     return per_episode, {r: dict.fromkeys(range(len(episodes[r])), a) for r, a in per_episode.items()}, dropped
 
 

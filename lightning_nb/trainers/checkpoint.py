@@ -1,8 +1,9 @@
 """The run's checkpoint file, and what it needs beyond weights: RNG states, a model signature, a weights fingerprint.
 
 A run checkpoint is one dict: the trainer's ``state_dict()`` (weights or LoRA adapters, optimizer,
-scheduler, step, metrics, config, ...) with the run's entries beside it: ``format``,
-``lightning_nb_version``, ``rng`` (the global RNG states), ``algorithm`` (the algorithm's state, or None)
+scheduler, step, config, ...) with the run's entries beside it: ``format``,
+``lightning_nb_version``, ``rng`` (the global RNG states), ``algorithm`` (the algorithm's state: its step
+counter, metrics rows and config log among it)
 and ``resources_id`` (the store's latest resources when saved). :func:`run_checkpoint` assembles it,
 the trainer's ``write_checkpoint`` lays it out (one file by default, :func:`write_file`), and
 :func:`restore_checkpoint` reads it back into a trainer and returns the run's entries to the caller
@@ -72,16 +73,16 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     import torch
 
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} not found; write one with trainer.save(path)")
+        raise FileNotFoundError(f"checkpoint {path} not found; write one with algo.save(path)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise ConfigError(f"{path} is not a lightning-nb checkpoint that loads with weights_only=True "
-                          f"({type(exc).__name__}: {str(exc)[:200]}); write one with trainer.save(path)") from exc
+                          f"({type(exc).__name__}: {str(exc)[:200]}); write one with algo.save(path)") from exc
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         found = state.get("format", "no format tag") if isinstance(state, dict) else type(state).__name__
         raise ConfigError(f"checkpoint {path} has format {found!r}, this version reads {CHECKPOINT_FORMAT!r}; "
-                          "save it again with this version's trainer.save()")
+                          "save it again with this version's algo.save()")
     return state
 
 
@@ -89,9 +90,10 @@ def restore_checkpoint(trainer: "Trainer", path: Any, *, keep_config: bool = Fal
                        **options: Any) -> Optional[dict[str, Any]]:
     """Load the run checkpoint ``trainer.find_checkpoint(path, **options)`` into ``trainer``.
 
-    Restores the trainer's part (``load_state_dict``) and sets ``trainer.checkpoint_resources_id``;
-    returns the run's entries (``rng``, ``algorithm``, ``resources_id``) for the caller to restore, or
-    None when the layout says to load nothing (VerlTrainer's ``resume_mode="disable"``).
+    Restores the trainer's part (``load_state_dict``); returns the run's entries (``rng``, ``algorithm``,
+    ``resources_id``, and ``metrics`` / ``config_changes`` where a checkpoint of an earlier version kept the
+    run's rows with the trainer) for the caller, the algorithm, to restore; or None when the layout says to
+    load nothing (VerlTrainer's ``resume_mode="disable"``).
 
     Raises:
         FileNotFoundError, ConfigError: as :func:`read_checkpoint` and ``trainer.load_state_dict``.
@@ -101,8 +103,7 @@ def restore_checkpoint(trainer: "Trainer", path: Any, *, keep_config: bool = Fal
         return None
     state = read_checkpoint(Path(file))
     trainer.load_state_dict(state, keep_config=keep_config, source=file)
-    trainer.checkpoint_resources_id = state.get("resources_id")
-    return {k: state.get(k) for k in ("rng", "algorithm", "resources_id")}
+    return {k: state.get(k) for k in ("rng", "algorithm", "resources_id", "metrics", "config_changes")}
 
 
 def rng_state() -> dict[str, Any]:

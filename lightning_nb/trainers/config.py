@@ -56,13 +56,13 @@ def _is_int(value: object) -> bool:
 @dataclass
 class TrainerConfig:
     """Hyper-parameters of the update, shared by both trainers. Validated on construction and again on
-    ``trainer.resume()``.
+    ``algo.resume()``.
 
     Build a :class:`~lightning_nb.trainers.grpo.config.GRPOConfig` or a
     :class:`~lightning_nb.trainers.verl.config.VerlConfig`: they take these fields (the help texts and
     the messages name them ``GRPOConfig.<field>``, the vocabulary both trainers share) with their own
     trainer's defaults. Fields may be edited while the trainer is paused; the edit takes effect at the next
-    update and is recorded in the metrics (``config_changes``, and the trainer's ``config_changes``).
+    update and is recorded in the metrics (``config_changes``, and the algorithm's ``config_changes``).
     """
 
     learning_rate: float = field(default=2e-5, metadata={

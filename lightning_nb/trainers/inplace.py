@@ -21,7 +21,7 @@ from lightning_nb.errors import ConfigError
 from lightning_nb.models.device import place_model, set_gradient_checkpointing
 from lightning_nb.models.lora import adapter_state_dict, add_lora, base_state_dict, has_lora, write_hf_folder
 from lightning_nb.trainers.base import Trainer, config_edits
-from lightning_nb.trainers.checkpoint import check_signature, model_signature, plain, weights_fingerprint
+from lightning_nb.trainers.checkpoint import check_signature, model_signature, weights_fingerprint
 from lightning_nb.trainers.config import TrainerConfig, lr_factor
 
 __all__ = ["InPlaceTrainer"]
@@ -85,7 +85,7 @@ class InPlaceTrainer(Trainer):
         """Apply edits of :attr:`config` since the last update (lock held); returns them as text.
 
         ``learning_rate`` and ``weight_decay`` go into the optimizer's param groups; every
-        other field is read at each update. Each edit is appended to :attr:`config_changes`.
+        other field is read at each update. The edits are :attr:`last_config_changes` (the algorithm logs them).
 
         With a schedule, ``learning_rate`` is its peak: the update after ``s`` updates uses
         ``learning_rate × lr_factor(s)`` (:func:`lr_factor`) with the config as it is now. So an
@@ -108,9 +108,9 @@ class InPlaceTrainer(Trainer):
             group["lr"] = cfg.learning_rate * lr_factor(done, cfg)
             group["weight_decay"] = cfg.weight_decay
         edits = config_edits(self._applied_config, now)
-        for k, old, new, text in edits:
-            self.config_changes.append({"step": self.step + 1, "field": k, "old": old, "new": new})
-            log.info("config changed at step %d: %s", self.step + 1, text)
+        self.last_config_changes = [{"field": k, "old": old, "new": new} for k, old, new, _ in edits]
+        for *_, text in edits:
+            log.info("config changed at update %d: %s", self.step + 1, text)
         self._applied_config = now
         return [text for *_, text in edits]
 
@@ -150,7 +150,7 @@ class InPlaceTrainer(Trainer):
         """The trainer's part of a run checkpoint (call it inside :meth:`frozen`, or at a step boundary).
 
         ``model_signature``; ``model`` (the weights, or with LoRA the adapters only); ``optimizer`` and
-        ``scheduler`` state; ``step``, ``metrics``, ``config`` (as edited), ``config_changes``;
+        ``scheduler`` state; ``step`` (updates applied), ``config`` (as edited);
         ``weight_version`` (the engine's); ``reference`` (the reference model's weights fingerprint and how
         to rebuild it: ``source`` ``"default"`` for the default model's initial weights) and ``lora_base``
         (a fingerprint of the frozen base weights with LoRA), which :meth:`load_state_dict` checks.
@@ -159,8 +159,7 @@ class InPlaceTrainer(Trainer):
             "model_signature": model_signature(self.model),
             "model": self.model.state_dict() if self.peft_model is None else adapter_state_dict(self.model),
             "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-            "step": self.step, "metrics": plain(self.metrics),
-            "config": asdict(self.config), "config_changes": plain(self.config_changes),
+            "step": self.step, "config": asdict(self.config),
             "weight_version": self.engine.weight_version,
             "reference": None if self.reference is None else {
                 "fingerprint": weights_fingerprint(self.reference),
@@ -176,7 +175,7 @@ class InPlaceTrainer(Trainer):
         warning. Fields fixed at construction (``device``, ``dtype``, ``gradient_checkpointing``,
         ``lora_*``) stay this trainer's. ``keep_config=True`` keeps this trainer's config instead (as verl
         and TRL do on resume): the fields that differ from the saved ones are applied at the next update
-        and recorded in :attr:`config_changes` and the ``config_changes`` metric, like edits made while
+        and recorded in :attr:`last_config_changes` and the ``config_changes`` metric, like edits made while
         paused.
 
         Raises:
@@ -196,8 +195,6 @@ class InPlaceTrainer(Trainer):
                 self.scheduler.load_state_dict(state["scheduler"])
             else:  # a checkpoint from before LR schedules: the schedule counts updates
                 self.scheduler.last_epoch = self.step
-            self.metrics = list(state["metrics"])
-            self.config_changes = list(state.get("config_changes", []))
             self.engine.load_weights(self.model, version=int(state["weight_version"]))
             self._restore_config(saved_config, keep_config)
 
@@ -220,7 +217,7 @@ class InPlaceTrainer(Trainer):
             return
         for name, value in saved_config.items():
             if getattr(self.config, name) != value:
-                log.warning("trainer.load: config.%s = %r from the checkpoint (was %r here); pass "
+                log.warning("load: config.%s = %r from the checkpoint (was %r here); pass "
                             "keep_config=True to keep this trainer's value", name, value, getattr(self.config, name))
                 setattr(self.config, name, value)
         self._applied_config = asdict(self.config)

@@ -1,7 +1,8 @@
 """The SQLite file under :class:`~lightning_nb.store.sqlite.SqliteStore`: its schema, one-writer lock, JSON rows.
 
 * :data:`MIGRATIONS`: the schema as a named list of SQL scripts, applied in order, each once
-  (``SqliteStore`` records them in the file's ``_migrations`` table);
+  (``SqliteStore`` records them in the file's ``_migrations`` table), the span attribute keys' renames
+  (:func:`rename_keys_sql`) among them;
 * :func:`lock_file`: the exclusive writer lock on ``<file>.lock`` that makes a second store on
   the same file fail fast with a ConfigError instead of corrupting it;
 * :func:`to_json`: the ``data`` column of every row is a model's ``model_dump_json()``.
@@ -23,8 +24,29 @@ except ImportError:  # Windows
     fcntl = None  # type: ignore[assignment]
 
 from lightning_nb.errors import ConfigError
+from lightning_nb.semconv import RENAMED_KEYS, TOOL_SPAN_PREFIX
 
-__all__ = ["MIGRATIONS", "statements", "lock_file", "to_json"]
+__all__ = ["MIGRATIONS", "rename_keys_sql", "statements", "lock_file", "to_json"]
+
+
+def rename_keys_sql(renamed: dict[str, dict[str, str]]) -> str:
+    """SQL that renames span attribute keys in the ``spans`` table: ``renamed`` maps a span name (or
+    :data:`~lightning_nb.semconv.TOOL_SPAN_PREFIX`, for every tool span) to ``{old key: new key}``.
+
+    One ``UPDATE`` per span name, each a JSON merge patch of the span's ``attributes``: the old key set to null
+    (removed) and the new one to the old one's value (a key the span does not hold patches nothing). A value that is
+    JSON ``null`` is dropped rather than moved (span attributes are never null). The names and keys are the
+    constants of :mod:`lightning_nb.semconv`, which hold no quote.
+    """
+    out = []
+    for name, keys in renamed.items():
+        patch = ", ".join(f"'{old}', NULL, '{new}', json_extract(data, '$.attributes.\"{old}\"')"
+                          for old, new in keys.items())
+        where = f"substr(name, 1, {len(name)}) = '{name}'" if name == TOOL_SPAN_PREFIX else f"name = '{name}'"
+        out.append(f"UPDATE spans SET data = json_patch(data, json_object('attributes', json_object({patch}))) "
+                   f"WHERE {where};")
+    return "\n".join(out)
+
 
 # Applied in order, each once and in its own transaction, recorded by name in ``_migrations``; never edit
 # an applied one, append a new one. ``data`` holds ``model_dump_json()``; other columns index and order.
@@ -72,6 +94,9 @@ MIGRATIONS: list[tuple[str, str]] = [
         ALTER TABLE spans_rowid RENAME TO spans;
         CREATE INDEX spans_span_id ON spans(attempt_id, span_id);
     """),
+    # the span attribute keys under one naming rule (gen_ai.* where OpenTelemetry has one, lightning_nb.*
+    # otherwise): a file written before it has bare keys ("reward", "temperature", "logprobs"...)
+    ("005_semconv_keys", rename_keys_sql(RENAMED_KEYS)),
 ]
 
 

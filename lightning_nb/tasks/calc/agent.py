@@ -14,8 +14,11 @@ those of no task in ``datasets/calc``, so it does not give away an answer's patt
 The system prompt is :data:`SYSTEM_PROMPT` unless the rollout's resources set holds a
 :class:`~lightning_nb.types.PromptTemplate` named :data:`SYSTEM_PROMPT_RESOURCE` (``"system_prompt"``):
 then the agent uses ``template.format(question=...)``, so an algorithm (APO) can change it by publishing a
-new resources version. :data:`PROMPT_VARIABLES` are the fields it fills (a template may use ``{question}``
-or nothing); publish the default with ``store.add_resources(calc_resources(proxy.as_resource()))``.
+new resources version. :data:`PROMPT_VARIABLES` are the fields it fills (``question``). The tunable default,
+:data:`PROMPT_TEMPLATE`, is :data:`SYSTEM_PROMPT` followed by the problem (``{question}``), so a prompt
+written for this agent says where the task goes; publish it with
+``store.add_resources(calc_resources(proxy.as_resource()))``. Without that resource (the demo, notebooks
+01-05) the agent sends :data:`SYSTEM_PROMPT` as it is; the question is the last user message either way.
 
 Reward: 1.0 when the final number equals the task's answer, else 0.0. With
 ``all_numbers_bonus`` > 0 the agent also emits one shaping term, an intermediate reward
@@ -37,7 +40,7 @@ from lightning_nb.types import MAIN_LLM, LLMResource, PromptTemplate
 
 __all__ = ["calc_agent", "calc_reward", "calculator", "parse_final_number", "SYSTEM_PROMPT", "build_messages",
            "uses_all_numbers", "ALL_NUMBERS_COMPONENT", "SYSTEM_PROMPT_RESOURCE", "PROMPT_VARIABLES",
-           "calc_resources", "system_prompt"]
+           "calc_resources", "system_prompt", "PROMPT_TEMPLATE"]
 
 SYSTEM_PROMPT = (
     "Solve the math problem. You have a calculator: write CALC: <expression> to use it. "
@@ -47,6 +50,9 @@ SYSTEM_PROMPT = (
 SYSTEM_PROMPT_RESOURCE = "system_prompt"
 #: The fields :func:`calc_agent` fills in its system prompt template (the task's ``question``).
 PROMPT_VARIABLES = ("question",)
+#: The system prompt as a template (:func:`calc_resources`' default, what APO starts from): :data:`SYSTEM_PROMPT`,
+#: then the problem in ``{question}``.
+PROMPT_TEMPLATE = SYSTEM_PROMPT + "\nThe problem: {question}"
 EXAMPLE = [
     {"role": "user", "content": "Tom has 12 pens and gets 30 more. How many pens does Tom have now?"},
     {"role": "assistant", "content": "CALC: 12 + 30"},
@@ -113,11 +119,12 @@ def build_messages(question: str, system_prompt: str = SYSTEM_PROMPT) -> list[di
     return [{"role": "system", "content": system_prompt}, *EXAMPLE, {"role": "user", "content": question}]
 
 
-def calc_resources(llm: LLMResource, prompt: str | PromptTemplate = SYSTEM_PROMPT) -> dict[str, Any]:
+def calc_resources(llm: LLMResource, prompt: str | PromptTemplate = PROMPT_TEMPLATE) -> dict[str, Any]:
     """The resources set the calc agent reads: ``{"main_llm": llm, "system_prompt": PromptTemplate(prompt)}``.
 
-    ``store.add_resources(calc_resources(proxy.as_resource()))`` publishes the default prompt as a tunable
-    resource (what :class:`~lightning_nb.algorithm.apo.APO` starts from).
+    ``store.add_resources(calc_resources(proxy.as_resource()))`` publishes the default prompt,
+    :data:`PROMPT_TEMPLATE` (it uses ``{question}``), as a tunable resource (what
+    :class:`~lightning_nb.algorithm.apo.APO` starts from).
 
     Raises:
         ConfigError: ``prompt`` uses a variable other than :data:`PROMPT_VARIABLES`, or does not parse.

@@ -19,12 +19,12 @@ __all__ = ["GRPOConfig", "DEVICE_DEFAULT", "DTYPE_DEFAULT", "BF16_TIS_CAP"]
 
 @dataclass
 class GRPOConfig(TrainerConfig):
-    """Hyper-parameters of the GRPO update. Validated on construction and again on ``trainer.resume()``.
+    """Hyper-parameters of the GRPO update. Validated on construction and again on ``algo.resume()``.
 
     :class:`~lightning_nb.trainers.config.TrainerConfig`'s fields, with two defaults resolved on construction:
     ``tis_cap`` (:data:`BF16_TIS_CAP` in bfloat16, else None) and ``micro_batch_tokens`` ('auto' on CUDA,
     None on CPU). Fields may be edited while the trainer is paused; the edit takes effect at the next
-    update and is recorded in the metrics (``config_changes``, and the trainer's ``config_changes``).
+    update and is recorded in the metrics (``config_changes``, and the algorithm's ``config_changes``).
     """
 
     tis_cap: Optional[float] = field(default=DTYPE_DEFAULT, metadata={  # type: ignore[assignment]

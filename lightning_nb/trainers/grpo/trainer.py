@@ -7,8 +7,8 @@ batch (:mod:`~lightning_nb.trainers.batch`: kept episodes, packed sequences, adv
 :mod:`~lightning_nb.trainers.credit`), then PPO epochs over mini-batches of micro-batches
 (the losses of :mod:`~lightning_nb.trainers.grpo.losses`), then the new weights to the engine.
 The loop around it (pause, resume, checkpoints of the run) is the algorithm's
-(:class:`~lightning_nb.algorithm.lightning_rl.LightningRL`); the verbs ``trainer.start(algo)``,
-``pause()``, ``save()`` ... delegate to it (:class:`~lightning_nb.trainers.base.Trainer`).
+(:class:`~lightning_nb.algorithm.lightning_rl.LightningRL`), as are the notebook verbs ``algo.start()``,
+``algo.pause()``, ``algo.save()`` ...
 """
 
 from __future__ import annotations
@@ -62,12 +62,11 @@ class GRPOTrainer(InPlaceTrainer):
     """Group Relative Policy Optimization on the engine's model.
 
     One of the two implementations of :class:`~lightning_nb.trainers.base.Trainer` (the other is
-    :class:`~lightning_nb.trainers.verl.trainer.VerlTrainer`). Control from a notebook:
-    ``trainer.start(algo, steps=...)`` runs the algorithm's loop in the background; ``pause()``
-    returns once the loop is parked at a step boundary; edits to :attr:`config` (or the
-    algorithm's config) made while paused take effect on ``resume()``, which validates them first;
-    ``save()`` / ``load()`` continue a run exactly, in the same or a new process (the algorithm's
-    :meth:`LightningRL.save <lightning_nb.algorithm.lightning_rl.LightningRL.save>`).
+    :class:`~lightning_nb.trainers.verl.trainer.VerlTrainer`). The run is the algorithm's:
+    ``algo.start(steps=...)`` runs its loop in the background; ``algo.pause()`` returns once the loop is
+    parked at a step boundary; edits to :attr:`config` (or the algorithm's config) made while paused take
+    effect on ``algo.resume()``, which validates them first; ``algo.save()`` / ``algo.load()`` continue a run
+    exactly, in the same or a new process (:meth:`LightningRL.save <lightning_nb.algorithm.lightning_rl.LightningRL.save>`).
 
     Args:
         engine: serves the policy; its ``model`` is updated in place, and moved to
@@ -210,7 +209,7 @@ class GRPOTrainer(InPlaceTrainer):
             self.last_triplets, self.last_advantages = list(triplets), batch.advantages
             self.last_turn_advantages = per_triplet_turn(triplets, batch.turn_advantages)
             self.last_batch = [s.as_row() for s in batch.seqs]
-            self.metrics.append(metrics)
+            self.last_metrics = metrics
             return metrics
 
     def _optimize(self, seqs: list[PackedSequence], report: ProgressCallback) -> dict[str, float]:

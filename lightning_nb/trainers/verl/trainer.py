@@ -155,7 +155,7 @@ class VerlTrainer(InPlaceTrainer):
             self.last_advantages = _episode_advantages(rows)
             self.last_turn_advantages = {(t.rollout_id, t.turn): self.last_advantages[t.rollout_id] for t in kept}
             self.last_batch = rows
-            self.metrics.append(metrics)
+            self.last_metrics = metrics
             return metrics
 
     def _verl_step(self, kept: list[Triplet], on_progress: ProgressCallback) -> tuple[Any, dict[str, float]]:
@@ -270,7 +270,7 @@ class VerlTrainer(InPlaceTrainer):
     def write_checkpoint(self, path: str | Path, state: dict[str, Any]) -> Path:
         """Write a run checkpoint into the folder ``path`` the way verl lays them out; returns the step's folder.
 
-        ``path`` plays verl's ``trainer.default_local_dir``: ``trainer.save(path)`` writes
+        ``path`` plays verl's ``trainer.default_local_dir``: ``algo.save(path)`` writes
         ``path/global_step_{step}/trainer.pt`` (the run checkpoint: the weights or LoRA adapters, the
         optimizer and LR scheduler, RNG states, metrics, config, the algorithm's state) and then,
         atomically, ``path/latest_checkpointed_iteration.txt`` (verl's tracker file), so a crash mid-save
@@ -281,8 +281,8 @@ class VerlTrainer(InPlaceTrainer):
         """
         root = Path(path)
         if root.suffix == ".pt":
-            raise ConfigError(f"VerlTrainer.save() takes a folder (verl's trainer.default_local_dir), got {root}; "
-                              "e.g. trainer.save('runs/verl/checkpoints')")
+            raise ConfigError(f"save() with a VerlTrainer takes a folder (verl's trainer.default_local_dir), got {root}; "
+                              "e.g. algo.save('runs/verl/checkpoints')")
         folder = root / f"global_step_{self.step}"
         write_file(folder / "trainer.pt", state)
         tracker = root / "latest_checkpointed_iteration.txt"
@@ -321,7 +321,7 @@ class VerlTrainer(InPlaceTrainer):
             latest = find_latest_ckpt_path(str(path)) if tracker.exists() else None
         if latest is None:
             raise FileNotFoundError(f"no checkpoint in {path} (no latest_checkpointed_iteration.txt naming an "
-                                    "existing global_step_N folder); write one with trainer.save(folder)")
+                                    "existing global_step_N folder); write one with algo.save(folder)")
         return Path(latest) / "trainer.pt"
 
     def load_state_dict(self, state: dict[str, Any], *, keep_config: bool = False, source: Any = "the state") -> None:

@@ -1,4 +1,4 @@
-"""Trainer control panel: live step, tokens/s, loss, KL, reward; Pause / Resume / Save; chat while paused."""
+"""Run control panel: live step, tokens/s, loss, KL, reward; Pause / Resume / Save; chat while paused."""
 
 from __future__ import annotations
 
@@ -6,44 +6,43 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import ipywidgets as ipw
 
-from lightning_nb.inspect import esc, kv_table, trainer_summary
-from lightning_nb.trainers.grpo import GRPOTrainer
+from lightning_nb.inspect import esc, kv_table, run_summary
 from widgets._live import LivePanel
 
-__all__ = ["TrainerPanel"]
+__all__ = ["RunPanel"]
 
 
-class TrainerPanel(LivePanel):
-    """Live view of a :class:`~lightning_nb.trainers.grpo.trainer.GRPOTrainer` with control buttons.
+class RunPanel(LivePanel):
+    """Live view of a run (an algorithm with a trainer: ``LightningRL``, ``TrafficLearner``) with control buttons.
 
-    Pause calls ``trainer.pause(wait=False)`` (the state reads ``pausing`` until the loop
+    Pause calls ``algo.pause(wait=False)`` (the state reads ``pausing`` until the loop
     parks at its next step boundary: the rollouts it already enqueued finish and no update
-    runs; then ``paused``), Resume ``trainer.resume()`` (a config edited while paused is
+    runs; then ``paused``), Resume ``algo.resume()`` (a config edited while paused is
     validated first; an invalid one is shown and the loop stays paused), Save
-    ``trainer.save(path)`` in a helper thread (``{step}`` in the path is replaced by
+    ``algo.save(path)`` in a helper thread (``{step}`` in the path is replaced by
     the step; paused inside a step before its update, the checkpoint is of the step
     before, and paused ``before evaluate`` the save is refused and the reason shown,
-    see :meth:`GRPOTrainer.save`). The chat box asks the current policy (``trainer.engine.chat``, greedy)
-    and is enabled whenever the loop is not running (paused, idle, finished, stopped). While a loop
-    runs, the row ``now`` under ``step`` (the updates done) says where it is, ``trainer.progress``:
-    ``step 2 · update 3/4 micro-batches``, ``step 2 · paused before update``.
+    see :meth:`LightningRL.save <lightning_nb.algorithm.lightning_rl.LightningRL.save>`). The chat box asks the
+    current policy (``algo.trainer.engine.chat``, greedy) and is enabled whenever the loop is not running
+    (paused, idle, finished, stopped). While a loop runs, the row ``now`` under ``step`` (the steps done)
+    says where it is, ``algo.progress``: ``step 2 · update 3/4 micro-batches``, ``step 2 · paused before update``.
 
     Args:
-        trainer: the trainer to watch and control.
+        algorithm: the run to watch and control (its ``trainer`` gives the engine the chat box asks).
         checkpoint_path: default path of Save.
         chat_system: optional system prompt of the chat box.
         chat_max_tokens: completion limit of a chat reply (tokens).
         interval_s: seconds between polls.
     """
 
-    def __init__(self, trainer: GRPOTrainer, *, checkpoint_path: str = "runs/checkpoints/step-{step}.pt",
+    def __init__(self, algorithm: Any, *, checkpoint_path: str = "runs/checkpoints/step-{step}.pt",
                  chat_system: Optional[str] = None, chat_max_tokens: int = 64, interval_s: float = 1.0,
                  autostart: bool = True) -> None:
-        self.trainer = trainer
+        self.algorithm, self.trainer = algorithm, algorithm.trainer
         self.chat_system, self.chat_max_tokens = chat_system, chat_max_tokens
         self.summary = ipw.HTML()
         self.summary.add_class("lnb-trainer-summary")
@@ -77,14 +76,14 @@ class TrainerPanel(LivePanel):
     # ----- actions (what the buttons call) ------------------------------------------------
     def pause(self) -> None:
         """Pause at the next step boundary without blocking the kernel."""
-        parked = self.trainer.pause(wait=False)
+        parked = self.algorithm.pause(wait=False)
         self.notify("paused" if parked else "pausing: the loop parks at its next step boundary "
                     "(the rollouts it enqueued finish first)")
         self.refresh()
 
     def resume(self) -> None:
         try:
-            self.trainer.resume()
+            self.algorithm.resume()
         except ValueError as exc:  # ConfigError: an invalid edit made while paused
             self.notify(f"not resumed: {exc}")
         else:
@@ -93,15 +92,15 @@ class TrainerPanel(LivePanel):
 
     def save(self, wait: bool = False) -> None:
         """Save a checkpoint in a helper thread (waits for an update in progress); joined when ``wait``."""
-        path = Path(self.save_path.value.format(step=self.trainer.step))
+        path = Path(self.save_path.value.format(step=self.algorithm.global_step))
         self.save_button.disabled = True
         self.notify(f"saving {path}…")
         self._run(self._save, path, wait=wait)
 
     def _save(self, path: Path) -> None:
         try:
-            self.last_checkpoint = self.trainer.save(path)
-            self.notify(f"saved {path} ({path.stat().st_size / 2**20:.0f} MiB, step {self.trainer.step})")
+            self.last_checkpoint = self.algorithm.save(path)
+            self.notify(f"saved {path} ({path.stat().st_size / 2**20:.0f} MiB, step {self.algorithm.global_step})")
         except Exception as exc:
             self.notify(f"save failed: {exc!r}")
         finally:
@@ -112,7 +111,7 @@ class TrainerPanel(LivePanel):
         message = message.strip()
         if not message:
             return
-        if self.trainer.state in ("running", "pausing"):
+        if self.algorithm.state in ("running", "pausing"):
             self.notify("pause training first: chat answers with the weights of a paused (or idle) trainer")
             return
         self.chat_button.disabled = True
@@ -154,16 +153,16 @@ class TrainerPanel(LivePanel):
             if now > t_old:
                 self.gen_tokens_per_s = (tokens - n_old) / (now - t_old)
             rate = self.gen_tokens_per_s
-        items = trainer_summary(self.trainer) + [("generated tokens/s (last 10 s)", rate)]
-        if self.trainer.running:
+        items = run_summary(self.algorithm) + [("generated tokens/s (last 10 s)", rate)]
+        if self.algorithm.running:
             at = next((i + 1 for i, (label, _) in enumerate(items) if label == "step"), len(items))
-            items.insert(at, ("now", str(self.trainer.progress)))
+            items.insert(at, ("now", str(self.algorithm.progress)))
         html = kv_table(items)
-        if self.trainer.error is not None:
-            html += f'<pre style="color:#cf222e">{esc(repr(self.trainer.error))}</pre>'
+        if self.algorithm.error is not None:
+            html += f'<pre style="color:#cf222e">{esc(repr(self.algorithm.error))}</pre>'
         if self.summary.value != html:
             self.summary.value = html
-        state = self.trainer.state
+        state = self.algorithm.state
         busy = self._worker is not None and self._worker.is_alive()
         self.pause_button.disabled = state != "running"
         self.resume_button.disabled = state not in ("paused", "pausing")

@@ -1,0 +1,137 @@
+"""The Algorithm contract (lightning_nb.algorithm.base.Algorithm), one suite over its three implementations:
+LightningRL (a step: GRPO rollouts and an update), TrafficLearner (a step: an update on labelled traffic) and APO (a
+step: a round of prompt search, no trainer).
+
+Every one owns its run: the notebook verbs, the step counter (``global_step``), one metrics row per step, and the
+checkpoint; a trainer holds no reference to it. All run for real: SmolLM2-135M behind the LLM proxy, runner
+threads, the in-memory store, at smoke size.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from openai import OpenAI
+
+from lightning_nb import (APO, AlgorithmConfig, APOConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL,
+                          LLMProxy, TrafficConfig, TrafficLearner, start_runners)
+from lightning_nb.algorithm import Algorithm
+from lightning_nb.errors import LightningNbError
+from lightning_nb.tasks.calc import calc_agent, load_tasks
+from lightning_nb.tasks.calc.agent import calc_resources
+
+pytestmark = pytest.mark.slow
+
+KINDS = ("LightningRL", "TrafficLearner", "APO")
+
+
+class Run:
+    """One algorithm of a kind on a live proxy: ``make()`` builds another of the same kind on the same store (what a
+    new process does before ``load``), ``feed()`` gives it the work for one step (traffic: a labelled request)."""
+
+    def __init__(self, kind, engine, tmp_path):
+        self.kind, self.engine, self.tmp_path = kind, engine, tmp_path
+        self.store = InMemoryStore()
+        self.proxy = LLMProxy(engine, self.store).start()
+        self.runners = None
+        if kind == "LightningRL":
+            self.store.add_resources({"main_llm": self.proxy.as_resource()})
+            self.runners = start_runners(calc_agent, self.store, n=2)
+        elif kind == "APO":
+            self.store.add_resources(calc_resources(self.proxy.as_resource()), resources_id="calc")
+            self.runners = start_runners(calc_agent, self.store, n=4)
+        self.client = OpenAI(base_url=self.proxy.traffic_endpoint(), api_key="x", max_retries=0)
+        self.fed = 0
+
+    def make(self):
+        if self.kind == "APO":
+            return APO(self.store, load_tasks("train")[:2], load_tasks("val")[:2], resources_id="calc", config=APOConfig(
+                rounds=2, beam_width=1, branch_factor=1, batch_size=2, max_tokens=8, proposer_max_tokens=24,
+                publish=False))
+        trainer = GRPOTrainer(self.engine, GRPOConfig(track_reference_kl=False, micro_batch_size=8))
+        if self.kind == "LightningRL":
+            return LightningRL(self.store, trainer, load_tasks("train"), config=AlgorithmConfig(
+                tasks_per_step=1, group_size=2, max_tokens=6, temperature=1.0, max_sample_rounds=1))
+        return TrafficLearner(self.store, trainer, TrafficConfig(min_labelled=1, poll_s=0.1),
+                              checkpoint_dir=self.tmp_path / "traffic")
+
+    def feed(self):
+        """Traffic: one request to the proxy's /traffic route, labelled with a reward its baseline is not (1, then 0:
+        a new input's baseline is the mean of the rewards used so far)."""
+        if self.kind != "TrafficLearner":
+            return
+        self.fed += 1
+        rid = self.client.chat.completions.with_raw_response.create(
+            model=self.proxy.served_models[0], messages=[{"role": "user", "content": f"What is {self.fed} + 1?"}],
+            max_tokens=6, temperature=1.0).headers["X-Rollout-Id"]
+        self.store.label(rid, 1.0 if self.fed % 2 else 0.0)
+
+    def close(self):
+        if self.runners is not None:
+            self.runners.stop()
+        self.proxy.stop()
+
+
+@pytest.fixture(params=KINDS)
+def run(request, pristine, tmp_path):
+    r = Run(request.param, pristine, tmp_path)
+    yield r
+    r.close()
+
+
+def test_every_algorithm_owns_its_run_and_a_trainer_knows_none(run):
+    algo = run.make()
+    assert isinstance(algo, Algorithm)
+    assert (algo.state, algo.running, algo.paused_at, algo.error, algo.global_step) == ("idle", False, "", None, 0)
+    assert algo.progress.phase == "idle" and str(algo.progress) == "idle"
+    assert algo.metrics == [] and algo.metrics_df().empty and algo.config_changes == []
+    if algo.trainer is not None:  # the trainer only updates weights: no loop, no rows, no back-reference
+        assert not any(hasattr(algo.trainer, name) for name in ("algorithm", "start", "pause", "metrics", "save"))
+        assert all(v is not algo for v in vars(algo.trainer).values())
+
+
+def test_a_step_from_a_cell_records_one_row_numbered_by_the_algorithm(run):
+    algo = run.make()
+    run.feed()
+    row = algo.step()
+    assert row is not None and row["step"] == 1 == algo.global_step
+    assert algo.metrics == [row] and algo.metrics_df()["step"].tolist() == [1]
+    if algo.trainer is not None:
+        assert algo.trainer.step == 1  # its own count of updates applied
+
+
+def test_start_pause_resume_wait_and_stop_drive_the_loop_at_step_boundaries(run):
+    algo = run.make()
+    run.feed()
+    assert algo.start(steps=2) is algo and algo.running
+    with pytest.raises(LightningNbError, match="already running"):
+        algo.start(steps=1)
+    assert algo.pause(timeout=600) and algo.state == "paused" and algo.paused_at, (algo.state, algo.paused_at)
+    step, rows = algo.global_step, len(algo.metrics)
+    time.sleep(1.0)  # parked: nothing moves
+    assert (algo.global_step, len(algo.metrics), algo.state) == (step, rows, "paused")
+    algo.resume()
+    assert algo.state in ("running", "finished")
+    assert algo.wait(until_step=1, timeout=600) and algo.global_step >= 1
+    run.feed()
+    assert algo.wait(timeout=600) is True and algo.state == "finished" and algo.error is None
+    assert algo.global_step == 2 and [r["step"] for r in algo.metrics] == [1, 2]
+    assert algo.progress.phase == "ended"
+    assert algo.stop(timeout=60) and not algo.running
+
+
+def test_save_and_load_carry_the_step_counter_and_the_rows_into_a_new_algorithm(run, tmp_path):
+    algo = run.make()
+    run.feed()
+    algo.step()
+    path = algo.save(tmp_path / ("run.json" if run.kind == "APO" else "run.pt"))
+    again = run.make()
+    again.load(path)
+    assert again.global_step == 1 and again.metrics_df()["step"].tolist() == [1]
+    assert again.metrics[0].keys() == algo.metrics[0].keys()
+    if again.trainer is not None:
+        assert again.trainer.step == 1 and again.trainer is not algo.trainer
+    run.feed()
+    row = again.step()  # the run goes on from where the checkpoint was
+    assert row["step"] == 2 == again.global_step and len(again.metrics) == 2
