@@ -35,9 +35,11 @@ Three things the training loop of notebook 01 does not do, on one engine, one pr
 Everything runs on SmolLM2-135M on the CPU, which is a weak critic, editor and judge: this notebook shows the
 mechanisms, not what a strong proposer achieves ([Prompts, judges and traffic](../docs/prompts-judges-traffic.md)
 and [Performance](../docs/performance.md#prompts-judges-and-traffic) have the measured numbers). At these sizes the
-notebook took 33 min on a 2-core CPU shared with other work (the APO cell 29 min, the traffic update
-9 s); a smoke run (the tests use it) takes a few minutes. Set `LIGHTNING_NB_SMOKE=1` before the first
-code cell runs for it: uncomment its `%env` line, or start Jupyter with `LIGHTNING_NB_SMOKE=1 jupyter lab`."""),
+notebook took 2.7 min on an idle 2-core CPU (the APO cell 1.9 min, the judge cells 17 s, the traffic cells 14 s),
+and 33 min when other jobs shared the two cores (load average 4-7: the APO cell 29 min, the judge cells 3.5 min)
+(2026-11-28, `bench/notebook_cell_times.py` measures it). The smoke run the tests use took 1.1 min idle, 12 min
+shared. Set `LIGHTNING_NB_SMOKE=1` before the first code cell runs for it: uncomment its `%env` line, or start Jupyter
+with `LIGHTNING_NB_SMOKE=1 jupyter lab`."""),
     ("code", """# %env LIGHTNING_NB_SMOKE=1      # uncomment for the smoke run with small sizes
 import os
 import tempfile
@@ -90,13 +92,14 @@ apo = APO(store, two_ops[:APO_TASKS], load_tasks("val")[:APO_VAL], config=APOCon
     rounds=APO_ROUNDS, beam_width=2, branch_factor=2, batch_size=APO_TASKS, max_tokens=MAX_TOKENS,
     proposer_max_tokens=48 if SMOKE else 160))
 apo.start()
-apo.wait(timeout=3600)   # the full run took 29 min on a shared 2-core CPU
+apo.wait(timeout=3600)   # 2 min on an idle 2-core CPU, 29 on a busy one (see the top)
 apo.beam_df()[["round", "candidate_id", "score", "n", "kept", "parent", "text"]]"""),
     ("code", """apo.calls_df()[["round", "role", "parent", "candidates", "errors"]]   # every critic and editor call"""),
-    ("md", """When the rounds end, APO scores the start (`c0`) and the winner (the top of the beam, chosen on the training
-tasks) on the same held-out tasks, and publishes the winner only if it beats the start there by more than
-`APOConfig.publish_margin` (0.05 of mean reward: 2 of 32 tasks); else the start stays. `apo.best()` returns both
-scores and the verdict (it reuses the held-out rewards `run()` measured)."""),
+    ("md", """When the rounds end, APO scores the start (`c0`) and the winner (the top of the beam, chosen on the
+training tasks) on the same held-out tasks, and publishes the winner only if it beats the start there by more than
+`APOConfig.publish_margin` (0.05 of mean reward: 2 of 32 tasks); else the start stays (`"calc"` is written again
+unchanged, only so that it is the store's latest set again). `apo.best()` returns both scores and the verdict (it
+reuses the held-out rewards `run()` measured)."""),
     ("code", """best = apo.best()             # the start (c0) and the winner, on the same held-out tasks
 print(best)                   # the verdict in one line
 print(f"held-out reward: start {best.start_score:.3f} -> winner {best.winner_score:.3f} ({best.n} tasks)")

@@ -78,9 +78,9 @@ def test_the_calc_agent_reads_its_system_prompt_from_the_resources(store):
     resources = calc_resources(LLM, "Answer this: {question}")
     assert system_prompt(TASK, resources) == f"Answer this: {TASK['question']}"
     assert build_messages(TASK["question"], system_prompt(TASK, resources))[0]["content"].startswith("Answer this")
-    stored = store.add_resources(calc_resources(LLM))  # the default as a resource: the same text, then the question
+    stored = store.add_resources(calc_resources(LLM))  # the default as a resource: the question, then the same text
     assert stored.resources[SYSTEM_PROMPT_RESOURCE].variables == {"question"}
-    assert system_prompt(TASK, stored.resources) == f"{SYSTEM_PROMPT}\nThe problem: {TASK['question']}"
+    assert system_prompt(TASK, stored.resources) == f"The problem: {TASK['question']}\n{SYSTEM_PROMPT}"
     with pytest.raises(ConfigError, match=r"fills only \['question'\].*\['name'\]"):
         calc_resources(LLM, "Hi {name}")
     with pytest.raises(ConfigError, match=r"missing variable\(s\) \['name'\]"):  # a set published by hand
