@@ -46,7 +46,7 @@ from lightning_nb.errors import ConfigError, LightningNbError, NotFoundError
 from lightning_nb.proxy.app import ROLLOUT_ID_HEADER, proxy_app
 from lightning_nb.proxy.request import (ChatCompletionRequest, ProxyHTTPError, applied_sampling, check_attempt_open,
                                         check_body_rollout_id, check_supported, validate_request)
-from lightning_nb.proxy.response import Choice, openai_response, parse_choices
+from lightning_nb.proxy.response import Choice, dropped_before_reply, openai_response, parse_choices
 from lightning_nb.proxy.spans import choice_attributes, record_call, record_error, requested_attributes
 from lightning_nb.proxy.splice import (ServedCall, can_submit_tokens, generations_response, splice_previous_reply,
                                        submit_kwargs)
@@ -452,7 +452,9 @@ class LLMProxy:
     async def _call_engine(self, kwargs: dict[str, Any], req: ChatCompletionRequest, engine: Engine,
                            attempt: Optional[tuple[str, str]], agent_name: Optional[str]) -> dict[str, Any]:
         """One ``litellm.acompletion`` call (or, with ``kwargs["prompt_ids"]``, ``n`` token-level
-        :meth:`Engine.submit` calls): the response as a dict, or the ProxyHTTPError to answer."""
+        :meth:`Engine.submit` calls): the response as a dict, or the ProxyHTTPError to answer. A call the engine's
+        server dropped without a reply (a stale keep-alive connection, :func:`dropped_before_reply`) is sent once
+        more."""
         import litellm
 
         prompt_ids = kwargs.get("prompt_ids")
@@ -464,7 +466,13 @@ class LLMProxy:
                            for i in range(kwargs.get("n", 1))]
                 gens = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
                 return generations_response(gens, engine.tokenizer, req.model)
-            response = await litellm.acompletion(**{k: v for k, v in kwargs.items() if k != "prompt_ids"})
+            call = {k: v for k, v in kwargs.items() if k != "prompt_ids"}
+            try:
+                response = await litellm.acompletion(**call)
+            except Exception as exc:
+                if not dropped_before_reply(exc):
+                    raise
+                response = await litellm.acompletion(**call)  # once more, on a new connection
         except Exception as exc:  # LiteLLM maps the engine's HTTP errors to exceptions with status_code
             rollout_id, attempt_id = attempt or (None, None)
             raise await self._engine_error(exc, req, engine, rollout_id, attempt_id, agent_name) from None

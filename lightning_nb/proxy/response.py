@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Optional
 from lightning_nb.engines.chat_format import parse_tool_calls
 from lightning_nb.proxy.request import ChatCompletionRequest
 
-__all__ = ["Choice", "parse_choices", "openai_response", "sse_events"]
+__all__ = ["Choice", "parse_choices", "openai_response", "sse_events", "dropped_before_reply"]
 
 
 @dataclass
@@ -142,3 +142,25 @@ async def sse_events(completion: dict[str, Any], req: ChatCompletionRequest) -> 
     if (req.stream_options or {}).get("include_usage"):
         yield event([], usage=completion["usage"])
     yield "data: [DONE]\n\n"
+
+
+def dropped_before_reply(exc: BaseException) -> bool:
+    """Whether ``exc`` (a failed ``litellm.acompletion``) is the server closing the connection without a reply.
+
+    That is the race of an idle keep-alive connection: the engine's HTTP server (uvicorn closes connections idle
+    for 5 s) closes it as the client reuses it, and the client reads nothing. LiteLLM raises it as an
+    ``InternalServerError`` ("Server disconnected") whose cause chain holds aiohttp's ``ServerDisconnectedError``
+    (or, with LiteLLM's httpx transport, httpx's ``RemoteProtocolError``). The request is sent again once on a
+    new connection, as the OpenAI SDK's own retries do for a connection error.
+    """
+    import httpx
+
+    names = {"ServerDisconnectedError"}  # aiohttp's, by name: aiohttp is LiteLLM's transport, not our import
+    seen: set[int] = set()
+    cur: Optional[BaseException] = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, httpx.RemoteProtocolError) or type(cur).__name__ in names:
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
