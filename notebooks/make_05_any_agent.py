@@ -33,10 +33,10 @@ GRPO step on all of them:
 The runners take each rollout's `shape` from its task and call that agent. The proxy attributes every LLM call to its
 attempt, so the spans, the triplets and the training step do not care which shape made them.
 
-At full size (the defaults: one round of 8 rollouts, then one training step of 32) the notebook took 22 min on a
-2-core CPU that other jobs shared (load average 5-8): the round 300 s, the training step 992 s, the rest 20 s; under
-that load six of the round's eight rollouts ran past the runners' 300 s timeout. With the CPU to itself the training
-step took 509 s. A smoke run (the tests use it) took 140 s (one round of 4 rollouts, then one step of 8). Set
+At full size (the defaults: one round of 8 rollouts, then one training step of 32) the notebook took 6.7 min on an
+idle 2-core CPU (2026-11-28, `bench/notebook_cell_times.py`): the round 51 s, the training step 335 s, the rest 15 s.
+With other jobs sharing the two cores (load average 5-8) it took 22 min: the round 300 s (six of its eight rollouts
+ran past the runners' 300 s timeout), the training step 992 s. A smoke run (the tests use it) took 140 s (one round of 4 rollouts, then one step of 8). Set
 `LIGHTNING_NB_SMOKE=1` before the first code cell runs for it: uncomment its `%env` line, or start Jupyter with `LIGHTNING_NB_SMOKE=1 jupyter lab`. The
 LangGraph cell needs the `agents` extra (`pip install -e '.[agents]'`), the gym cell the `envs` extra."""),
     ("code", """# %env LIGHTNING_NB_SMOKE=1      # uncomment for the smoke run with small sizes
