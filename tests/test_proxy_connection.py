@@ -12,6 +12,7 @@ import socket
 import threading
 
 import openai
+
 from lightning_nb import semconv
 from lightning_nb.engines import OpenAIEndpoint
 from lightning_nb.proxy import LLMProxy
@@ -42,7 +43,7 @@ class DroppingServer:
                 return
             with conn:
                 self.connections += 1
-                conn.recv(65536)
+                _read_request(conn)  # all of it: closing with unread bytes would reset the connection
                 if self.connections <= self.drop:
                     continue  # closed without a byte of reply
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
@@ -50,6 +51,25 @@ class DroppingServer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _read_request(conn: socket.socket) -> bytes:
+    """One HTTP request from ``conn``: its headers, then ``Content-Length`` bytes of body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
 
 
 def _call(server: DroppingServer) -> tuple[object, list]:
