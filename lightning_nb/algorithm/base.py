@@ -127,9 +127,6 @@ class Algorithm(BackgroundLoop, abc.ABC):
             _RUNNING_ON[self.trainer] = weakref.ref(self)
         return self
 
-    def _steps_done(self) -> int:
-        return self.global_step
-
     # ----- the run's record -------------------------------------------------------------------------
     def record(self, row: dict[str, Any]) -> dict[str, Any]:
         """Close a step: :attr:`global_step` + 1, ``row["step"]`` set to it, the row appended to :attr:`metrics`.

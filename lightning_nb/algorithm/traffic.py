@@ -269,7 +269,7 @@ class TrafficLearner(RunCheckpoint, Algorithm):
                 poll["waiting_for"] = "a reward that differs from its baseline (each equals it: nothing to learn)"
                 return None
         self.at_boundary("before update")
-        k = len(self.updates) + 1
+        k = self.global_step + 1
         self.report_progress("checkpoint", 0, 0, unit="", step=k)  # the weights before it: seconds, ~1 GB
         checkpoint = self._checkpoint(k)
         rollout_ids = list(dict.fromkeys(t.rollout_id for t in triplets))
@@ -300,7 +300,7 @@ class TrafficLearner(RunCheckpoint, Algorithm):
         its :meth:`baseline` (module docstring). Rollouts without signal are left out (they stay pending);
         rollouts the adapter cannot use are set aside.
         """
-        k = len(self.updates) + 1
+        k = self.global_step + 1
         triplets = self.adapter.adapt(self.store, ready)
         adapted = set(t.rollout_id for t in triplets)
         for rid in ready:
