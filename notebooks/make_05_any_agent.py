@@ -132,14 +132,17 @@ spans[["shape", "rollout_id", "name", "prompt_tokens", "completion_tokens", "rew
 
 `LightningRL` enqueues GRPO groups of these tasks, waits, turns the spans into triplets and asks the trainer for one
 update. The packed multi-turn episodes (the gym's moves, the remote server's tool turns) are one sequence each:
-`turn_forks` counts the turns that could not be packed."""),
+`turn_forks` counts the turns that could not be packed. The update forwards its sequences as prefix trees, so a
+token that several of them share after the same tokens (a group's prompt, a system prompt) is forwarded once:
+`forwarded_tokens` is what the forwards held, `prefix_shared_tokens` what sharing saved."""),
     ("code", """from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL
 
 trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=2e-5))
 algo = LightningRL(store, trainer, TASKS, config=AlgorithmConfig(
     tasks_per_step=len(TASKS), group_size=GROUP_SIZE, max_tokens=MAX_TOKENS, temperature=0.7))
 row = algo.step()
-print("training step 1:", {k: row[k] for k in ("reward_mean", "sequences_trained", "turn_forks", "loss") if k in row})"""),
+print("training step 1:", {k: row[k] for k in ("reward_mean", "sequences_trained", "turn_forks", "loss",
+                                               "forwarded_tokens", "prefix_shared_tokens") if k in row})"""),
     ("md", """## 6. Clean up
 
 Stop the runners, the rollout server and the proxy, and free the engine."""),

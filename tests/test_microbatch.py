@@ -107,9 +107,10 @@ def test_micro_batch_tokens_is_validated(value):
         GRPOConfig(micro_batch_tokens=value)
 
 
-def test_the_default_is_rows_on_cpu_and_auto_on_cuda():
+def test_the_default_is_auto_on_every_device():
     cfg = GRPOConfig()
-    assert cfg.micro_batch_tokens is None and cfg.micro_batch_size is None  # 4 rows, as before
+    # issue 49: 'auto' on CPU too (2,048 tokens), so a prefix tree can hold the batch's shared prompt once
+    assert cfg.micro_batch_tokens == "auto" and cfg.micro_batch_size is None
     assert GRPOConfig(micro_batch_tokens="auto").micro_batch_tokens == "auto"
     assert GRPOConfig(micro_batch_tokens=None).micro_batch_tokens is None
     # resolved from the device at construction (not constructible here without CUDA: the device check)
@@ -198,10 +199,10 @@ def test_a_token_budget_gives_the_same_step_as_fixed_rows(engine, pristine, batc
     lengths = [len(t.prompt_ids) + len(t.response_ids) for t in batch]
     assert len(set(lengths)) > 2  # lengths differ, so sorting and padding matter
     start = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
-    rows, rows_trainer = _step(engine, start, batch, micro_batch_size=1)
+    rows, rows_trainer = _step(engine, start, batch, micro_batch_size=1, micro_batch_tokens=None, prefix_tree=False)
     params_rows, grads_rows = _after(rows_trainer)
     budget = 2 * max(lengths)
-    tokens, tokens_trainer = _step(engine, start, batch, micro_batch_tokens=budget)
+    tokens, tokens_trainer = _step(engine, start, batch, micro_batch_tokens=budget, prefix_tree=False)
     params_tokens, grads_tokens = _after(tokens_trainer)
     assert rows["micro_batches"] == len(batch) and rows["padding_fraction"] == 0.0
     assert math.isnan(rows["micro_batch_tokens"])

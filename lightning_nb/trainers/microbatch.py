@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, TypeVar
 
 from lightning_nb.errors import ConfigError
+from lightning_nb.trainers.prefix_tree import plan_tree_micro_batches
 
 __all__ = ["MicroBatcher", "plan_micro_batches", "padded_tokens", "bytes_per_token", "auto_micro_batch_tokens",
            "CPU_AUTO_TOKENS", "DEFAULT_ROWS", "AUTO_MEMORY_FRACTION", "AUTO_HEADROOM_BYTES", "AUTO_MAX_TOKENS",
@@ -96,14 +97,20 @@ class MicroBatcher:
     """The micro-batch rule of one update, and its tally of what was forwarded.
 
     ``max_tokens``: the token budget (None: fixed rows); ``max_rows``: the row cap (None: ``DEFAULT_ROWS``
-    without a budget, no cap with one). :meth:`split` plans, :meth:`record` counts one forward.
+    without a budget, no cap with one); ``tree``: micro-batches are forwarded as prefix trees
+    (:mod:`~lightning_nb.trainers.prefix_tree`), so the budget counts each micro-batch's distinct prefixes
+    (tree nodes) instead of padded rows. :meth:`split` / :meth:`count` plan over lengths (padded rows),
+    :meth:`split_sequences` / :meth:`count_sequences` over token lists (rows or trees, as ``tree`` says);
+    :meth:`record` counts one forward.
     """
 
     max_tokens: Optional[int] = None
     max_rows: Optional[int] = None
+    tree: bool = False
     forwards: int = 0
-    padded: int = 0  # tokens forwarded, padding included
+    padded: int = 0  # tokens forwarded: rows x the longest row, or a tree's nodes
     real: int = 0  # tokens of the sequences themselves
+    shared: int = 0  # sequence tokens a tree did not forward again (real - nodes, summed over tree forwards)
 
     def split(self, items: Sequence[T], lengths: Sequence[int]) -> list[list[T]]:
         """``items`` (one per length) grouped as :func:`plan_micro_batches` plans them."""
@@ -113,16 +120,38 @@ class MicroBatcher:
         """How many micro-batches :meth:`split` makes of sequences of ``lengths``."""
         return len(plan_micro_batches(lengths, self.max_tokens, self.max_rows))
 
-    def record(self, lengths: Sequence[int]) -> None:
-        """Count one forward of rows of ``lengths``, right-padded to the longest."""
+    def _plan(self, sequences: Sequence[Sequence[int]]) -> list[list[int]]:
+        lengths = [len(s) for s in sequences]
+        if not self.tree or self.max_tokens is None:  # padded rows, or fixed rows each forwarded as a tree
+            return plan_micro_batches(lengths, self.max_tokens if not self.tree else None, self.max_rows)
+        return plan_tree_micro_batches(sequences, self.max_tokens, self.max_rows)
+
+    def split_sequences(self, items: Sequence[T], sequences: Sequence[Sequence[int]]) -> list[list[T]]:
+        """``items`` (one per token list of ``sequences``) grouped into micro-batches: with ``tree`` and a token
+        budget by :func:`~lightning_nb.trainers.prefix_tree.plan_tree_micro_batches` (nodes within the budget),
+        with ``tree`` and no budget in fixed rows (batch order), else as :meth:`split`."""
+        return [[items[i] for i in mb] for mb in self._plan(sequences)]
+
+    def count_sequences(self, sequences: Sequence[Sequence[int]]) -> int:
+        """How many micro-batches :meth:`split_sequences` makes of ``sequences``."""
+        return len(self._plan(sequences))
+
+    def record(self, lengths: Sequence[int], nodes: Optional[int] = None) -> None:
+        """Count one forward of rows of ``lengths``: right-padded to the longest, or (``nodes`` given) as a prefix
+        tree of that many nodes."""
         self.forwards += 1
-        self.padded += len(lengths) * max(lengths, default=0)
         self.real += sum(lengths)
+        if nodes is None:
+            self.padded += len(lengths) * max(lengths, default=0)
+        else:
+            self.padded += nodes
+            self.shared += sum(lengths) - nodes
 
     @property
     def padding_fraction(self) -> float:
-        """Padding tokens / all forwarded tokens (0.0 before any forward)."""
-        return (self.padded - self.real) / self.padded if self.padded else 0.0
+        """Padding tokens / all forwarded tokens (0.0 before any forward, and for tree forwards)."""
+        padding = self.padded - self.real + self.shared
+        return padding / self.padded if self.padded else 0.0
 
 
 def bytes_per_token(hidden: int, intermediate: int, layers: int, vocab: int, dtype_bytes: int,

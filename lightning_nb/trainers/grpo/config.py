@@ -2,7 +2,8 @@
 
 The fields are :class:`~lightning_nb.trainers.config.TrainerConfig`'s (shared with
 :class:`~lightning_nb.trainers.verl.config.VerlConfig`, one name per concept); what is GRPOTrainer's own here
-is two defaults that follow the config's device and dtype (:data:`DEVICE_DEFAULT`, :data:`DTYPE_DEFAULT`).
+is ``prefix_tree`` (verl's actor builds its own padded forward) and two defaults that follow the config's dtype and
+device (:data:`DTYPE_DEFAULT`, :data:`DEVICE_DEFAULT`).
 The learning-rate schedule is :func:`lightning_nb.trainers.config.lr_factor`.
 """
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 # the placeholders are shared with VerlConfig; re-exported here, where they were defined first
+from lightning_nb.errors import ConfigError
 from lightning_nb.trainers.config import BF16_TIS_CAP, DEVICE_DEFAULT, DTYPE_DEFAULT, TrainerConfig
 
 __all__ = ["GRPOConfig", "DEVICE_DEFAULT", "DTYPE_DEFAULT", "BF16_TIS_CAP"]
@@ -21,9 +23,9 @@ __all__ = ["GRPOConfig", "DEVICE_DEFAULT", "DTYPE_DEFAULT", "BF16_TIS_CAP"]
 class GRPOConfig(TrainerConfig):
     """Hyper-parameters of the GRPO update. Validated on construction and again on ``algo.resume()``.
 
-    :class:`~lightning_nb.trainers.config.TrainerConfig`'s fields, with two defaults resolved on construction:
-    ``tis_cap`` (:data:`BF16_TIS_CAP` in bfloat16, else None) and ``micro_batch_tokens`` ('auto' on CUDA,
-    None on CPU). Fields may be edited while the trainer is paused; the edit takes effect at the next
+    :class:`~lightning_nb.trainers.config.TrainerConfig`'s fields and ``prefix_tree``, with one default resolved on
+    construction: ``tis_cap`` (:data:`BF16_TIS_CAP` in bfloat16, else None). ``micro_batch_tokens`` is ``'auto'``
+    on every device (2,048 tokens on CPU). Fields may be edited while the trainer is paused; the edit takes effect at the next
     update and is recorded in the metrics (``config_changes``, and the algorithm's ``config_changes``).
     """
 
@@ -33,20 +35,35 @@ class GRPOConfig(TrainerConfig):
                 "(vLLM, bf16, stale weights); 2 is typical. None = off. Default: 2.0 when dtype='bfloat16' "
                 "(engine and trainer log-probs differ by p99 0.15-0.21 nats there even with float32 LM heads), "
                 "None otherwise; an explicit None is kept."})
-    micro_batch_tokens: Optional[Union[int, str]] = field(default=DEVICE_DEFAULT, metadata={
-        "help": "Token budget of one forward/backward, padding counted (rows × the longest row): verl's "
-                "use_dynamic_bsz with ppo_max_token_len_per_gpu. The sequences of a mini-batch are sorted by "
-                "length and packed greedily (lightning_nb.trainers.microbatch.plan_micro_batches), so padding "
-                "stays small; a sequence longer than the budget gets a micro-batch of its own (never cut); "
-                "micro_batch_size, when set, still caps the rows. None = fixed micro-batches of micro_batch_size "
-                "rows. 'auto' = chosen at each update from free device memory on CUDA (auto_micro_batch_tokens: "
-                "a per-token memory estimate from the model's hidden size, layers, vocabulary and dtype, 70% of "
-                "what is free after 1 GiB of headroom), 2048 on CPU; the metrics report the budget used "
-                "(micro_batch_tokens). Default: 'auto' when device is CUDA, None on CPU (CPU updates stay as "
-                "they were)."})
+    micro_batch_tokens: Optional[Union[int, str]] = field(default="auto", metadata={
+        "help": "Token budget of one forward/backward (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu). "
+                "With prefix_tree: the nodes of one micro-batch's prefix tree (each shared token once, no "
+                "padding); the mini-batch's sequences are sorted by their tokens, so those sharing a prefix "
+                "are neighbours, and cut greedily (lightning_nb.trainers.prefix_tree.plan_tree_micro_batches). "
+                "Without: padding counted (rows × the longest row); sorted by length and packed greedily "
+                "(lightning_nb.trainers.microbatch.plan_micro_batches). A sequence longer than the budget gets a "
+                "micro-batch of its own (never cut); micro_batch_size, when set, still caps the rows. None = fixed "
+                "micro-batches of micro_batch_size rows in batch order (each a tree with prefix_tree). 'auto' = "
+                "chosen at each update from free device memory on CUDA (auto_micro_batch_tokens: a per-token "
+                "memory estimate from the model's hidden size, layers, vocabulary and dtype, 70% of what is free "
+                "after 1 GiB of headroom), 2048 on CPU; the metrics report the budget used (micro_batch_tokens). "
+                "Default 'auto' on every device (None on CPU before issue 49)."})
+    prefix_tree: bool = field(default=True, metadata={
+        "help": "Forward each micro-batch's sequences as a prefix tree (lightning_nb.trainers.prefix_tree): a "
+                "token that several sequences share at the same position, after the same tokens, is forwarded "
+                "and backpropagated once (the batch's system prompt, a group's prompt, an episode's shared "
+                "turns), under a tree attention mask; the same log-probs and gradients as padded rows (float32: "
+                "within 1e-5). Reported per update as prefix_shared_tokens and forwarded_tokens. Needs an "
+                "attention implementation that takes a dense 4-D mask (sdpa, the default, or eager); with another "
+                "the update forwards padded rows and warns once. False = padded rows."})
 
     def __post_init__(self) -> None:
-        if self.micro_batch_tokens is DEVICE_DEFAULT:  # resolved once, from the device the config names
-            cuda = isinstance(self.device, str) and self.device.startswith("cuda")
-            self.micro_batch_tokens = "auto" if cuda else None
+        if self.micro_batch_tokens is DEVICE_DEFAULT:  # the placeholder of checkpoints' configs before issue 49
+            self.micro_batch_tokens = "auto"
         super().__post_init__()
+
+    def _validate_rl_options(self) -> None:
+        if not isinstance(self.prefix_tree, bool):
+            raise ConfigError(f"GRPOConfig.prefix_tree={self.prefix_tree!r} is invalid: it must be True or False; "
+                              "use False to forward padded rows")
+        super()._validate_rl_options()

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["response_logprobs", "logprob_path", "FUSED_MODEL_TYPES", "shift_pad"]
+__all__ = ["response_logprobs", "logprob_path", "FUSED_MODEL_TYPES", "shift_pad", "tree_response_logprobs", "tree_path",
+           "TREE_ATTENTION"]
 
 #: ``config.model_type`` of the models whose causal-LM ``forward`` is exactly ``lm_head(decoder(...))``:
 #: for these :func:`response_logprobs` runs the decoder and the fused float32 head itself.
@@ -106,3 +107,88 @@ def shift_pad(rows: Sequence[Sequence[float]], T: int, device: Any) -> Any:
     import torch
 
     return torch.tensor([list(r[1:]) + [0] * (T - len(r)) for r in rows], dtype=torch.float32, device=device)
+
+
+#: ``config._attn_implementation`` values whose attention takes a dense 4-D mask as it is: ``"sdpa"`` a bool mask
+#: (True = attend), ``"eager"`` an additive one. Flash attention takes none; flex attention a BlockMask.
+TREE_ATTENTION = frozenset({"sdpa", "eager"})
+
+
+def tree_path(model: Any) -> str:
+    """Whether :func:`tree_response_logprobs` can run on ``model``: ``"tree"``, or ``"padded: <reason>"`` (the
+    trainer then forwards padded rows, :func:`response_logprobs`). ``model`` may be a ``peft.PeftModel``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    impl = getattr(getattr(base, "config", None), "_attn_implementation", None)
+    if impl not in TREE_ATTENTION:
+        return f"padded: the attention implementation {impl!r} takes no dense 4-D mask (sdpa or eager do)"
+    return "tree"
+
+
+def _tree_attention_mask(tree: Any, impl: str, dtype: Any, device: Any) -> Any:
+    """(1, 1, N, N) tree attention mask in the form ``impl`` reads: bool for sdpa, additive ``dtype`` for eager."""
+    import torch
+
+    allowed_N_N = tree.attention_mask(device)
+    if impl == "sdpa":
+        return allowed_N_N[None, None]
+    blocked = torch.full(allowed_N_N.shape, torch.finfo(dtype).min, dtype=dtype, device=device)
+    return torch.where(allowed_N_N, torch.zeros((), dtype=dtype, device=device), blocked)[None, None]
+
+
+def tree_response_logprobs(model: Any, tree: Any, sequences: Sequence[Sequence[int]], mask_B_L: Any,
+                           temp_B: Any) -> Any:
+    """:func:`response_logprobs` of ``sequences`` computed by one forward over their prefix tree.
+
+    ``tree`` is :func:`~lightning_nb.trainers.prefix_tree.build_prefix_tree` of ``sequences`` (B of them, the
+    longest T tokens); ``mask_B_L`` and ``temp_B`` are as for :func:`response_logprobs`. The decoder runs once
+    over the tree's N nodes as a single row, each at its position in the sequences (``position_ids`` = depth)
+    under the tree attention mask, so every shared token is forwarded once and its gradient is the sum over the
+    sequences that hold it: the same log-probs (float32: within 1e-5 of the padded rows) and the same gradients.
+    Position t of sequence b is scored from the hidden state of node ``tree.paths[b][t]``.
+
+    Both of :func:`response_logprobs`'s paths: **fused** (the decoder, then the float32 head on the scored
+    positions only) and **forward** (the model's own ``forward`` with ``logits_to_keep`` the distinct scored
+    nodes). Needs an attention implementation that reads a dense 4-D mask (:func:`tree_path`).
+
+    Returns:
+        (B, T − 1) float32 log-probs in nats at the masked positions, 0 elsewhere.
+
+    Raises:
+        ValueError: ``tree`` is not the tree of ``sequences``, or the model's attention takes no 4-D mask.
+    """
+    import torch
+
+    from lightning_nb.models.lm_head import logits_token_logprobs, token_logprobs
+
+    if len(tree.paths) != len(sequences) or any(len(p) != len(s) for p, s in zip(tree.paths, sequences)):
+        raise ValueError("tree_response_logprobs: tree is not the prefix tree of these sequences "
+                         "(build it with build_prefix_tree(sequences))")
+    reason = tree_path(model)
+    if reason != "tree":
+        raise ValueError(f"tree_response_logprobs: {reason}")
+    device = mask_B_L.device
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    sel_B_L = mask_B_L.bool()
+    b_N, t_N = sel_B_L.nonzero(as_tuple=True)  # the scored positions, row-major as response_logprobs orders them
+    node_N = torch.tensor([tree.paths[b][t] for b, t in zip(b_N.tolist(), t_N.tolist())], dtype=torch.long,
+                          device=device)
+    target_N = torch.tensor([sequences[b][t + 1] for b, t in zip(b_N.tolist(), t_N.tolist())], dtype=torch.long,
+                            device=device)
+    temp_N = temp_B[b_N]
+    ids_1_N = torch.tensor([tree.ids], dtype=torch.long, device=device)
+    pos_1_N = torch.tensor([tree.depth], dtype=torch.long, device=device)
+    dtype = next(base.parameters()).dtype
+    attn = _tree_attention_mask(tree, base.config._attn_implementation, dtype, device)
+    decoder, weight_V_H, _ = _fused_parts(model)
+    if decoder is not None:
+        hidden_N_H = decoder(input_ids=ids_1_N, attention_mask=attn, position_ids=pos_1_N,
+                             use_cache=False).last_hidden_state[0]
+        logp_N = token_logprobs(hidden_N_H.index_select(0, node_N), weight_V_H, target_N, temp_N)
+    else:
+        keep_K, slot_N = torch.unique(node_N, return_inverse=True)  # each scored node's logits once
+        logits_K_V = model(input_ids=ids_1_N, attention_mask=attn, position_ids=pos_1_N, use_cache=False,
+                           logits_to_keep=keep_K).logits[0]
+        logp_N = logits_token_logprobs(logits_K_V.index_select(0, slot_N), target_N, temp_N)
+    out_B_L = torch.zeros(mask_B_L.shape, dtype=torch.float32, device=device)
+    out_B_L[b_N, t_N] = logp_N.to(torch.float32)
+    return out_B_L

@@ -13,8 +13,10 @@ The loop around it (pause, resume, checkpoints of the run) is the algorithm's
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from lightning_nb.engines.transformers import TransformersEngine
@@ -23,12 +25,13 @@ from lightning_nb.trainers.batch import Batch, build_batch, check_batch, per_tri
 from lightning_nb.trainers.config import lr_factor
 from lightning_nb.trainers.credit import group_advantages, overlong_penalty, reward_to_go, transition_advantages
 from lightning_nb.trainers.grpo.config import GRPOConfig
-from lightning_nb.trainers.grpo.logprobs import response_logprobs, shift_pad
+from lightning_nb.trainers.grpo.logprobs import response_logprobs, shift_pad, tree_path, tree_response_logprobs
 from lightning_nb.trainers.grpo.losses import aggregate_loss, kl_estimate, policy_loss, truncated_is_weights
 from lightning_nb.trainers.inplace import InPlaceTrainer
 from lightning_nb.trainers.metrics import batch_metrics
 from lightning_nb.trainers.microbatch import MicroBatcher, auto_micro_batch_tokens
 from lightning_nb.trainers.packing import PackedSequence, pack_episode
+from lightning_nb.trainers.prefix_tree import PrefixTree, build_prefix_tree
 from lightning_nb.types import Triplet
 
 # the names this module has always exported (their homes: trainers.config, trainers.credit, trainers.packing,
@@ -37,8 +40,37 @@ __all__ = ["GRPOConfig", "GRPOTrainer", "group_advantages", "lr_factor", "overlo
            "response_logprobs", "reward_to_go", "transition_advantages"]
 
 
+log = logging.getLogger(__name__)
+
+
 def _no_progress(done: int, total: int, unit: str) -> None:
     pass
+
+
+def _tokens(seqs: Sequence[PackedSequence]) -> list[list[int]]:
+    return [s.input_ids for s in seqs]
+
+
+@dataclass
+class _Micro:
+    """One micro-batch's tensors: padded rows (``ids_B_T``, ``attn_B_T``) or a prefix tree (``tree``), and what
+    both forwards share: ``mask_B_L`` and ``temp_B`` (see :func:`response_logprobs`), ``T`` its longest row."""
+
+    seqs: list[PackedSequence]
+    T: int
+    device: Any
+    mask_B_L: Any
+    temp_B: Any
+    ids_B_T: Any = None
+    attn_B_T: Any = None
+    tree: Optional[PrefixTree] = None
+
+    def logprobs(self, model: Any) -> Any:
+        """(B, T − 1) log-probs of the response tokens under ``model`` (:func:`response_logprobs`, or
+        :func:`tree_response_logprobs` over the tree)."""
+        if self.tree is not None:
+            return tree_response_logprobs(model, self.tree, _tokens(self.seqs), self.mask_B_L, self.temp_B)
+        return response_logprobs(model, self.ids_B_T, self.attn_B_T, self.mask_B_L, self.temp_B)
 
 
 def _lengths(seqs: Sequence[PackedSequence]) -> list[int]:
@@ -99,11 +131,14 @@ class GRPOTrainer(InPlaceTrainer):
              ``reward_to_go``, ``transition_advantages``), given to that turn's tokens;
           2. :meth:`_optimize`: ``ppo_epochs`` passes over mini-batches of ``mini_batch_size``
              sequences, one AdamW step each with gradient-norm clipping; each mini-batch is
-             forwarded in micro-batches (:meth:`_micro_step`, gradients accumulated) through the
-             model's own ``forward``: with ``micro_batch_tokens`` its sequences sorted by length and
-             packed into micro-batches of at most that many tokens, padding counted (``"auto"``: sized
-             from free device memory at the start of the update; :mod:`~lightning_nb.trainers.microbatch`),
-             else ``micro_batch_size`` rows in batch order; π_start's and the reference's scoring
+             forwarded in micro-batches (:meth:`_micro_step`, gradients accumulated), each one
+             prefix tree with ``prefix_tree`` (the default: every token shared by several sequences
+             after the same tokens forwarded once, :mod:`~lightning_nb.trainers.prefix_tree`; sequences
+             sorted by their tokens and cut where the tree would pass ``micro_batch_tokens`` nodes), else
+             right-padded rows (sorted by length and packed to at most ``micro_batch_tokens``, padding
+             counted); ``"auto"``: sized from free device memory at the start of the update, 2,048 on
+             CPU (:mod:`~lightning_nb.trainers.microbatch`); ``None``: ``micro_batch_size`` rows in batch
+             order; π_start's and the reference's scoring
              forwards are split the same way; each micro-batch done (also those
              of π_start's scoring forwards) calls ``on_progress(done, total, "micro-batches")``
              (the algorithm's loop shows it as ``progress``, phase ``"update"``);
@@ -162,8 +197,11 @@ class GRPOTrainer(InPlaceTrainer):
         ``update_seconds``, ``tokens_per_s``, ``lr`` (the learning rate this update used),
         ``micro_batches`` (forwards this update made: training micro-batches of every epoch plus π_start's
         and the reference's scoring forwards), ``padding_fraction`` (padding tokens / all tokens those
-        forwards held, rows × the longest row each), ``micro_batch_tokens`` (the token budget used, tokens:
-        ``"auto"`` resolved; NaN with fixed rows, ``micro_batch_tokens=None``),
+        forwards held, rows × the longest row each; 0 for prefix trees), ``forwarded_tokens`` (tokens those
+        forwards held: a prefix tree's nodes, or rows × the longest row), ``prefix_shared_tokens`` (tokens of the
+        forwarded sequences that a prefix tree did not forward again; 0 with ``prefix_tree=False``),
+        ``micro_batch_tokens`` (the token budget used, tokens: ``"auto"`` resolved; NaN with fixed rows,
+        ``micro_batch_tokens=None``),
         ``config_changes`` (edits applied at this step, or "").
 
         Departures from the GRPO paper (Shao et al. 2024) and the Agent Lightning paper:
@@ -177,7 +215,8 @@ class GRPOTrainer(InPlaceTrainer):
             (``credit="reward_to_go"`` normalizes per transition, so there it does);
           * groups smaller than ``min_group_size`` are dropped, not trained with verl's
             size-1 rule;
-          * turns sharing a prefix are packed into one sequence (same gradient, fewer tokens);
+          * turns sharing a prefix are packed into one sequence, and sequences sharing a prefix are
+            forwarded as one prefix tree (same gradient, fewer tokens);
           * token-mean loss over the whole batch (verl default), not mean-per-sequence.
 
         Raises:
@@ -198,7 +237,7 @@ class GRPOTrainer(InPlaceTrainer):
                 self._batcher = self._micro_batcher()
                 batch = build_batch(self.config, triplets, self.engine.weight_version,
                                     score_kl=lambda seqs: self._score_at_start(
-                                        seqs, _ticker(report, self._batcher.count(_lengths(seqs))),
+                                        seqs, _ticker(report, self._batcher.count_sequences(_tokens(seqs))),
                                         with_reference=True))
                 stats = self._optimize(batch.seqs, report)
                 if stats["optimizer_steps"]:
@@ -231,9 +270,9 @@ class GRPOTrainer(InPlaceTrainer):
         minis = [m for m in (seqs[i: i + size] for i in range(0, len(seqs), size)) if any(s.trained for s in m)]
         scored = ([s for s in seqs if s.trained and s.trainer_logprobs is None]
                   if cfg.ppo_epochs * len(minis) > 1 else [])
-        count = self._batcher.count
-        tick = _ticker(report, count(_lengths(scored)) + cfg.ppo_epochs * sum(
-            count(_lengths([s for s in m if s.trained])) for m in minis))
+        count = self._batcher.count_sequences
+        tick = _ticker(report, count(_tokens(scored)) + cfg.ppo_epochs * sum(
+            count(_tokens([s for s in m if s.trained])) for m in minis))
         if scored:  # fix π_start before the first step changes the weights
             self._score_at_start(scored, tick)
         stats = dict.fromkeys(("loss", "pg_loss", "kl", "ppo_kl", "pg_clipfrac", "tis_weight", "tokens",
@@ -244,7 +283,7 @@ class GRPOTrainer(InPlaceTrainer):
                 agg = {"mode": cfg.loss_agg_mode, "num_tokens": sum(sum(s.mask) for s in mini),  # the mini-batch's
                        "num_sequences": sum(1 for s in mini if any(s.mask)), "norm_len": cfg.max_response_len}
                 trained = [s for s in mini if s.trained]
-                for micro in self._batcher.split(trained, _lengths(trained)):
+                for micro in self._batcher.split_sequences(trained, _tokens(trained)):
                     part = self._micro_step(micro, agg)
                     tick()
                     for k, v in part.items():
@@ -268,7 +307,20 @@ class GRPOTrainer(InPlaceTrainer):
                 pending += 8 * sum(p.numel() for p in params)
             budget = auto_micro_batch_tokens(self.model, gradient_checkpointing=cfg.gradient_checkpointing,
                                              lora=self.peft_model is not None, pending_bytes=pending)
-        return MicroBatcher(max_tokens=budget, max_rows=cfg.micro_batch_size)
+        return MicroBatcher(max_tokens=budget, max_rows=cfg.micro_batch_size, tree=self._tree_forward())
+
+    def _tree_forward(self) -> bool:
+        """Whether this update forwards prefix trees: ``prefix_tree`` is set and the model's attention takes the
+        tree mask (else padded rows, with one warning per trainer naming why)."""
+        if not getattr(self.config, "prefix_tree", False):
+            return False
+        path = tree_path(self.model)
+        if path != "tree" and not getattr(self, "_tree_warned", False):
+            self._tree_warned = True
+            log.warning("GRPOConfig.prefix_tree=True, but this update forwards padded rows: %s; set "
+                        "prefix_tree=False to silence this, or load the model with attn_implementation='sdpa'",
+                        path.split(": ", 1)[1])
+        return path == "tree"
 
     def _step_metrics(self, triplets: Sequence[Triplet], batch: Batch, stats: dict[str, float], seconds: float,
                       lr: float, changes: list[str]) -> dict[str, Any]:
@@ -291,7 +343,8 @@ class GRPOTrainer(InPlaceTrainer):
                 "grad_norm": grad_norm / steps if steps else 0.0, "update_seconds": seconds,
                 "tokens_per_s": sum(len(s.input_ids) for s in trained) / seconds if seconds > 0 else 0.0,
                 "lr": lr, "optimizer_steps": steps, "micro_batches": self._batcher.forwards,
-                "padding_fraction": self._batcher.padding_fraction,
+                "padding_fraction": self._batcher.padding_fraction, "forwarded_tokens": self._batcher.padded,
+                "prefix_shared_tokens": self._batcher.shared,
                 "micro_batch_tokens": (self._batcher.max_tokens if self._batcher.max_tokens is not None
                                        else math.nan),
                 "tis_weight_mean": tis_weight / tokens if self.config.tis_cap is not None and tokens else math.nan,
@@ -302,20 +355,27 @@ class GRPOTrainer(InPlaceTrainer):
         (:func:`lightning_nb.trainers.batch.signal_groups` with this config)."""
         return signal_groups(self.config, triplets)
 
-    def _inputs(self, micro: list[PackedSequence]) -> tuple[int, Any, Any, Any, Any, Any]:
-        """``(T, device, ids_B_T, attn_B_T, mask_B_L, temp_B)`` of a micro-batch, right-padded to its longest T."""
+    def _inputs(self, micro: list[PackedSequence]) -> _Micro:
+        """The tensors of a micro-batch: its prefix tree when the batcher forwards trees, else its rows right-padded
+        to the longest T; and ``mask_B_L``, ``temp_B`` either way. Counts the forward in the batcher."""
         import torch
 
         T = max(len(s.input_ids) for s in micro)
-        self._batcher.record(_lengths(micro))
-        pad = self.engine.pad_token_id
         device = next(self.model.parameters()).device
-        ids_B_T = torch.tensor([s.input_ids + [pad] * (T - len(s.input_ids)) for s in micro], device=device)
-        attn_B_T = torch.tensor([[1] * len(s.input_ids) + [0] * (T - len(s.input_ids)) for s in micro], device=device)
         # targets are tokens 1..T-1; position t of the *_B_L tensors scores token t+1
         mask_B_L = shift_pad([s.mask for s in micro], T, device)
         temp_B = torch.tensor([s.temperature if s.temperature > 0 else 1.0 for s in micro], device=device)
-        return T, device, ids_B_T, attn_B_T, mask_B_L, temp_B
+        m = _Micro(micro, T, device, mask_B_L, temp_B)
+        if self._batcher.tree:
+            m.tree = build_prefix_tree(_tokens(micro))
+            self._batcher.record(_lengths(micro), nodes=m.tree.nodes)
+            return m
+        self._batcher.record(_lengths(micro))
+        pad = self.engine.pad_token_id
+        m.ids_B_T = torch.tensor([s.input_ids + [pad] * (T - len(s.input_ids)) for s in micro], device=device)
+        m.attn_B_T = torch.tensor([[1] * len(s.input_ids) + [0] * (T - len(s.input_ids)) for s in micro],
+                                  device=device)
+        return m
 
     def _score_at_start(self, seqs: list[PackedSequence], tick: Optional[Callable[[], None]] = None,
                         with_reference: bool = False) -> None:
@@ -328,12 +388,12 @@ class GRPOTrainer(InPlaceTrainer):
         import torch
 
         with torch.no_grad():
-            for micro in self._batcher.split(seqs, _lengths(seqs)):
-                _, _, ids_B_T, attn_B_T, mask_B_L, temp_B = self._inputs(micro)
-                logp_B_L = response_logprobs(self.model, ids_B_T, attn_B_T, mask_B_L, temp_B)
+            for micro in self._batcher.split_sequences(seqs, _tokens(seqs)):
+                m = self._inputs(micro)
+                logp_B_L = m.logprobs(self.model)
                 if with_reference:
-                    ref_B_L = self._reference_logprobs(ids_B_T, attn_B_T, mask_B_L, temp_B)
-                    kl_B = (kl_estimate(logp_B_L, ref_B_L, self.config.kl_penalty) * mask_B_L).sum(-1)
+                    ref_B_L = self._reference_logprobs(m)
+                    kl_B = (kl_estimate(logp_B_L, ref_B_L, self.config.kl_penalty) * m.mask_B_L).sum(-1)
                 for b, s in enumerate(micro):
                     s.trainer_logprobs = [0.0] + logp_B_L[b, : len(s.input_ids) - 1].tolist()
                     if with_reference:
@@ -341,8 +401,8 @@ class GRPOTrainer(InPlaceTrainer):
                 if tick is not None:
                     tick()
 
-    def _reference_logprobs(self, ids_B_T: Any, attn_B_T: Any, mask_B_L: Any, temp_B: Any) -> Any:
-        """Log-probs (B, T-1) under the reference policy, without grad (see :func:`response_logprobs`).
+    def _reference_logprobs(self, m: _Micro) -> Any:
+        """Log-probs (B, T-1) of micro-batch ``m`` under the reference policy, without grad (see :func:`response_logprobs`).
 
         With LoRA that is the model itself with its adapters disabled (peft's ``disable_adapter``;
         the engine lock held by :meth:`update` keeps the engine from generating meanwhile).
@@ -351,9 +411,9 @@ class GRPOTrainer(InPlaceTrainer):
 
         with torch.no_grad():
             if self.peft_model is None:
-                return response_logprobs(self.reference, ids_B_T, attn_B_T, mask_B_L, temp_B)
+                return m.logprobs(self.reference)
             with self.peft_model.disable_adapter():
-                return response_logprobs(self.model, ids_B_T, attn_B_T, mask_B_L, temp_B)
+                return m.logprobs(self.model)
 
     def _micro_step(self, micro: list[PackedSequence], agg: dict[str, Any]) -> dict:
         """Forward/backward one micro-batch; returns its token-weighted sums of the step's metrics.
@@ -364,9 +424,10 @@ class GRPOTrainer(InPlaceTrainer):
         import torch
 
         cfg = self.config
-        T, device, ids_B_T, attn_B_T, mask_B_L, temp_B = self._inputs(micro)
+        m = self._inputs(micro)
+        T, device, mask_B_L = m.T, m.device, m.mask_B_L
         adv_B_L = shift_pad([s.token_advantages for s in micro], T, device) * mask_B_L  # per token: turns differ
-        logp_B_L = response_logprobs(self.model, ids_B_T, attn_B_T, mask_B_L, temp_B)
+        logp_B_L = m.logprobs(self.model)
         if micro[0].trainer_logprobs is None:  # no step yet in this update: this forward is π_start
             start_B_L = logp_B_L.detach()
             for b, s in enumerate(micro):
@@ -387,7 +448,7 @@ class GRPOTrainer(InPlaceTrainer):
         tokens = float(mask_B_L.sum())
         kl_sum = 0.0
         if self._reference_active():
-            ref_B_L = self._reference_logprobs(ids_B_T, attn_B_T, mask_B_L, temp_B)
+            ref_B_L = self._reference_logprobs(m)
             kl_B_L = kl_estimate(logp_B_L, ref_B_L, cfg.kl_penalty)
             if cfg.kl_coef > 0 and cfg.kl_mode == "loss":
                 loss = loss + cfg.kl_coef * aggregate_loss(kl_B_L, mask_B_L, **agg)

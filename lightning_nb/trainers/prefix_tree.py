@@ -1,0 +1,158 @@
+"""Prefix trees of training sequences: each token that several sequences share, with the same tokens before it,
+forwarded once.
+
+A GRPO batch repeats most of its context. Every sequence of the demo's batch starts with the same system prompt
+(177 tokens), the sequences of one group share their task's first prompt, and a multi-turn episode's turns
+share everything before the turn (``pack_episode`` already packs those into one sequence). A causal decoder's
+hidden state at position t depends only on tokens 0..t, so sequences that agree on tokens 0..t have the same
+hidden state there: computing it once and letting every sequence below it attend to it gives the same log-probs,
+and since backpropagation adds the gradients of every use of a shared activation, the same gradient.
+
+:class:`PrefixTree` lays the distinct prefixes of some sequences out as one row of *nodes*: node n holds one
+token at position ``depth[n]`` (its RoPE position) and attends to its ancestors and itself (the tree attention
+mask, :meth:`PrefixTree.attention_mask`), which is what each sequence's causal mask gives it in its own row.
+:func:`plan_tree_micro_batches` splits a mini-batch into such trees under a token budget counted in nodes.
+The trainer's forward over a tree is :func:`lightning_nb.trainers.grpo.logprobs.tree_response_logprobs`.
+
+The same scheme for one shared prompt per group is Unsloth's PrefixGrouper (2026; forward a GRPO group's prompt
+once) and, for trees of any depth, the "tree attention" of speculative decoding (SpecInfer, Miao et al. 2024,
+§4.2: a token tree verified in one decoder pass with a topology-aware causal mask). Here the trees hold whole
+packed multi-turn episodes with their response_mask, and train.
+
+Pure Python but :meth:`PrefixTree.attention_mask`, which imports torch when called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from lightning_nb.errors import ConfigError
+
+__all__ = ["PrefixTree", "build_prefix_tree", "plan_tree_micro_batches", "tree_tokens", "MAX_TREE_TOKENS"]
+
+#: The most nodes one tree may hold, whatever the budget: its attention mask is dense (nodes², a float32
+#: additive mask of 8,192 nodes is 256 MiB), and attention costs nodes² per layer, so past this size several
+#: smaller trees forward faster.
+MAX_TREE_TOKENS = 8192
+
+
+@dataclass
+class PrefixTree:
+    """The distinct prefixes of some sequences, one node per distinct (prefix, token).
+
+    ``ids[n]`` is node n's token, ``parent[n]`` the node before it (−1 for a first token), ``depth[n]`` its
+    position in every sequence that holds it (0-based). Nodes are numbered in the order the sequences were
+    inserted, so a parent always comes before its children. ``paths[i][t]`` is the node of sequence i's token t,
+    for every t < ``len(sequence i)``.
+    """
+
+    ids: list[int] = field(default_factory=list)
+    parent: list[int] = field(default_factory=list)
+    depth: list[int] = field(default_factory=list)
+    paths: list[list[int]] = field(default_factory=list)
+
+    @property
+    def nodes(self) -> int:
+        """Tokens one forward over the tree holds (each shared token once)."""
+        return len(self.ids)
+
+    @property
+    def sequence_tokens(self) -> int:
+        """Tokens of the sequences themselves: what they would forward one row each, without padding."""
+        return sum(len(p) for p in self.paths)
+
+    @property
+    def shared_tokens(self) -> int:
+        """Sequence tokens the tree does not forward again (``sequence_tokens − nodes``)."""
+        return self.sequence_tokens - self.nodes
+
+    def attention_mask(self, device: Any = None) -> Any:
+        """(nodes, nodes) bool tensor: ``[q, k]`` is True when node k is node q or one of its ancestors.
+
+        Row q is exactly the causal mask its sequences give position ``depth[q]`` in their own rows, with each
+        earlier position replaced by the node that holds it.
+        """
+        import torch
+
+        mask = torch.zeros((self.nodes, self.nodes), dtype=torch.bool)
+        for path in self.paths:  # each sequence's causal mask, written at its nodes (shared nodes agree)
+            rows, cols = torch.tril_indices(len(path), len(path))
+            nodes = torch.tensor(path, dtype=torch.long)
+            mask[nodes[rows], nodes[cols]] = True
+        return mask.to(device) if device is not None else mask
+
+
+def build_prefix_tree(sequences: Sequence[Sequence[int]]) -> PrefixTree:
+    """The prefix tree of ``sequences`` (token-ID lists): a node per distinct prefix, in insertion order.
+
+    Two sequences share node n exactly when they agree on every token up to and including n's position.
+    """
+    tree = PrefixTree()
+    children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for seq in sequences:
+        path: list[int] = []
+        node = -1
+        for t, tok in enumerate(seq):
+            nxt = children.get((node, tok))
+            if nxt is None:
+                nxt = len(tree.ids)
+                children[(node, tok)] = nxt
+                tree.ids.append(int(tok))
+                tree.parent.append(node)
+                tree.depth.append(t)
+            path.append(nxt)
+            node = nxt
+        tree.paths.append(path)
+    return tree
+
+
+def tree_tokens(sequences: Sequence[Sequence[int]]) -> int:
+    """Nodes of the prefix tree of ``sequences`` (what one tree forward over them holds), without building it."""
+    return build_prefix_tree(sequences).nodes
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def plan_tree_micro_batches(sequences: Sequence[Sequence[int]], max_tokens: Optional[int],
+                            max_rows: Optional[int] = None) -> list[list[int]]:
+    """Split ``sequences`` into micro-batches forwarded as prefix trees; returns lists of indices into ``sequences``.
+
+    The sequences are sorted by their tokens (lexicographically, ties in index order), so sequences with a long
+    common prefix are neighbours, and cut greedily: a micro-batch takes the next sequence while its tree stays
+    within ``min(max_tokens, MAX_TREE_TOKENS)`` nodes and, when ``max_rows`` is set, ``max_rows`` sequences. In
+    sorted order the nodes a sequence adds are its length minus its common prefix with the sequence before it,
+    so the count is exact. A sequence longer than the budget gets a micro-batch of its own (never cut).
+    ``max_tokens`` None: no token budget (only :data:`MAX_TREE_TOKENS` and ``max_rows``).
+
+    Every index appears exactly once; the result depends only on the arguments. The split never changes the
+    gradient (the trainer normalizes the loss over the whole mini-batch).
+
+    Raises:
+        ConfigError: ``max_tokens`` or ``max_rows`` below 1.
+    """
+    if max_tokens is not None and max_tokens < 1:
+        raise ConfigError(f"plan_tree_micro_batches: max_tokens={max_tokens!r} must be None or an int >= 1")
+    if max_rows is not None and max_rows < 1:
+        raise ConfigError(f"plan_tree_micro_batches: max_rows={max_rows!r} must be None or an int >= 1")
+    budget = MAX_TREE_TOKENS if max_tokens is None else min(max_tokens, MAX_TREE_TOKENS)
+    order = sorted(range(len(sequences)), key=lambda i: (list(sequences[i]), i))
+    plan: list[list[int]] = []
+    nodes = 0
+    for i in order:
+        cur = plan[-1] if plan else None
+        add = len(sequences[i]) - (_common_prefix(sequences[cur[-1]], sequences[i]) if cur else 0)
+        if cur is not None and nodes + add <= budget and (max_rows is None or len(cur) < max_rows):
+            cur.append(i)
+            nodes += add
+        else:
+            plan.append([i])
+            nodes = len(sequences[i])
+    return plan
