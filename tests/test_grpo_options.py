@@ -357,13 +357,14 @@ def test_last_batch_holds_every_sequence_of_the_kept_episodes(engine, pristine):
     rows = {row["rollout_id"]: row for row in trainer.last_batch}
     assert list(rows) == ["a", "b", "c", "d"]
     keys = {"rollout_id", "group_id", "input_ids", "response_mask", "advantage", "advantages", "engine_logprobs",
-            "trainer_logprobs"}
+            "trainer_logprobs", "weight_version", "staleness"}
     for name, gen in zip("abcd", (a, b, c, d)):
         row = rows[name]
         assert set(row) == keys and row["input_ids"] == gen.prompt_ids + gen.completion_ids
         P = len(gen.prompt_ids)
         assert row["response_mask"] == [0] * P + [1] * len(gen.completion_ids)
         assert row["engine_logprobs"] == [0.0] * P + gen.logprobs
+        assert (row["weight_version"], row["staleness"]) == (None, 0)  # these triplets name no version
         if name in "cd":  # zero advantage: skipped, not forwarded
             assert row["advantage"] == 0.0 and row["trainer_logprobs"] is None
         else:

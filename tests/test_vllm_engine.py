@@ -360,6 +360,29 @@ def test_load_weights_serves_new_weights_and_restores_old_ones(vllm, monkeypatch
     assert _max_diff(slps, _hf_logprobs(model, story["prompt_token_ids"], sids, 0.0)) < LOGPROB_TOL
 
 
+def test_a_prefix_cache_reset_the_server_refuses_is_retried_then_raised(vllm):
+    """vLLM answers ``POST /reset_prefix_cache`` with HTTP 200 and ``{"success": false}`` while a running request
+    holds KV blocks; a reload that took that for done would leave blocks of the old weights in the cache, and
+    every later prompt sharing their prefix (the calc agent's system prompt) would be scored with them. The
+    engine reads the answer: it retries, then raises naming the endpoint (issue 49). Idle, the reset succeeds,
+    as it does inside load_weights, which pauses the scheduler first."""
+    out = {}
+    story = [{"role": "user", "content": "Tell me a story."}]
+    worker = threading.Thread(target=lambda: out.update(r=_chat(vllm, story, max_tokens=320, ignore_eos=True)))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 60
+        while vllm._post("/reset_prefix_cache") != {"success": False}:  # not yet decoding
+            assert time.monotonic() < deadline and worker.is_alive(), "the request never held the cache"
+            time.sleep(0.2)
+        with pytest.raises(LightningNbError, match=r"reset_prefix_cache.*success=false 2 times"):
+            vllm._reset_prefix_cache(tries=2)
+    finally:
+        worker.join(timeout=300)
+    assert len(out["r"]["choices"][0]["token_ids"]) == 320
+    vllm._reset_prefix_cache()  # idle: at once
+
+
 def _record_control_calls(vllm, monkeypatch):
     """The engine's own HTTP requests to the server, as ``(method, path, query)``, in order; completions left out."""
     calls = []

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from lightning_nb.types import MAIN_LLM
 
@@ -172,8 +172,12 @@ class DemoSettings:
     micro_batch_size: Optional[int] = None
 
 
-def run_demo(settings: DemoSettings) -> dict:
+def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict], None]] = None) -> dict:
     """Train the calculator agent on SmolLM2-135M and write metrics.csv, reward_curve.png, summary.json.
+
+    ``after_step(algo, row)``, when given, is called after every training step with the
+    :class:`~lightning_nb.algorithm.lightning_rl.LightningRL` and the step's metrics row (the trainer's
+    ``last_batch`` and ``last_triplets`` are that step's; ``bench/logprob_agreement.py`` reads them).
 
     The final checkpoint is written to ``out/checkpoint.pt`` (also every ``checkpoint_every``
     steps when > 0, overwritten); ``resume`` continues a run from such a checkpoint up to
@@ -231,7 +235,7 @@ def run_demo(settings: DemoSettings) -> dict:
         n_ood = s.val_size if s.ood_size is None else s.ood_size
         ood_tasks = load_tasks("val_ood", limit=n_ood) if n_ood > 0 else []
         ood_before = _evaluate_ood(algo, ood_tasks, s.slice_by, "demo", "before training")
-        _train(algo, s.steps, s.checkpoint_every, checkpoint)
+        _train(algo, s.steps, s.checkpoint_every, checkpoint, after_step)
         after, after_report = _evaluate_after_training(algo, s.steps, s.slice_by)
         ood_after = _evaluate_ood(algo, ood_tasks, s.slice_by, "demo", "after training")
         if ood_after is not None:
@@ -272,15 +276,19 @@ def _evaluate_val(algo: Any, slice_by: Optional[str], when: str) -> tuple[float,
     return mean, report
 
 
-def _train(algo: Any, steps: int, checkpoint_every: int, checkpoint: Path) -> None:
+def _train(algo: Any, steps: int, checkpoint_every: int, checkpoint: Path,
+           after_step: Optional[Callable[[Any, dict], None]] = None) -> None:
     """Run ``algo.step()`` until the run is at ``steps``, with a tqdm bar (reward, loss, KL), the held-out reward
-    of the steps that evaluated it, and a checkpoint every ``checkpoint_every`` steps (0: none) before the last."""
+    of the steps that evaluated it, and a checkpoint every ``checkpoint_every`` steps (0: none) before the last;
+    ``after_step(algo, row)`` after each step (None: nothing)."""
     from tqdm.auto import tqdm
 
     bar = tqdm(total=steps, initial=algo.global_step, desc="training", unit="step", file=sys.stdout, mininterval=0)
     while algo.global_step < steps:
         row = algo.step(progress=False)  # this bar counts the steps
         bar.update(1)
+        if after_step is not None:
+            after_step(algo, row)
         bar.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{row['loss']:.3f}", kl=f"{row['kl']:.4f}")
         if "val_reward" in row:
             per = "".join(f", {k.split('/', 1)[1]} {v:.3f}" for k, v in row.items() if k.startswith("val_reward/"))

@@ -436,7 +436,24 @@ class VLLMEngine(Engine):
     def _reload(self, weights_dir: Path) -> None:
         self._post("/collective_rpc", json={"method": "reload_weights",
                                             "kwargs": {"weights_path": str(weights_dir)}}, timeout=600)
-        self._post("/reset_prefix_cache")
+        self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self, tries: int = 5) -> None:
+        """``POST /reset_prefix_cache`` until the server says it reset: vLLM answers 200 with ``{"success":
+        false}`` while KV blocks are held (a running request), and a block the old weights computed would then
+        serve new prompts with that prefix. Paused (as :meth:`load_weights` calls it) it succeeds at once.
+
+        Raises:
+            LightningNbError: still not reset after ``tries`` calls (0.1, 0.2, ... s apart).
+        """
+        for attempt in range(tries):
+            body = self._post("/reset_prefix_cache")
+            if not isinstance(body, dict) or body.get("success", True):  # older vLLMs answer with no body
+                return
+            time.sleep(0.1 * (attempt + 1))
+        raise LightningNbError(f"POST /reset_prefix_cache to the vLLM server answered success=false {tries} times "
+                               f"(KV blocks still held); its prefix cache may hold the old weights' KV "
+                               f"(see {self.log_path})")
 
     def _say_no_sleep_once(self) -> None:
         if not self._said_no_sleep:

@@ -182,8 +182,8 @@ def batch_df(last_batch: Sequence[dict[str, Any]], tokenizer: Any) -> pd.DataFra
     tokens of ``exp(trainer − engine log-prob)``, the PPO importance ratio at the update),
     ``max_abs_logprob_diff`` (largest per-token ``|trainer − engine|`` log-prob, nats), both
     NaN when the sequence was not forwarded (``trainer_logprobs`` None, e.g. a zero
-    advantage skipped by ``skip_zero_advantage``), and ``response_text`` (the trained tokens
-    decoded).
+    advantage skipped by ``skip_zero_advantage``) or came without the engine's log-probs
+    (``engine_logprobs`` None), and ``response_text`` (the trained tokens decoded).
 
     Args:
         last_batch: dicts with ``rollout_id``, ``group_id``, ``input_ids``, ``response_mask``,
@@ -205,11 +205,12 @@ def batch_df(last_batch: Sequence[dict[str, Any]], tokenizer: Any) -> pd.DataFra
 
 
 def _logprob_diffs(seq: dict[str, Any]) -> list[float]:
-    """``trainer − engine`` log-prob of each trained token; empty when the sequence was not forwarded."""
-    new = seq.get("trainer_logprobs")
-    if new is None:
+    """``trainer − engine`` log-prob of each trained token; empty when the sequence was not forwarded or came
+    without the engine's log-probs (``engine_logprobs`` None)."""
+    new, old = seq.get("trainer_logprobs"), seq.get("engine_logprobs")
+    if new is None or old is None:
         return []
-    return [n - o for n, o, m in zip(new, seq["engine_logprobs"], seq["response_mask"]) if m]
+    return [n - o for n, o, m in zip(new, old, seq["response_mask"]) if m]
 
 
 def batch_html(last_batch: Sequence[dict[str, Any]], tokenizer: Any, max_rows: int = 16,
@@ -251,16 +252,17 @@ def _sequence_html(seq: dict[str, Any], tokenizer: Any, scale: float, clip_ratio
             spans.append(f'<span class="lnb-tok lnb-ctx" style="color:#8c959f" title="id {tok} · context, not '
                          f'trained">{e(piece)}</span>')
             continue
-        old = seq["engine_logprobs"][i]
+        old = seq["engine_logprobs"][i] if seq.get("engine_logprobs") is not None else None
         tok_adv = float(per_token[i]) if per_token is not None else adv
-        title = f"id {tok} · advantage {tok_adv:+.3f} · old (engine) log-p {old:.4f}"
+        title = f"id {tok} · advantage {tok_adv:+.3f} · " + (f"old (engine) log-p {old:.4f}" if old is not None
+                                                             else "no engine log-p (ratio against the trainer's)")
         cls, extra = "lnb-tok lnb-resp", ""
-        if new is not None:
+        if new is not None and old is not None:
             ratio = math.exp(new[i] - old)
             title += f" · new (trainer) log-p {new[i]:.4f} · ratio {ratio:.4f}"
             if abs(ratio - 1.0) > clip_ratio:
                 cls, extra = cls + " lnb-clipped", ";text-decoration:underline wavy #cf222e"
-        else:
+        elif new is None:
             title += " · not forwarded"
         spans.append(f'<span class="{cls}" style="background:{_advantage_colour(tok_adv, scale)}{extra}" '
                      f'title="{e(title)}">{e(piece)}</span>')

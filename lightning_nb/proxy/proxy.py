@@ -368,9 +368,10 @@ class LLMProxy:
             rendered = await asyncio.to_thread(engine.apply_chat_template, kwargs["messages"])
             kwargs["prompt_ids"] = splice_previous_reply(rendered, self._served[attempt], engine.tokenizer,
                                                          engine.stop_token_ids)
+        before = engine.weight_version  # a reply without its own version was admitted under this one
         raw, choices, resampled = await self._sample_choices(req, engine, kwargs, hermes, attempt, agent_name)
         prompt_ids = raw.get("prompt_token_ids")
-        version = raw.get("weight_version", engine.weight_version)
+        version = raw.get("weight_version", before)
         for ch in choices:
             if ch.tool_calls:
                 _remember(self._sampled, sampled_turn_key(ch.tool_calls), ch.text)

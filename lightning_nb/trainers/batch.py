@@ -62,7 +62,9 @@ def build_batch(cfg: TrainerConfig, triplets: Sequence[Triplet], weight_version:
     """Episodes → packed sequences carrying per-token advantages (step 1 of ``GRPOTrainer.update``).
 
     ``weight_version`` is the engine's (``engine.weight_version``): an episode sampled more than
-    ``max_staleness`` versions before it is dropped. With ``credit="episode"`` (the default) the reward
+    ``max_staleness`` versions before it is dropped, and each kept sequence's ``staleness`` is set (versions
+    between its oldest turn's and this one; 0 on-policy: :mod:`~lightning_nb.trainers.agreement` reads it).
+    With ``credit="episode"`` (the default) the reward
     that goes into the group normalization of episode i, whose advantage every token of the episode gets, is::
 
         R_i = r_i + Σ_turns s_turn                            (intermediate rewards, Triplet.step_reward)
@@ -112,6 +114,7 @@ def build_batch(cfg: TrainerConfig, triplets: Sequence[Triplet], weight_version:
         per_episode, by_turn, _ = advantages(cfg, {r: episodes[r] for r in per_episode}, groups, kl_sums)
     for s in seqs:
         s.set_advantages(by_turn[s.rollout_id])
+        s.staleness = weight_version - s.weight_version if s.weight_version is not None else 0
     return Batch(seqs=seqs, rewards={r: ts[0].reward for r, ts in episodes.items()}, groups=groups,
                  advantages=per_episode, turn_advantages=by_turn, dropped=dropped, staleness=staleness,
                  stale=stale, forks=len(forks))

@@ -28,6 +28,11 @@ class PackedSequence:
     sequence. ``fork_at`` is set on a sequence that :func:`pack_episode` started because the
     turn's prompt did not extend the previous sequence: the first differing token position.
 
+    ``weight_version`` is the oldest weight version among its turns (None when no turn recorded one), and
+    ``staleness`` how many versions before the update's weights that is (set by
+    :func:`~lightning_nb.trainers.batch.build_batch`; 0 for a sequence sampled by the weights the update
+    starts from, and for an unknown version).
+
     Advantages are per token, since one sequence can hold several turns: ``token_turns[j]`` is
     the index (0..T−1, in turn order among the episode's T triplets) of the transition token j
     came with (its prompt or its response), and ``token_advantages[j]`` that transition's
@@ -50,6 +55,8 @@ class PackedSequence:
     kl_sum: float = 0.0
     token_turns: list[int] = field(default_factory=list)
     token_advantages: list[float] = field(default_factory=list)
+    weight_version: Optional[int] = None
+    staleness: int = 0
 
     def set_advantages(self, by_turn: dict[int, float]) -> None:
         """Give token j the advantage ``by_turn[token_turns[j]]``; ``advantage`` becomes their response-token mean."""
@@ -59,11 +66,15 @@ class PackedSequence:
         self.advantage = trained[0] if len(set(trained)) == 1 else (sum(trained) / len(trained) if trained else 0.0)
 
     def as_row(self) -> dict[str, Any]:
-        """The sequence as :attr:`GRPOTrainer.last_batch` holds it (engine/trainer log-probs 0.0 off the mask)."""
+        """The sequence as :attr:`GRPOTrainer.last_batch` holds it: engine/trainer log-probs 0.0 off the mask;
+        ``engine_logprobs`` None when a turn of it came without the engine's log-probs (``has_old`` False: 0.0
+        there would read as a log-prob, probability 1), ``weight_version`` and ``staleness`` as above."""
         return {"rollout_id": self.rollout_id, GROUP_ID_KEY: self.group_id, "input_ids": list(self.input_ids),
                 "response_mask": list(self.mask), "advantage": float(self.advantage),
                 "advantages": [a if m else 0.0 for a, m in zip(self.token_advantages, self.mask)],
-                "engine_logprobs": [lp if m else 0.0 for lp, m in zip(self.old_logprobs, self.mask)],
+                "weight_version": self.weight_version, "staleness": self.staleness,
+                "engine_logprobs": ([lp if m else 0.0 for lp, m in zip(self.old_logprobs, self.mask)]
+                                    if self.has_old else None),
                 "trainer_logprobs": ([lp if m else 0.0 for lp, m in zip(self.trainer_logprobs, self.mask)]
                                      if self.trained and self.trainer_logprobs is not None else None)}
 
@@ -96,6 +107,7 @@ def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = Tru
             cur.mask += [0] * len(extra) + [keep] * len(t.response_ids)
             cur.old_logprobs += [0.0] * len(extra) + lp
             cur.has_old = cur.has_old and t.logprobs is not None
+            cur.weight_version = _oldest(cur.weight_version, t.weight_version)
             cur.token_turns += [k] * (len(extra) + len(t.response_ids))
             cur.token_advantages += [advantage] * (len(extra) + len(t.response_ids))
         else:
@@ -105,9 +117,15 @@ def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = Tru
                                  [0] * len(t.prompt_ids) + [keep] * len(t.response_ids),
                                  [0.0] * len(t.prompt_ids) + lp, t.logprobs is not None, advantage, t.temperature,
                                  rollout_id=t.rollout_id, group_id=t.group_id, turn=t.turn, fork_at=fork_at,
+                                 weight_version=t.weight_version,
                                  token_turns=[k] * (len(t.prompt_ids) + len(t.response_ids)),
                                  token_advantages=[advantage] * (len(t.prompt_ids) + len(t.response_ids))))
     return out
+
+
+def _oldest(a: Optional[int], b: Optional[int]) -> Optional[int]:
+    """The older of two weight versions, either of which may be unknown (None)."""
+    return b if a is None else a if b is None else min(a, b)
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from lightning_nb.engines.transformers import TransformersEngine
+from lightning_nb.trainers.agreement import agreement_metrics
 from lightning_nb.trainers.base import ProgressCallback
 from lightning_nb.trainers.batch import Batch, build_batch, check_batch, per_triplet_turn, signal_groups
 from lightning_nb.trainers.config import lr_factor
@@ -186,7 +187,9 @@ class GRPOTrainer(InPlaceTrainer):
         Metrics (one row): ``step``, ``loss``, ``pg_loss`` and ``grad_norm`` (means over the
         optimizer steps), ``kl``, ``ppo_kl``, ``pg_clipfrac`` and ``tis_weight_mean`` (NaN without
         ``tis_cap``) (means over the forwarded tokens of all epochs), ``logprob_diff_max``
-        (largest per-token |π_start − engine| log-prob on the trained tokens, nats),
+        (largest per-token |π_start − engine| log-prob on the trained tokens of on-policy episodes, nats),
+        ``logprob_diff_outliers``, ``logprob_diff_max_stale``, ``stale_tokens_trained``,
+        ``tokens_without_engine_logprobs`` (:func:`~lightning_nb.trainers.agreement.agreement_metrics`),
         ``reward_mean``/``reward_std`` over the kept episodes' rewards as emitted,
         ``episodes``, ``groups``, ``groups_with_signal``, ``groups_dropped``,
         ``episodes_dropped``, ``transitions``, ``stale_episodes_dropped``, ``staleness_max``,
@@ -338,7 +341,7 @@ class GRPOTrainer(InPlaceTrainer):
         groups = batch.groups
         signal = {groups[r] for r, advs in batch.turn_advantages.items() if any(a != 0.0 for a in advs.values())}
         head, tail = batch_metrics(triplets, batch, signal, changes)
-        return {"step": self.step, **stats, **head,
+        return {"step": self.step, **stats, **agreement_metrics(batch.seqs), **head,
                 "sequences_trained": len(trained), "tokens_trained": sum(sum(s.mask) for s in trained),
                 "grad_norm": grad_norm / steps if steps else 0.0, "update_seconds": seconds,
                 "tokens_per_s": sum(len(s.input_ids) for s in trained) / seconds if seconds > 0 else 0.0,
