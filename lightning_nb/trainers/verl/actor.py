@@ -77,10 +77,13 @@ class VerlActor:
             (built from ``actor_rollout_ref.actor.optim``).
         forward_only: score only (e.g. the reference policy): no optimizer, no scheduler
             (verl's ``engine_config.forward_only``).
+        response_logits_only: patch 6 (:mod:`lightning_nb.trainers.verl.patches`): the output head from each
+            micro-batch's first response position on, not over the prompts (the same log-probs where verl reads
+            them); False: verl's own head over every position.
     """
 
     def __init__(self, model: Any, config: Any = None, *, optimizer: Any = None, lr_scheduler: Any = None,
-                 forward_only: bool = False) -> None:
+                 forward_only: bool = False, response_logits_only: bool = True) -> None:
         import functools
 
         import torch
@@ -122,6 +125,7 @@ class VerlActor:
                                       checkpoint_config=self.actor_config.checkpoint)
         self.engine.given_module, self.engine.given_optimizer = model, optimizer
         self.engine.given_lr_scheduler = lr_scheduler
+        self.engine.response_logits_only = response_logits_only
         with contextlib.redirect_stdout(io.StringIO()):  # verl prints the model size and the LR schedule
             self.engine.initialize()
         self.model, self.optimizer = self.engine.module, self.engine.optimizer
@@ -337,10 +341,28 @@ def _engine_class() -> type:
         warnings.simplefilter("ignore")
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
+    from lightning_nb.trainers.verl.patches import response_window, window_log_probs
+
     class _InProcessEngine(FSDPEngineWithLMHead):
         given_module: Any = None
         given_optimizer: Any = None
         given_lr_scheduler: Any = None
+        response_logits_only: bool = True  # patch 6
+
+        def prepare_model_inputs(self, micro_batch: Any) -> Any:  # patch 6: logits from the first response position
+            model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+            window = response_window(micro_batch, self.module) if self.response_logits_only else None
+            if window is not None:
+                model_inputs["logits_to_keep"] = window.keep
+                output_args["response_window"] = window
+            return model_inputs, output_args
+
+        def prepare_model_outputs(self, output: Any, output_args: Any, micro_batch: Any,
+                                  logits_processor_func: Any) -> Any:
+            window = output_args.get("response_window")
+            if window is None:
+                return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+            return {"log_probs": window_log_probs(output.logits, output_args["temperature"], micro_batch, window)}
 
         def initialize(self) -> None:  # no FSDPCheckpointManager: checkpoints are the trainer's
             self._build_model_optimizer()

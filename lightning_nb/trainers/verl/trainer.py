@@ -20,7 +20,7 @@ spans become triplets, and each :meth:`VerlTrainer.update` hands the batch to ve
 5. the new weights to the engine through the engine contract (``engine.load_weights``).
 
 The verl pieces run in this process without Ray (:class:`~lightning_nb.trainers.verl.actor.VerlActor`;
-:mod:`lightning_nb.trainers.verl.patches` lists the five patches). Everything else is shared with
+:mod:`lightning_nb.trainers.verl.patches` lists the six patches). Everything else is shared with
 ``GRPOTrainer`` through :class:`~lightning_nb.trainers.inplace.InPlaceTrainer` (the model placement,
 LoRA through peft, the reference, the optimizer, config edits while paused, ``state_dict``) and
 :class:`~lightning_nb.trainers.base.Trainer` (``start`` / ``pause`` / ``resume`` / ``stop`` delegated
