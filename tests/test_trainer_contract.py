@@ -111,10 +111,11 @@ def test_with_kl_coef_0_no_reference_model_is_built_and_every_forward_trains(mak
     optimizer step runs only its training forwards: no reference pass, and no π_old pass (π_old is the training
     forward's own log-probs, detached)."""
     trainer = make_trainer(learning_rate=1e-4)
-    assert trainer.config.kl_coef == 0 and not trainer.config.track_reference_kl
     assert trainer.reference is None  # no second copy of the weights in memory
+    assert trainer.config.kl_coef == 0 and not trainer.config.track_reference_kl
+    batch = one_group(engine)  # sampled outside the count: the engine's decoding runs forwards without gradient
     with _forwards(engine) as calls:
-        m = trainer.update(one_group(engine))
+        m = trainer.update(batch)
     assert m["optimizer_steps"] == 1 and m["grad_norm"] > 0
     assert calls["no_grad"] == 0 and calls["grad"] >= 1, calls
     assert math.isnan(m["kl"])  # not measured: NaN, not a 0 that reads as "no drift"
@@ -129,8 +130,9 @@ def test_track_reference_kl_measures_kl_on_every_kl_every_th_update(make_trainer
     assert trainer.reference is not None  # the frozen copy of the initial weights
     rows, scoring = [], []
     for seed in range(3):
+        batch = one_group(engine, seed=seed)
         with _forwards(engine) as calls:
-            rows.append(trainer.update(one_group(engine, seed=seed)))
+            rows.append(trainer.update(batch))
         scoring.append(calls["no_grad"])
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert math.isnan(rows[0]["kl"]) and math.isnan(rows[2]["kl"])  # steps 1 and 3: not measured, no reference pass

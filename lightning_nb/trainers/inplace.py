@@ -117,14 +117,15 @@ class InPlaceTrainer(Trainer):
 
     def check_config(self) -> None:
         """Raise ConfigError for an invalid config edit, or one of a field fixed at construction (``resume()``
-        and every update call it)."""
-        self.config.validate()
+        and every update call it). A field fixed at construction is named first: another field's rule may
+        depend on it (``kl_every`` on ``track_reference_kl``)."""
         for name, built in self._placement.items():
             if getattr(self.config, name) != built:
                 raise ConfigError(
                     f"GRPOConfig.{name} was {built!r} when this trainer was built and is now "
                     f"{getattr(self.config, name)!r}; it is set at construction: set it back, or save() and "
                     f"build a new GRPOTrainer with GRPOConfig({name}={getattr(self.config, name)!r}), then load()")
+        self.config.validate()
         if self.config.kl_coef > 0 and self.reference is None and self.peft_model is None:
             raise ConfigError(
                 f"GRPOConfig.kl_coef={self.config.kl_coef} needs a reference model, and this trainer was built "
