@@ -32,8 +32,8 @@ Workload, the same on both sides:
 * ``--trainer verl``: ``VerlTrainer`` with ``VerlConfig`` of the same settings (``kl_coef=0``, one optimizer
   step, token-mean loss, clipping at 1.0, micro-batches by the same ``--micro-batch-tokens``: verl's
   ``ppo_max_token_len_per_gpu``; ``none`` gives verl ``--micro-batch-size`` rows × the longest row, 4 by
-  default). verl recomputes π_old in a forward of its own before the update, and that pass is timed too (it is
-  part of every verl update).
+  default). Before issue 49 verl recomputed π_old in a forward of its own before every update (timed too);
+  with one optimizer step π_old is now the update's own forward.
 * the plain loop: the same model object before the trainer is built, no reference model and no KL (the same
   settings), ``torch.optim.AdamW`` on the model's parameters as they are (in bf16 that is cheaper than the
   trainer's float32 masters: stated, not hidden), per micro-batch ``model(input_ids).logits`` for every

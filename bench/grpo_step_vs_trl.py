@@ -49,8 +49,8 @@ Workload, identical for every side:
 * update: one optimizer step per step, AdamW, learning rate 2e-5 constant (TRL:
   ``lr_scheduler_type="constant"``; HF's default decays linearly), weight decay 0, gradient
   norm clipped at 1, PPO clip 0.2, no KL term and no reference model (TRL ``beta=0``, its
-  default; ours ``kl_coef=0, track_reference_kl=False``: our default keeps a reference copy and
-  reports KL to it, one more forward per step), advantages normalized by the group std, loss
+  default; ours ``kl_coef=0, track_reference_kl=False``: our default since issue 49; before it the default
+  kept a reference copy and reported KL to it, one more forward per step), advantages normalized by the group std, loss
   token-mean over the batch (TRL ``loss_type="dapo"``, its default; ours ``token-mean``, its
   default), float32 on CPU, no gradient checkpointing (TRL's defaults are ``bf16=True`` and
   ``gradient_checkpointing=True``; both turned off to match). Everything else is each side's default.

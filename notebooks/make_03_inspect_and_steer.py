@@ -104,7 +104,7 @@ the next step had already started collecting before the pause was asked (the res
 algo.wait(until_step=1, progress=True)   # a bar through step 1's rollouts and update; re-raises a failure
 algo.pause(progress=True)                # a bar of what the pause waits for
 algo.state, algo.global_step, algo.paused_at"""),
-    ("code", """algo.metrics_df()[["step", "reward_mean", "loss", "kl", "grad_norm", "groups_with_signal",
+    ("code", """algo.metrics_df()[["step", "reward_mean", "loss", "grad_norm", "groups_with_signal",
                    "tokens_trained"]]"""),
     ("md", """## 4. The optimizer's-eye view of the last batch
 
@@ -145,9 +145,10 @@ print(f"checked {fidelity.attrs['calls_checked']} LLM calls in {fidelity.attrs['
 fidelity"""),
     ("md", """## 6. Change the config while paused
 
-While paused, edit `trainer.config` (`learning_rate`, `clip_ratio_high`, `kl_coef`, ...) or `algo.config`
+While paused, edit `trainer.config` (`learning_rate`, `clip_ratio_high`, `ppo_epochs`, ...) or `algo.config`
 (`temperature`, `tasks_per_step`, ...). `algo.resume()` validates the edits first (an invalid value raises
-`ConfigError` and the loop stays paused), and they apply from the next step. Here: halve the learning rate and
+`ConfigError` and the loop stays paused), and they apply from the next step. (`kl_coef > 0` needs a reference
+model, which a trainer keeps only when built with `kl_coef > 0` or `track_reference_kl=True`.) Here: halve the learning rate and
 turn on DAPO's clip-higher (ε_high = 0.28 leaves low-probability tokens room to grow)."""),
     ("code", """trainer.config.learning_rate = 1e-5      # was 2e-5
 trainer.config.clip_ratio_high = 0.28    # was None: the same as clip_ratio, 0.2

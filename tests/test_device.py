@@ -147,7 +147,7 @@ def test_plain_adamw_on_bfloat16_weights_rounds_the_step_away_and_master_weights
 
 
 def test_bfloat16_update_on_cpu_serves_float32_logprobs_that_agree_with_the_trainer(own_engine, samples):
-    trainer = GRPOTrainer(own_engine, GRPOConfig(dtype="bfloat16", micro_batch_size=4))
+    trainer = GRPOTrainer(own_engine, GRPOConfig(dtype="bfloat16", micro_batch_size=4, track_reference_kl=True))
     assert model_dtype(own_engine.model) == torch.bfloat16 and model_dtype(trainer.reference) == torch.bfloat16
     assert isinstance(trainer.optimizer, MasterWeightAdamW)
     assert own_engine.model.model.rotary_emb.inv_freq.dtype == torch.float32  # computed, not saved: not rounded
@@ -218,9 +218,9 @@ def test_gradient_checkpointing_gives_the_same_step_and_recomputes_each_layer(ow
             results[gc]["attn_calls"] = len(attn_calls)
     finally:
         hook.remove()
-    # one micro-batch: policy forward + reference forward; checkpointing adds the recompute in backward
-    assert results[False]["attn_calls"] == 2 and results[True]["attn_calls"] == 3
-    for key in ("loss", "pg_loss", "kl", "logprob_diff_max"):
+    # one micro-batch: the policy forward (no reference model with kl_coef=0); checkpointing adds the recompute
+    assert results[False]["attn_calls"] == 1 and results[True]["attn_calls"] == 2
+    for key in ("loss", "pg_loss", "logprob_diff_max"):
         assert results[True][key] == pytest.approx(results[False][key], rel=1e-6, abs=1e-7), key
     assert results[True]["grad_norm"] == pytest.approx(results[False]["grad_norm"], rel=1e-5)
     # generation is untouched: no checkpoint (and the KV cache is kept) when autograd is off
@@ -336,7 +336,7 @@ def test_lora_update_on_cuda_bfloat16(trainer_kind, tmp_path):
         else:
             trainer = GRPOTrainer(engine, GRPOConfig(device="cuda", dtype="bfloat16", gradient_checkpointing=True,
                                                      micro_batch_size=8, lora_rank=32, lora_alpha=32.0,
-                                                     learning_rate=2e-4))
+                                                     learning_rate=2e-4, track_reference_kl=True, kl_every=1))
         base = {k: v.detach().clone() for k, v in base_state_dict(engine.model).items()}
         torch.manual_seed(0)
         torch.cuda.reset_peak_memory_stats()

@@ -91,6 +91,7 @@ def _update(engine, start, batch, **config):
     (dict(loss_agg_mode="seq-mean-token-sum-norm"), "max_response_len"),
     (dict(micro_batch_size=0), "micro_batch_size"), (dict(micro_batch_tokens=0), "micro_batch_tokens"),
     (dict(micro_batch_tokens="max"), "micro_batch_tokens"),
+    (dict(kl_every=0, track_reference_kl=True), "kl_every"), (dict(kl_every=2), "kl_every"),
 ])
 def test_each_option_is_validated_with_the_field_its_range_and_a_fix(fields, name):
     with pytest.raises(ConfigError, match=rf"GRPOConfig\.{name}=.* must be .*; \w+"):

@@ -156,7 +156,7 @@ triplets = [Triplet(rollout_id=f"r{i}", attempt_id=f"a{i}", group_id="g", turn=0
                     response_ids=g.completion_ids, logprobs=g.logprobs, reward=1.0 if i == 0 else 0.0,
                     temperature=1.0, weight_version=g.weight_version) for i, g in enumerate(gens)]
 configs = {
-    "default": GRPOConfig(),  # GRPO: std-normalised advantages, token-mean, KL to the reference measured
+    "default": GRPOConfig(),  # GRPO: std-normalised advantages, token-mean, no reference model
     # Dr. GRPO and DAPO: no std, clip-higher, constant-length aggregation, a KL loss, TIS, two optimizer steps
     "dapo": GRPOConfig(norm_adv_by_std=False, clip_ratio_low=0.2, clip_ratio_high=0.28, max_response_len=10,
                        loss_agg_mode="seq-mean-token-sum-norm", kl_coef=0.01, kl_penalty="k3", tis_cap=2.0,

@@ -56,7 +56,7 @@ def test_lora_trains_only_the_adapters_and_the_engine_serves_them(lora_engine, o
     eng = lora_engine
     batch = one_group(eng)
     before = [_seq_logprob(eng.model, t) for t in batch]
-    trainer = GRPOTrainer(eng, GRPOConfig(learning_rate=5e-4, track_reference_kl=True, **LORA))
+    trainer = GRPOTrainer(eng, GRPOConfig(learning_rate=5e-4, track_reference_kl=True, kl_every=1, **LORA))
     assert trainer.reference is None  # no second copy: the base with adapters disabled is the reference
     trainable = [n for n, p in eng.model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
@@ -171,7 +171,7 @@ def test_lora_in_bfloat16_with_gradient_checkpointing_trains_bfloat16_adapters_w
     try:
         base = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
         trainer = GRPOTrainer(eng, GRPOConfig(dtype="bfloat16", gradient_checkpointing=True, learning_rate=5e-4,
-                                              **LORA))
+                                              track_reference_kl=True, kl_every=1, **LORA))
         assert {p.dtype for p in trainer._trainable} == {torch.bfloat16}
         assert {m.dtype for m in trainer.optimizer.master_params} == {torch.float32}
         batch = one_group(eng)

@@ -8,6 +8,8 @@ Both run for real on the session's SmolLM2-135M on CPU (VerlTrainer: verl 0.9.0'
 
 from __future__ import annotations
 
+import contextlib
+import math
 import shutil
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from lightning_nb.errors import MissingDependencyError
+from lightning_nb.errors import ConfigError, MissingDependencyError
 from lightning_nb.trainers.base import Trainer
 from lightning_nb.trainers.config import TrainerConfig
 from lightning_nb.trainers.grpo import GRPOConfig, GRPOTrainer
@@ -44,6 +46,25 @@ def _greedy(engine):
 
 def _weights(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@contextlib.contextmanager
+def _forwards(engine):
+    """Count the forward calls of every decoder stack of the engine model's type while the block runs (the policy's,
+    and a reference copy's): ``{"grad": ..., "no_grad": ...}``, by whether autograd recorded the call. A scoring pass
+    (π_old, the reference) runs without gradient; a training forward with."""
+    decoder_type = type(engine.model.get_decoder())
+    calls = {"grad": 0, "no_grad": 0}
+
+    def count(module, args, output):
+        if isinstance(module, decoder_type):
+            calls["grad" if torch.is_grad_enabled() else "no_grad"] += 1
+
+    handle = torch.nn.modules.module.register_module_forward_hook(count)
+    try:
+        yield calls
+    finally:
+        handle.remove()
 
 
 def test_two_implementations_side_by_side():
@@ -82,6 +103,67 @@ def test_same_triplets_in_metrics_out_and_the_engine_serves_the_new_weights(make
     assert engine.weight_version == version + 1
     ids_after, logprobs_after = _greedy(engine)
     assert ids_after != ids_before or max(abs(a - b) for a, b in zip(logprobs_after, logprobs_before)) > 1e-3
+
+
+@pytest.mark.slow
+def test_with_kl_coef_0_no_reference_model_is_built_and_every_forward_trains(make_trainer, engine, one_group):
+    """The defaults (kl_coef=0, track_reference_kl=False, issue 49): no frozen copy of the weights, and an update of one
+    optimizer step runs only its training forwards: no reference pass, and no π_old pass (π_old is the training
+    forward's own log-probs, detached)."""
+    trainer = make_trainer(learning_rate=1e-4)
+    assert trainer.reference is None  # no second copy of the weights in memory
+    assert trainer.config.kl_coef == 0 and not trainer.config.track_reference_kl
+    batch = one_group(engine)  # sampled outside the count: the engine's decoding runs forwards without gradient
+    with _forwards(engine) as calls:
+        m = trainer.update(batch)
+    assert m["optimizer_steps"] == 1 and m["grad_norm"] > 0
+    assert calls["no_grad"] == 0 and calls["grad"] >= 1, calls
+    assert math.isnan(m["kl"])  # not measured: NaN, not a 0 that reads as "no drift"
+    # π_old was still recorded, from the training forward: the engine's sampling log-probs within float noise
+    assert m["logprob_diff_max"] < 1e-4
+    assert all(any(lp != 0.0 for lp in row["trainer_logprobs"]) for row in trainer.last_batch)
+
+
+@pytest.mark.slow
+def test_track_reference_kl_measures_kl_on_every_kl_every_th_update(make_trainer, engine, one_group):
+    trainer = make_trainer(learning_rate=1e-4, track_reference_kl=True, kl_every=2)
+    assert trainer.reference is not None  # the frozen copy of the initial weights
+    rows, scoring = [], []
+    for seed in range(3):
+        batch = one_group(engine, seed=seed)
+        with _forwards(engine) as calls:
+            rows.append(trainer.update(batch))
+        scoring.append(calls["no_grad"])
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert math.isnan(rows[0]["kl"]) and math.isnan(rows[2]["kl"])  # steps 1 and 3: not measured, no reference pass
+    assert rows[1]["kl"] > 0  # step 2: the policy moved away from the reference at step 1
+    assert scoring[0] == scoring[2] == 0 < scoring[1], scoring
+    trainer.config.track_reference_kl = False  # it decides whether a copy is kept: set at construction
+    with pytest.raises(ConfigError, match="track_reference_kl was True when this trainer was built"):
+        trainer.check_config()
+    trainer.config.track_reference_kl = True
+
+
+def test_a_checkpoint_that_tracked_kl_loads_into_a_trainer_without_a_reference(make_trainer, caplog):
+    """A checkpoint of a trainer that kept a reference (the default before issue 49) loads into one built with the
+    new defaults: the reference is not rebuilt, and a warning says kl is no longer measured. One trained with a KL
+    loss needs the reference: refused, naming the fix."""
+    tracking = make_trainer(track_reference_kl=True, kl_every=1)
+    with tracking.frozen():
+        state = tracking.state_dict()
+    assert state["reference"] is not None and state["config"]["track_reference_kl"]
+    del state["config"]["kl_every"]  # as saved before kl_every existed
+    plain = make_trainer()
+    with caplog.at_level("WARNING"):
+        plain.load_state_dict(state, source="old.pt")
+    assert plain.reference is None and not plain.config.track_reference_kl and plain.config.kl_every == 4
+    assert "old.pt" in caplog.text and "GRPOConfig(track_reference_kl=True)" in caplog.text
+    plain.check_config()  # the next update runs
+    state["config"]["kl_coef"] = 0.1
+    with pytest.raises(ConfigError, match=r"kl\.pt was trained with kl_coef=0\.1.*track_reference_kl=True"):
+        plain.load_state_dict(state, source="kl.pt")
+    plain.load_state_dict(state, source="kl.pt", keep_config=True)  # this trainer's kl_coef=0: loads
+    assert plain.config.kl_coef == 0
 
 
 @pytest.mark.slow

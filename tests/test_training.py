@@ -23,7 +23,8 @@ def loop(engine, pristine):
     proxy = LLMProxy(engine, store).start()
     store.add_resources({"main_llm": proxy.as_resource()})
     runners = start_runners(calc_agent, store, n=4)
-    trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=1e-5, micro_batch_size=4))
+    # a kept reference: test_save_then_load_continues_from_the_same_step checks it is rebuilt on load
+    trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=1e-5, micro_batch_size=4, track_reference_kl=True))
     algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=4), AlgorithmConfig(**SMALL))
     yield store, trainer, algo
     algo.stop()

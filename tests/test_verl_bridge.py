@@ -228,6 +228,40 @@ def test_verls_actor_runs_in_process_on_a_small_llama_and_scores_like_ours():
         actor.update_policy(triplets_to_dataproto(ts, pad_token_id=PAD))
 
 
+def test_the_output_head_runs_from_the_first_response_position_with_verls_log_probs_and_step():
+    """Patch 6: verl's forward takes logits from each micro-batch's first response position on (not over the
+    prompts); the log-probs where verl reads them, the loss and the step equal verl's own full head's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4)).eval()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    ts = [_t("a", 0, [5, 6, 7, 3, 3, 3, 3], [8, 9], 1.0, temperature=0.7),
+          _t("a", 1, [5, 6, 7, 3, 3, 3, 3, 8, 9, 10], [12], 1.0, temperature=0.7),
+          _t("b", 0, [5, 6, 3, 3, 3, 3], [8, 9, 4], 0.0), _t("c", 0, [5, 3, 3, 3, 3, 3], [8], 0.0)]
+    rows = {}
+    for full in (True, False):
+        model.load_state_dict(start)
+        heads = []
+        hook = model.lm_head.register_forward_hook(lambda m, args, out: heads.append(args[0].shape[1]))
+        actor = VerlActor(model, ppo_config(["actor_rollout_ref.actor.optim.lr=1e-2"]), response_logits_only=not full)
+        d = triplets_to_dataproto(ts, pad_token_id=PAD)
+        d = d.union(actor.compute_log_prob(d))
+        d.batch["advantages"] = grpo_advantages(d)
+        metrics = actor.update_policy(d)
+        hook.remove()
+        rows[full] = (d.batch["old_log_probs"], metrics, {k: v.clone() for k, v in model.state_dict().items()}, heads)
+    (old_full, m_full, w_full, heads_full), (old, m, w, heads) = rows[True], rows[False]
+    response = d.batch["attention_mask"][:, d.batch["prompts"].shape[1]:].bool()  # every position after the prompt
+    assert torch.equal(old_full * response, old) and float(old[response].abs().min()) > 0
+    assert m["loss"] == pytest.approx(m_full["loss"], abs=1e-6) and m["grad_norm"] == pytest.approx(m_full["grad_norm"])
+    for k in w:
+        torch.testing.assert_close(w[k], w_full[k], rtol=0, atol=1e-7)
+    assert any(not torch.equal(w[k], start[k]) for k in w)
+    assert max(heads) < min(heads_full), (heads, heads_full)  # the prompts (6-7 tokens) got no logits
+
+
 # ----- verl's actor on the real model ---------------------------------------------------
 def _prompt(engine, question="What is 17 + 25? Answer with a number."):
     return engine.apply_chat_template([{"role": "user", "content": question}])

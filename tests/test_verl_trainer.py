@@ -127,7 +127,8 @@ def _seq_logprob(model, t: Triplet) -> float:
 def test_an_update_is_verls_ppo_step_on_our_batch_and_the_engine_serves_it(engine, pristine, one_group):
     triplets = one_group(engine)
     before = [_seq_logprob(engine.model, t) for t in triplets]
-    trainer = VerlTrainer(engine, VerlConfig(learning_rate=2e-5, mini_batch_size=3, ppo_epochs=2))
+    trainer = VerlTrainer(engine, VerlConfig(learning_rate=2e-5, mini_batch_size=3, ppo_epochs=2,
+                                             track_reference_kl=True, kl_every=1))
     version = engine.weight_version
     m = trainer.update(triplets)
     # 4 rows in mini-batches of 3 and 1 (verl's make_iterator would refuse 4 % 3), two epochs
@@ -165,6 +166,37 @@ def test_an_update_is_verls_ppo_step_on_our_batch_and_the_engine_serves_it(engin
         with pytest.raises(ConfigError, match="no_such_key"):
             trainer.update(batch)
     assert all(torch.equal(weights[k], v) for k, v in engine.model.state_dict().items()) and trainer.step == 2
+
+
+@pytest.mark.slow
+def test_one_step_takes_pi_old_from_its_own_forward_and_the_step_of_a_separate_pass(engine, pristine, one_group):
+    """With one optimizer step, π_old is the update's training forward, detached (no compute_log_prob pass before it,
+    issue 49): the same loss, gradient norm and new weights as verl's separate π_old pass
+    (``compute_log_prob``, then ``update_policy``) from the same start, and π_old recorded as that pass scores it."""
+    from lightning_nb.trainers.verl.bridge import grpo_advantages, triplets_to_dataproto
+
+    triplets = one_group(engine)
+    start = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    scored = [_seq_logprob(engine.model, t) for t in triplets]
+    trainer = VerlTrainer(engine, VerlConfig(learning_rate=1e-4))
+    m = trainer.update(triplets)
+    stepped = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    assert [sum(row["trainer_logprobs"]) for row in trainer.last_batch] == pytest.approx(scored, abs=1e-4)
+
+    with engine.lock, torch.no_grad():
+        engine.model.load_state_dict(start)
+    separate = VerlTrainer(engine, VerlConfig(learning_rate=1e-4))
+    data = triplets_to_dataproto(triplets, pad_token_id=engine.pad_token_id, device=separate.actor.device)
+    budget = separate.config.max_token_len(int(data.batch["attention_mask"].sum(-1).max()), engine.model)
+    data = data.union(separate.actor.compute_log_prob(data, max_token_len=budget))  # verl's _compute_old_log_prob
+    data.batch["advantages"] = grpo_advantages(data)
+    verl = separate.actor.update_policy(data, max_token_len=budget)
+    assert m["loss"] == pytest.approx(verl["loss"], abs=1e-7)
+    assert m["pg_loss"] == pytest.approx(verl["actor/pg_loss"], abs=1e-7)
+    assert m["grad_norm"] == pytest.approx(verl["grad_norm"], rel=1e-5) and m["grad_norm"] > 0
+    for k, v in engine.model.state_dict().items():  # one AdamW step of ~1e-4 per weight; equal to 1e-8
+        torch.testing.assert_close(stepped[k], v, rtol=0, atol=1e-8)
+    assert any(not torch.equal(stepped[k], start[k]) for k in start)
 
 
 @pytest.mark.slow

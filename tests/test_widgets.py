@@ -361,6 +361,9 @@ def test_html_reprs_summarize_store_rollout_runners_and_trainer(engine):
     algo.add_metrics(1, reward_mean=0.25, loss=0.5, kl=0.01, tokens_per_s=100.0, val_reward=0.75)
     text = algo._repr_html_()
     assert 'data-state="idle"' in text and "0.250" in text and "0.750" in text and "100.000" in text
+    # kl is measured on some steps only (kl_every): the run panel keeps the latest measured value
+    algo.add_metrics(2, reward_mean=0.5, loss=0.4, kl=float("nan"), tokens_per_s=90.0)
+    assert 'data-key="KL to initial weights (latest)">0.010<' in algo._repr_html_()
 
 
 def test_wait_for_rollouts_progress_bar(capsys):

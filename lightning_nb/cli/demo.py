@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -278,9 +279,9 @@ def _evaluate_val(algo: Any, slice_by: Optional[str], when: str) -> tuple[float,
 
 def _train(algo: Any, steps: int, checkpoint_every: int, checkpoint: Path,
            after_step: Optional[Callable[[Any, dict], None]] = None) -> None:
-    """Run ``algo.step()`` until the run is at ``steps``, with a tqdm bar (reward, loss, KL), the held-out reward
-    of the steps that evaluated it, and a checkpoint every ``checkpoint_every`` steps (0: none) before the last;
-    ``after_step(algo, row)`` after each step (None: nothing)."""
+    """Run ``algo.step()`` until the run is at ``steps``, with a tqdm bar (reward, loss, and KL on the steps that
+    measured it: with ``--kl-coef`` > 0), the held-out reward of the steps that evaluated it, and a checkpoint every
+    ``checkpoint_every`` steps (0: none) before the last; ``after_step(algo, row)`` after each step (None: nothing)."""
     from tqdm.auto import tqdm
 
     bar = tqdm(total=steps, initial=algo.global_step, desc="training", unit="step", file=sys.stdout, mininterval=0)
@@ -289,7 +290,10 @@ def _train(algo: Any, steps: int, checkpoint_every: int, checkpoint: Path,
         bar.update(1)
         if after_step is not None:
             after_step(algo, row)
-        bar.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{row['loss']:.3f}", kl=f"{row['kl']:.4f}")
+        shown = {"reward": f"{row['reward_mean']:.2f}", "loss": f"{row['loss']:.3f}"}
+        if not math.isnan(row.get("kl", math.nan)):  # measured (kl_coef > 0); NaN otherwise
+            shown["kl"] = f"{row['kl']:.4f}"
+        bar.set_postfix(**shown)
         if "val_reward" in row:
             per = "".join(f", {k.split('/', 1)[1]} {v:.3f}" for k, v in row.items() if k.startswith("val_reward/"))
             bar.write(f"[demo] step {row['step']}: val reward {row['val_reward']:.3f}{per}")

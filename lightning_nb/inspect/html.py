@@ -142,15 +142,15 @@ def run_summary(algorithm: Any) -> list[tuple[str, Any]]:
     last metrics row (units in the labels); the weight version when it has a trainer."""
     rows = algorithm.metrics
     last = rows[-1] if rows else {}
-    val = next((m["val_reward"] for m in reversed(rows)
-                if m.get("val_reward") is not None and not _isnan(m.get("val_reward"))), None)
+    val, kl = (next((m[k] for m in reversed(rows) if m.get(k) is not None and not _isnan(m.get(k))), None)
+               for k in ("val_reward", "kl"))  # both measured on some steps only (val_every, kl_every)
     trainer = getattr(algorithm, "trainer", None)
     items: list[tuple[str, Any]] = [("state", _Html(badge(algorithm.state))), ("step", algorithm.global_step)]
     if trainer is not None:
         items.append(("weight version", trainer.engine.weight_version))
     return items + [
         ("reward (mean, last step)", last.get("reward_mean")), ("val reward (latest)", val),
-        ("loss", last.get("loss")), ("KL to initial weights", last.get("kl")),
+        ("loss", last.get("loss")), ("KL to initial weights (latest)", kl),
         ("train tokens/s (last update)", last.get("tokens_per_s")), ("step time (s)", last.get("step_seconds")),
     ]
 

@@ -17,7 +17,7 @@ from typing import Optional, Union
 from lightning_nb.errors import ConfigError
 from lightning_nb.models.device import check_device, check_dtype
 
-__all__ = ["TrainerConfig", "lr_factor", "BF16_TIS_CAP", "DEVICE_DEFAULT", "DTYPE_DEFAULT"]
+__all__ = ["TrainerConfig", "lr_factor", "BF16_TIS_CAP", "DEVICE_DEFAULT", "DTYPE_DEFAULT", "KL_EVERY_DEFAULT"]
 
 
 class _DeviceDefault:
@@ -49,6 +49,11 @@ DTYPE_DEFAULT = _DtypeDefault()
 BF16_TIS_CAP = 2.0
 
 
+#: ``kl_every`` unless set: with ``track_reference_kl`` KL is measured on every fourth update (a reference forward
+#: costs about a quarter of an update on CPU, so measuring it costs ~6% of the update time in all).
+KL_EVERY_DEFAULT = 4
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -72,11 +77,22 @@ class TrainerConfig:
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global gradient norm to this value."})
     clip_ratio: float = field(default=0.2, metadata={"help": "PPO clip range epsilon for the importance ratio."})
     kl_coef: float = field(default=0.0, metadata={
-        "help": "Weight of the KL-to-reference loss; 0 disables it. > 0 needs the reference model, kept when "
-                "kl_coef > 0 or track_reference_kl is set at construction."})
+        "help": "Weight of the KL-to-reference loss; 0 disables it. > 0 needs the reference model (kept when "
+                "kl_coef > 0 or track_reference_kl is set at construction), scored on every micro-batch of every "
+                "update, and the kl metric is then reported on every update."})
     kl_penalty: str = field(default="low_var_kl", metadata={"help": "verl KL estimator: kl, abs, mse, low_var_kl."})
-    track_reference_kl: bool = field(default=True, metadata={
-        "help": "Keep a frozen copy of the initial weights and report KL to it every step (costs one forward)."})
+    track_reference_kl: bool = field(default=False, metadata={
+        "help": "Measure KL to the reference policy (the initial weights; with LoRA the base model, adapters "
+                "disabled) as the kl metric while kl_coef == 0, on every kl_every-th update. Keeps a frozen copy of "
+                "the initial weights (a second copy in memory; none with LoRA) and runs it over the update's "
+                "sequences on those updates (one more forward: about a quarter of an update's time on CPU). False "
+                "(the default since issue 49; True before): no reference model unless kl_coef > 0, and kl is NaN "
+                "while kl_coef == 0. Set at construction."})
+    kl_every: int = field(default=KL_EVERY_DEFAULT, metadata={
+        "help": "With track_reference_kl and kl_coef == 0: KL is measured on the updates whose metrics row has a "
+                "step that is a multiple of kl_every (1 = every update), and kl is NaN on the others. With "
+                "kl_coef > 0 the KL term needs the reference on every update, so kl is reported on every update. "
+                f"Any value but the default ({KL_EVERY_DEFAULT}) needs track_reference_kl=True."})
     norm_adv_by_std: bool = field(default=True, metadata={"help": "Divide group-relative advantages by the group std."})
     credit: str = field(default="episode", metadata={
         "help": "How rewards become per-turn credit (Triplet.reward = final reward R, Triplet.step_reward = s_t, the "
@@ -229,6 +245,17 @@ class TrainerConfig:
              "use 'auto' to size micro-batches from free device memory, or None for micro_batch_size rows"),
         ]
 
+    def _kl_rules(self) -> list[tuple[str, bool, str, str]]:
+        """(field, valid, allowed range, fix) of kl_every, the KL measurement of track_reference_kl."""
+        return [
+            ("kl_every", _is_int(self.kl_every) and self.kl_every >= 1, "an int >= 1 (updates between KL measurements)",
+             "use 1 to measure KL on every update"),
+            ("kl_every", self.kl_every == KL_EVERY_DEFAULT or self.track_reference_kl,
+             f"{KL_EVERY_DEFAULT} (the default) with track_reference_kl=False",
+             "set track_reference_kl=True to measure KL to the initial weights every kl_every updates (with "
+             "kl_coef > 0 it is measured on every update anyway)"),
+        ]
+
     def _validate_rl_options(self) -> None:
         """The RL-step options: (field, in range, allowed range, fix) in order; the first failure raises."""
         needs_len = self.overlong_buffer_len > 0 or self.loss_agg_mode == "seq-mean-token-sum-norm"
@@ -284,7 +311,7 @@ class TrainerConfig:
             ("fail_on_fork", not self.fail_on_fork or self.pack_turns, "False when pack_turns is False",
              "set pack_turns=True (without packing every turn is its own sequence, so nothing forks)"),
         ]
-        for name, ok, allowed, fix in self._micro_batch_rules() + rules:
+        for name, ok, allowed, fix in self._micro_batch_rules() + self._kl_rules() + rules:
             if not ok:
                 raise ConfigError(f"GRPOConfig.{name}={getattr(self, name)!r} is invalid: it must be {allowed}; "
                                   f"{fix}")

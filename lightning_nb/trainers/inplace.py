@@ -68,7 +68,8 @@ class InPlaceTrainer(Trainer):
             set_gradient_checkpointing(self.reference, False)
         set_gradient_checkpointing(self.model, cfg.gradient_checkpointing)
         self._placement = {k: getattr(cfg, k) for k in ("device", "dtype", "gradient_checkpointing", "lora_rank",
-                                                         "lora_alpha", "lora_target_modules", "lora_adapter_dtype")}
+                                                         "lora_alpha", "lora_target_modules", "lora_adapter_dtype",
+                                                         "track_reference_kl")}
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]  # the adapters only, with LoRA
         # created after the move, so its state lives beside the weights
         self.optimizer = make_optimizer(self._trainable, dtype=cfg.dtype, lr=cfg.learning_rate,
@@ -116,14 +117,15 @@ class InPlaceTrainer(Trainer):
 
     def check_config(self) -> None:
         """Raise ConfigError for an invalid config edit, or one of a field fixed at construction (``resume()``
-        and every update call it)."""
-        self.config.validate()
+        and every update call it). A field fixed at construction is named first: another field's rule may
+        depend on it (``kl_every`` on ``track_reference_kl``)."""
         for name, built in self._placement.items():
             if getattr(self.config, name) != built:
                 raise ConfigError(
                     f"GRPOConfig.{name} was {built!r} when this trainer was built and is now "
                     f"{getattr(self.config, name)!r}; it is set at construction: set it back, or save() and "
                     f"build a new GRPOTrainer with GRPOConfig({name}={getattr(self.config, name)!r}), then load()")
+        self.config.validate()
         if self.config.kl_coef > 0 and self.reference is None and self.peft_model is None:
             raise ConfigError(
                 f"GRPOConfig.kl_coef={self.config.kl_coef} needs a reference model, and this trainer was built "
@@ -139,11 +141,14 @@ class InPlaceTrainer(Trainer):
             self.scheduler.step()
 
     def _reference_active(self) -> bool:
-        """Whether the update measures KL to the reference (a kept copy, or with LoRA the base model when
-        ``track_reference_kl`` or ``kl_coef > 0``)."""
-        if self.peft_model is not None:
-            return self.config.track_reference_kl or self.config.kl_coef > 0
-        return self.reference is not None
+        """Whether this update scores the reference policy (the kept copy of the initial weights, or with LoRA the
+        base model with its adapters disabled) and so reports ``kl``: every update while ``kl_coef > 0`` (the KL
+        term needs it), and with ``track_reference_kl`` the updates whose metrics row has a ``step`` that is a
+        multiple of ``kl_every``. Read during an update (:attr:`step` is then the number of updates before it)."""
+        cfg = self.config
+        if cfg.kl_coef > 0:
+            return True
+        return cfg.track_reference_kl and (self.step + 1) % cfg.kl_every == 0
 
     # ----- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -173,15 +178,19 @@ class InPlaceTrainer(Trainer):
         The config: by default :attr:`config` takes the saved values (edits made while paused before
         the save included), so the run continues as it was; each field this replaces is logged as a
         warning. Fields fixed at construction (``device``, ``dtype``, ``gradient_checkpointing``,
-        ``lora_*``) stay this trainer's. ``keep_config=True`` keeps this trainer's config instead (as verl
+        ``lora_*``, ``track_reference_kl``) stay this trainer's, and so does ``kl_every`` unless both the
+        checkpoint's run and this trainer track KL: a checkpoint that tracked it (every checkpoint from before
+        issue 49, where that was the default) loads into a trainer that does not, with a warning, and its
+        reference fingerprint is not checked. ``keep_config=True`` keeps this trainer's config instead (as verl
         and TRL do on resume): the fields that differ from the saved ones are applied at the next update
         and recorded in :attr:`last_config_changes` and the ``config_changes`` metric, like edits made while
         paused.
 
         Raises:
             ConfigError: ``state`` was saved from another model, by a trainer with other LoRA fields, its
-                config is refused by this version, or its reference model differs from this trainer's and
-                cannot be rebuilt. ``source`` (the checkpoint's path) names it in the message.
+                config is refused by this version, its ``kl_coef > 0`` needs a reference model this trainer
+                was built without (unless ``keep_config``), or its reference model differs from this trainer's
+                and cannot be rebuilt. ``source`` (the checkpoint's path) names it in the message.
         """
         self._check_lora_matches(state, source)
         check_signature(state["model_signature"], self.model, source)
@@ -229,14 +238,33 @@ class InPlaceTrainer(Trainer):
 
         known = {f.name for f in fields(type(self.config))} - set(self._placement)  # a subclass's fields too
         out = {k: v for k, v in saved.items() if k in known}
+        self._saved_kl_fields(saved, out, path)
         if not check:
             return out
+        if out.get("kl_coef", 0.0) > 0 and self.reference is None and self.peft_model is None:
+            raise ConfigError(
+                f"checkpoint {path} was trained with kl_coef={out['kl_coef']}, which needs a reference model, and "
+                "this trainer was built without one (kl_coef=0, track_reference_kl=False); build it with "
+                "GRPOConfig(track_reference_kl=True) on the same starting weights, or load with keep_config=True "
+                "to train on with this trainer's kl_coef")
         try:
             replace(self.config, **out)
         except ConfigError as exc:
             raise ConfigError(f"checkpoint {path} holds a config this version refuses ({exc}); load it with "
                               "keep_config=True to train on with this trainer's config") from None
         return out
+
+    def _saved_kl_fields(self, saved: dict[str, Any], out: dict[str, Any], path: Any) -> None:
+        """The checkpoint's KL measurement against this trainer's (``track_reference_kl`` is set at construction, so
+        the saved one is not applied): ``kl_every`` is taken from ``out`` unless both track KL, and a warning says
+        when the checkpoint's run measured KL (the default before issue 49) and this trainer does not."""
+        if not (saved.get("track_reference_kl") and self.config.track_reference_kl):
+            out.pop("kl_every", None)
+        if saved.get("track_reference_kl") and not self.config.track_reference_kl:
+            log.warning("load: checkpoint %s was saved by a trainer that measured KL to its initial weights "
+                        "(track_reference_kl=True, the default before issue 49); this trainer was built without "
+                        "(track_reference_kl is set at construction), so kl is reported only while kl_coef > 0: "
+                        "build it with GRPOConfig(track_reference_kl=True) to keep measuring it", path)
 
     def _base_fingerprint(self) -> Any:
         """Per-tensor float64 sums of the frozen base weights of a LoRA model (see ``weights_fingerprint``)."""

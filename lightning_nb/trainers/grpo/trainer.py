@@ -185,7 +185,9 @@ class GRPOTrainer(InPlaceTrainer):
         :attr:`last_turn_advantages` each triplet's, keyed ``(rollout_id, turn)``.
 
         Metrics (one row): ``step``, ``loss``, ``pg_loss`` and ``grad_norm`` (means over the
-        optimizer steps), ``kl``, ``ppo_kl``, ``pg_clipfrac`` and ``tis_weight_mean`` (NaN without
+        optimizer steps), ``kl`` (the ``kl_penalty`` estimator to the reference; measured on every update
+        while ``kl_coef > 0``, with ``track_reference_kl`` on the steps that are multiples of ``kl_every``,
+        NaN on the others), ``ppo_kl``, ``pg_clipfrac`` and ``tis_weight_mean`` (NaN without
         ``tis_cap``) (means over the forwarded tokens of all epochs), ``logprob_diff_max``
         (largest per-token |π_start − engine| log-prob on the trained tokens of on-policy episodes, nats),
         ``logprob_diff_outliers``, ``logprob_diff_max_stale``, ``stale_tokens_trained``,
@@ -208,8 +210,8 @@ class GRPOTrainer(InPlaceTrainer):
         ``config_changes`` (edits applied at this step, or "").
 
         Departures from the GRPO paper (Shao et al. 2024) and the Agent Lightning paper:
-          * no KL penalty by default (``kl_coef=0``, as in DAPO / Dr. GRPO); KL to the
-            initial weights is still measured (``track_reference_kl``);
+          * no KL penalty by default (``kl_coef=0``, as in DAPO / Dr. GRPO), and no reference model: KL to
+            the initial weights is measured only when asked (``track_reference_kl``, every ``kl_every`` steps);
           * one optimizer step per batch by default (``ppo_epochs=1``,
             ``mini_batch_size=None``), so clipping only bites on engine/trainer numeric
             mismatch or stale weights;
@@ -449,7 +451,7 @@ class GRPOTrainer(InPlaceTrainer):
             clip_high=cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high)
         loss = pg_loss
         tokens = float(mask_B_L.sum())
-        kl_sum = 0.0
+        kl_sum = math.nan  # the reference is not scored on this update (InPlaceTrainer._reference_active): kl is NaN
         if self._reference_active():
             ref_B_L = self._reference_logprobs(m)
             kl_B_L = kl_estimate(logp_B_L, ref_B_L, cfg.kl_penalty)

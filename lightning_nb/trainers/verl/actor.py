@@ -77,10 +77,13 @@ class VerlActor:
             (built from ``actor_rollout_ref.actor.optim``).
         forward_only: score only (e.g. the reference policy): no optimizer, no scheduler
             (verl's ``engine_config.forward_only``).
+        response_logits_only: patch 6 (:mod:`lightning_nb.trainers.verl.patches`): the output head from each
+            micro-batch's first response position on, not over the prompts (the same log-probs where verl reads
+            them); False: verl's own head over every position.
     """
 
     def __init__(self, model: Any, config: Any = None, *, optimizer: Any = None, lr_scheduler: Any = None,
-                 forward_only: bool = False) -> None:
+                 forward_only: bool = False, response_logits_only: bool = True) -> None:
         import functools
 
         import torch
@@ -122,6 +125,7 @@ class VerlActor:
                                       checkpoint_config=self.actor_config.checkpoint)
         self.engine.given_module, self.engine.given_optimizer = model, optimizer
         self.engine.given_lr_scheduler = lr_scheduler
+        self.engine.response_logits_only = response_logits_only
         with contextlib.redirect_stdout(io.StringIO()):  # verl prints the model size and the LR schedule
             self.engine.initialize()
         self.model, self.optimizer = self.engine.module, self.engine.optimizer
@@ -195,12 +199,36 @@ class VerlActor:
             result["entropys"] = no_padding_2_padding(out["model_output"]["entropy"], td).float()
         return DataProto.from_tensordict(tu.get_tensordict(result))
 
+    def mini_batch_rows(self, rows: int, mini_batch_size: Optional[int] = None) -> int:
+        """Rows per mini-batch of :meth:`update_policy` for a batch of ``rows``: ``mini_batch_size``, else
+        ``ppo_mini_batch_size × rollout.n``, capped at ``rows``."""
+        cfg = self.config.actor_rollout_ref
+        return min(mini_batch_size or cfg.actor.ppo_mini_batch_size * cfg.rollout.n, rows)
+
+    def optimizer_steps(self, rows: int, mini_batch_size: Optional[int] = None) -> int:
+        """How many optimizer steps :meth:`update_policy` takes on ``rows`` rows: ``ppo_epochs`` × mini-batches."""
+        mini = self.mini_batch_rows(rows, mini_batch_size)
+        return self.actor_config.ppo_epochs * -(-rows // mini)
+
     def update_policy(self, data: Any, *, mini_batch_size: Optional[int] = None,
-                      max_token_len: Optional[int] = None) -> dict[str, float]:
+                      max_token_len: Optional[int] = None, old_from_forward: bool = False,
+                      rollout_correction: Any = None) -> dict[str, float]:
         """verl's PPO update on ``data`` (``RayPPOTrainer._update_actor`` + ``TrainingWorker.train_mini_batch``).
 
         ``data`` needs ``old_log_probs`` and ``advantages`` (B, R) besides the keys of
         :func:`triplets_to_dataproto` (and ``ref_log_prob`` with ``actor.use_kl_loss``).
+
+        ``old_from_forward=True`` (only for an update of one optimizer step, :meth:`optimizer_steps` == 1): π_old
+        is the update's own forward, detached, so no :meth:`compute_log_prob` pass runs before it. Before its
+        step the policy is the one that pass would score, so the loss and its gradient are the same (the ratio
+        π/π_old is exactly 1; verl's loss otherwise sees 1 within float noise). ``data`` then needs no
+        ``old_log_probs``: they are set on it, (B, R) float32 on :attr:`device`, as :meth:`compute_log_prob`
+        returns them. ``rollout_correction`` (verl's ``algorithm.rollout_correction`` section with ``rollout_is``
+        set, no rejection sampling, no batch normalization; None: off): each micro-batch's ``rollout_is_weights``
+        are computed from those log-probs and ``rollout_log_probs`` (verl's
+        ``compute_rollout_correction_and_rejection_mask``) before verl's loss reads them, as the decoupled mode
+        computes them from the π_old pass.
+
         ``ppo_epochs`` times, the batch is cut into consecutive mini-batches of ``mini_batch_size``
         rows (the last one may be smaller; None: ``ppo_mini_batch_size × rollout.n``, capped at B);
         each mini-batch is one ``engine.train_batch`` (verl's dynamic micro-batches of at most
@@ -213,43 +241,77 @@ class VerlActor:
         ``optimizer_steps``.
 
         Raises:
-            ValueError: a key is missing, or ``actor.shuffle`` is set (not supported here).
+            ValueError: a key is missing, ``actor.shuffle`` is set (not supported here), or ``old_from_forward``
+                for an update of more than one optimizer step.
         """
-        missing = [k for k in ("old_log_probs", "advantages") if k not in data.batch.keys()]
+        needed = ("advantages",) if old_from_forward else ("old_log_probs", "advantages")
+        missing = [k for k in needed if k not in data.batch.keys()]
         if missing:
             raise ValueError(f"update_policy() needs {missing} in data.batch: union compute_log_prob()'s result "
                              "(or rollout_log_probs as old_log_probs) and grpo_advantages()")
-        cfg = self.config.actor_rollout_ref
-        ac, ec = self.actor_config, self.engine.engine_config
+        ac = self.actor_config
         if ac.shuffle:
             raise ValueError("actor_rollout_ref.actor.shuffle=true is not supported by the in-process actor; "
                              "mini-batches are consecutive rows")
+        if old_from_forward and self.optimizer_steps(len(data), mini_batch_size) != 1:
+            raise ValueError("update_policy(old_from_forward=True) needs one optimizer step (ppo_epochs=1, one "
+                             "mini-batch): later steps need π_old from before the first; run compute_log_prob() first")
         data = self._on_device(data)
         B = len(data)
-        mini = min(mini_batch_size or cfg.actor.ppo_mini_batch_size * cfg.rollout.n, B)
-        parts = [data[i: i + mini] for i in range(0, B, mini)]
-        tds = [self._no_padding(
-            part, calculate_entropy=ac.calculate_entropy or ac.entropy_coeff != 0.0, distillation_use_topk=False,
-            distillation_only=False, global_batch_size=len(part), compute_loss=True,
-            use_remove_padding=ec.use_remove_padding, use_dynamic_bsz=ec.use_dynamic_bsz,
-            max_token_len_per_gpu=max_token_len or ec.max_token_len_per_gpu,
-            micro_batch_size_per_gpu=ec.micro_batch_size_per_gpu, use_fused_kernels=ec.use_fused_kernels)
-            for part in parts]
+        mini = self.mini_batch_rows(B, mini_batch_size)
+        tds = [self._train_dict(data[i: i + mini], max_token_len, old_from_forward) for i in range(0, B, mini)]
+        loss_fn = _old_from_forward(self.loss_fn, rollout_correction) if old_from_forward else self.loss_fn
         rows: list[dict[str, float]] = []
         was_training = self.model.training
         try:
             with self.engine.train_mode(**self._mode_kwargs()):
                 for _ in range(ac.ppo_epochs):
                     for td in tds:
-                        out = self.engine.train_batch(td, loss_function=self.loss_fn)
+                        out = self.engine.train_batch(td, loss_function=loss_fn)
                         rows.append(_reduce_metrics(out))
             lr = self.engine.lr_scheduler_step()
         finally:
             self.model.train(was_training)
+        if old_from_forward:  # the forward's log-probs, back in row order, as compute_log_prob() returns them
+            from verl.workers.utils.padding import no_padding_2_padding
+
+            data.batch["old_log_probs"] = no_padding_2_padding(out["model_output"]["log_probs"], tds[0]).float()
         metrics = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
         metrics.update(lr=lr, optimizer_steps=float(len(rows)))
         return metrics
 
+    def _train_dict(self, part: Any, max_token_len: Optional[int], return_log_probs: bool) -> Any:
+        """One mini-batch as ``TrainingWorker.train_mini_batch`` hands it to ``engine.train_batch``;
+        ``return_log_probs``: verl's ``return_model_output``, so the forward's log-probs come back in row order."""
+        ac, ec = self.actor_config, self.engine.engine_config
+        return self._no_padding(
+            part, calculate_entropy=ac.calculate_entropy or ac.entropy_coeff != 0.0, distillation_use_topk=False,
+            distillation_only=False, global_batch_size=len(part), compute_loss=True,
+            use_remove_padding=ec.use_remove_padding, use_dynamic_bsz=ec.use_dynamic_bsz,
+            max_token_len_per_gpu=max_token_len or ec.max_token_len_per_gpu,
+            micro_batch_size_per_gpu=ec.micro_batch_size_per_gpu, use_fused_kernels=ec.use_fused_kernels,
+            return_model_output=return_log_probs)
+
+
+def _old_from_forward(loss_fn: Any, rollout_correction: Any) -> Any:
+    """verl's loss with π_old taken from the forward it is given: ``old_log_probs`` (b, R) = the micro-batch's own
+    log-probs, detached (and with ``rollout_correction``, verl's IS weights from them and ``rollout_log_probs``)."""
+    def loss(model_output: Any, data: Any, dp_group: Any = None) -> Any:
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        old = no_padding_2_padding(model_output["log_probs"], data).detach().float()
+        data["old_log_probs"] = old
+        if rollout_correction is not None and "rollout_log_probs" in data.keys():
+            from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+            weights, _, _ = compute_rollout_correction_and_rejection_mask(
+                old_log_prob=old, rollout_log_prob=data["rollout_log_probs"], response_mask=data["response_mask"],
+                rollout_is=rollout_correction.get("rollout_is"),
+                rollout_is_threshold=rollout_correction.get("rollout_is_threshold", 2.0))
+            data["rollout_is_weights"] = weights.batch["rollout_is_weights"]
+        return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
+
+    return loss
 
 
 def _reduce_metrics(out: dict[str, Any]) -> dict[str, float]:
@@ -279,10 +341,28 @@ def _engine_class() -> type:
         warnings.simplefilter("ignore")
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
+    from lightning_nb.trainers.verl.patches import response_window, window_log_probs
+
     class _InProcessEngine(FSDPEngineWithLMHead):
         given_module: Any = None
         given_optimizer: Any = None
         given_lr_scheduler: Any = None
+        response_logits_only: bool = True  # patch 6
+
+        def prepare_model_inputs(self, micro_batch: Any) -> Any:  # patch 6: logits from the first response position
+            model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+            window = response_window(micro_batch, self.module) if self.response_logits_only else None
+            if window is not None:
+                model_inputs["logits_to_keep"] = window.keep
+                output_args["response_window"] = window
+            return model_inputs, output_args
+
+        def prepare_model_outputs(self, output: Any, output_args: Any, micro_batch: Any,
+                                  logits_processor_func: Any) -> Any:
+            window = output_args.get("response_window")
+            if window is None:
+                return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+            return {"log_probs": window_log_probs(output.logits, output_args["temperature"], micro_batch, window)}
 
         def initialize(self) -> None:  # no FSDPCheckpointManager: checkpoints are the trainer's
             self._build_model_optimizer()

@@ -1,6 +1,6 @@
-"""The five patches that let verl's actor run in this process, without Ray, on a model already in memory.
+"""The six patches that let verl's actor run in this process, without Ray, on a model already in memory.
 
-What runs in-process and what is patched (patch 1 in :mod:`lightning_nb.trainers.verl.actor`, 2–5 here;
+What runs in-process and what is patched (patch 1 in :mod:`lightning_nb.trainers.verl.actor`, 2–6 here;
 nothing in verl's files).
 verl 0.9.0 has no ``dp_actor.DataParallelPPOActor`` any more: its actor is
 ``engine_workers.ActorRolloutRefWorker`` → ``TrainingWorker`` → an engine from
@@ -33,6 +33,18 @@ departures:
    built in, so this patch can go when we move to 0.9.1.
 5. The model's ``config.json`` is written to a temporary folder (with ``architectures`` filled in)
    because verl's ``HFModelConfig`` reads the model config from a path and asserts one architecture.
+6. The output head only where log-probs are read (:func:`response_window` and :func:`window_log_probs`, hooked
+   into ``_InProcessEngine.prepare_model_inputs`` / ``prepare_model_outputs``): verl's padded forward
+   (``use_remove_padding=false``) takes logits and log-softmax at every position of every row, prompt included,
+   although its loss and ``compute_log_prob`` read only the response positions. On the calc demo's batch (16 rows
+   of ~250 tokens, ~60 of them after the prompt) that head was about a third of the update's CPU time
+   (bench/README.md, issue 49). The model is called with ``logits_to_keep`` (transformers' own argument: logits
+   from the micro-batch's first response position on), the log-probs are verl's ``logprobs_from_logits`` of
+   those logits divided by each row's temperature, as verl computes them, and they fill verl's per-token layout
+   at each row's response positions, 0 elsewhere (positions nothing reads). Where anything else reads the
+   logits (entropy, ``calculate_sum_pi_squared``, distillation, fused kernels, remove-padding, multi-modal
+   inputs) or the model takes no ``logits_to_keep``, verl's own code runs. ``VerlActor(response_logits_only=False)``
+   turns it off.
 
 ``import verl`` needs the ``ray`` *package* (``verl/protocol.py`` imports it at module level),
 but nothing here starts or contacts Ray.
@@ -42,12 +54,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_nb.errors import MissingDependencyError
 
 __all__ = ["require_verl", "use_cpu_platform_without_gpu", "use_torch_padding_without_flash_attn",
-           "ensure_process_group", "save_model_config"]
+           "ensure_process_group", "save_model_config", "ResponseWindow", "response_window", "window_log_probs"]
 
 
 def require_verl() -> None:
@@ -76,6 +89,74 @@ def save_model_config(model: Any, path: str) -> None:
         config.architectures = [type(base).__name__]
     config.save_pretrained(path)
 
+
+
+@dataclass
+class ResponseWindow:
+    """Where one micro-batch's log-probs are read (patch 6): row ``i`` of ``b`` has ``lengths[i]`` tokens and its
+    response positions are ``starts[i] <= t < lengths[i] - 1`` (position t scores token t + 1; ``starts[i]`` is its
+    prompt length − 1); rows are right-padded to ``T`` tokens, and ``keep`` = ``T − min(starts)`` is the
+    ``logits_to_keep`` the model is called with. Tensors are (b,) int64 on the batch's device."""
+
+    starts: Any
+    lengths: Any
+    T: int
+    keep: int
+
+
+#: the non-tensor flags of a micro-batch by which something besides the log-probs reads the logits, or verl's
+#: packed path runs (patch 6 needs each False; verl's default when absent in brackets)
+_LOGIT_READERS = {"use_remove_padding": True, "use_fused_kernels": False, "calculate_entropy": False,
+                  "calculate_sum_pi_squared": False, "distillation_use_topk": False, "distillation_only": False}
+
+
+def response_window(micro_batch: Any, module: Any) -> Optional[ResponseWindow]:
+    """The :class:`ResponseWindow` of a verl micro-batch (a TensorDict in verl's no-padding layout, with the
+    ``prompts`` and ``attention_mask`` of :func:`~lightning_nb.trainers.verl.bridge.triplets_to_dataproto`), or None
+    where verl's full head must run: a flag of :data:`_LOGIT_READERS` is set (or absent with a true default), the
+    batch has multi-modal inputs or 3-D position ids, or ``module``'s forward takes no ``logits_to_keep``."""
+    import inspect
+
+    from verl.utils import tensordict_utils as tu
+
+    if any(tu.get_non_tensor_data(data=micro_batch, key=k, default=d) for k, d in _LOGIT_READERS.items()):
+        return None
+    if "multi_modal_inputs" in micro_batch.keys() or micro_batch["position_ids"].dim() != 2:
+        return None
+    if "logits_to_keep" not in inspect.signature(type(module).forward).parameters:
+        return None
+    prompts, lengths = micro_batch["prompts"], micro_batch["input_ids"].offsets().diff()
+    if prompts.is_nested:
+        prompt_lens = prompts.offsets().diff()
+    else:  # left-padded (b, P): as verl's no_padding_2_padding counts it
+        prompt_lens = micro_batch["attention_mask"][:, : prompts.shape[1]].sum(dim=1)
+    starts = (prompt_lens - 1).to(lengths.device, lengths.dtype)
+    T = int(lengths.max())
+    return ResponseWindow(starts=starts, lengths=lengths, T=T, keep=T - int(starts.min()))
+
+
+def window_log_probs(logits_b_K_V: Any, temperature_b: Any, micro_batch: Any, window: ResponseWindow) -> Any:
+    """verl's ``log_probs`` of a micro-batch from the logits of its :class:`ResponseWindow` (patch 6): a jagged
+    nested tensor (b, j) as verl's ``prepare_model_outputs`` returns it, each row's response positions filled with
+    ``logprobs_from_logits(logits / temperature, next token)`` (verl's function and division), 0 elsewhere.
+
+    ``logits_b_K_V``: the model's logits of the last K = ``window.keep`` positions of the right-padded rows;
+    ``temperature_b``: each row's sampling temperature (verl's ``output_args["temperature"]``)."""
+    import torch
+    from verl.utils.torch_functional import logprobs_from_logits
+
+    ids = micro_batch["input_ids"]
+    b, K = logits_b_K_V.shape[:2]
+    first = window.T - K
+    ids_b_T1 = torch.nested.to_padded_tensor(ids, padding=0, output_size=(b, window.T + 1))  # one more: t + 1
+    positions_K = torch.arange(first, window.T, device=logits_b_K_V.device)
+    sel_b_K = (positions_K >= window.starts[:, None]) & (positions_K < window.lengths[:, None] - 1)
+    logits_b_K_V = logits_b_K_V / temperature_b.clamp(min=1e-8)[:, None, None].to(logits_b_K_V.dtype)
+    log_probs_N = logprobs_from_logits(logits=logits_b_K_V[sel_b_K], labels=ids_b_T1[:, first + 1:][sel_b_K])
+    offsets = ids.offsets()
+    flat_N = (offsets[:-1, None] + positions_K[None, :])[sel_b_K]
+    values = torch.zeros(int(offsets[-1]), dtype=log_probs_N.dtype, device=log_probs_N.device)
+    return torch.nested.nested_tensor_from_jagged(values.index_put((flat_N,), log_probs_N), offsets)
 
 
 def use_torch_padding_without_flash_attn() -> None:

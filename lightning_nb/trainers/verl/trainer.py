@@ -10,15 +10,17 @@ spans become triplets, and each :meth:`VerlTrainer.update` hands the batch to ve
    ``GRPOTrainer``) → verl's ``DataProto`` (:func:`~lightning_nb.trainers.verl.bridge.triplets_to_dataproto`:
    the engine's token IDs, multi-turn packing under ``response_mask``, ``token_level_scores``,
    ``uid`` = group);
-2. old log-probs recomputed by verl's actor (``compute_log_prob``, as verl's ``_compute_old_log_prob``
-   does), and the reference policy's (``ref_log_prob``) when KL is tracked or penalised;
+2. the reference policy's log-probs (``ref_log_prob``) when KL is penalised, or measured on this step
+   (``track_reference_kl``, every ``kl_every`` steps); with more than one optimizer step, the old
+   log-probs recomputed by verl's actor first (``compute_log_prob``, as verl's ``_compute_old_log_prob`` does);
 3. GRPO advantages by verl's ``compute_grpo_outcome_advantage``;
 4. verl's PPO update (``FSDPEngineWithLMHead.train_batch`` with ``ppo_loss``: PPO clip with dual
-   clip, the KL loss, verl's loss aggregation, gradient clipping, the optimizer step);
+   clip, the KL loss, verl's loss aggregation, gradient clipping, the optimizer step); with one
+   optimizer step π_old is that update's own forward, detached (no scoring pass before it);
 5. the new weights to the engine through the engine contract (``engine.load_weights``).
 
 The verl pieces run in this process without Ray (:class:`~lightning_nb.trainers.verl.actor.VerlActor`;
-:mod:`lightning_nb.trainers.verl.patches` lists the five patches). Everything else is shared with
+:mod:`lightning_nb.trainers.verl.patches` lists the six patches). Everything else is shared with
 ``GRPOTrainer`` through :class:`~lightning_nb.trainers.inplace.InPlaceTrainer` (the model placement,
 LoRA through peft, the reference, the optimizer, config edits while paused, ``state_dict``) and
 :class:`~lightning_nb.trainers.base.Trainer` (``start`` / ``pause`` / ``resume`` / ``stop`` delegated
@@ -102,15 +104,17 @@ class VerlTrainer(InPlaceTrainer):
         Episodes are kept as :meth:`GRPOTrainer.update` keeps them (``max_staleness``, ``min_group_size``,
         forks counted or refused with ``fail_on_fork``), converted by
         :func:`~lightning_nb.trainers.verl.bridge.triplets_to_dataproto` (one row per packed sequence), scored by
-        verl's actor (π_old, recomputed as verl does, and π_ref when the reference is active), given
+        verl's actor (π_ref when the reference is active; π_old recomputed as verl does when the update takes more
+        than one optimizer step, else taken from the update's own forward), given
         verl's GRPO advantages (:func:`~lightning_nb.trainers.verl.bridge.grpo_advantages`), and updated by verl
         (:meth:`~lightning_nb.trainers.verl.bridge.VerlActor.update_policy`: ``ppo_epochs`` × mini-batches of
         ``mini_batch_size`` rows, or the whole batch). Then ``engine.load_weights(model)``.
 
         Metrics: those of ``GRPOTrainer.update`` where the concept is the same (``loss``, ``pg_loss``,
         ``grad_norm``, ``ppo_kl``, ``pg_clipfrac`` (verl's, means over the mini-batches), ``kl`` (the
-        ``kl_penalty`` estimator of π_old vs π_ref, mean over response tokens; NaN without a
-        reference), ``logprob_diff_max`` (largest |π_old − engine| log-prob on the trained tokens, nats),
+        ``kl_penalty`` estimator of π_old vs π_ref, mean over response tokens; NaN on the steps that do not
+        score the reference: all while ``kl_coef == 0`` unless ``track_reference_kl``, then all but every
+        ``kl_every``-th), ``logprob_diff_max`` (largest |π_old − engine| log-prob on the trained tokens, nats),
         ``tis_weight_mean`` (with ``tis_cap``: the mean of verl's rollout-correction weights
         min(π_old / π_engine, tis_cap) over the response tokens; NaN when off or without engine log-probs),
         ``reward_mean``, ``reward_std``, ``episodes``, ``groups``, ``groups_with_signal``,
@@ -159,56 +163,82 @@ class VerlTrainer(InPlaceTrainer):
             return metrics
 
     def _verl_step(self, kept: list[Triplet], on_progress: ProgressCallback) -> tuple[Any, dict[str, float]]:
-        """DataProto → π_old (and π_ref) → verl's GRPO advantages → verl's PPO update.
+        """DataProto → π_old and π_ref → verl's GRPO advantages → verl's PPO update.
 
-        Returns ``(data, stats)``: the DataProto with ``old_log_probs``, ``advantages`` (and ``ref_log_prob``), and
-        verl's metrics plus ``kl`` and ``logprob_diff_max``. Each stage done calls ``on_progress(done, total,
-        "stages")`` (π_old, π_ref when active, verl's policy update).
+        π_old: with one optimizer step (:meth:`_old_from_forward`) the update's own forward, detached (verl's actor
+        takes it from there, :meth:`VerlActor.update_policy`), so no pass runs before the update; otherwise verl's
+        ``compute_log_prob`` before it (verl's ``_compute_old_log_prob``). π_ref: only when the reference is active
+        (``kl_coef > 0``, or ``track_reference_kl`` on every ``kl_every``-th update). Returns ``(data, stats)``: the
+        DataProto with ``old_log_probs``, ``advantages`` (and ``ref_log_prob``), and verl's metrics plus ``kl``,
+        ``logprob_diff_max`` and ``tis_weight_mean``. Each stage done calls ``on_progress(done, total, "stages")``
+        (π_old when it is a pass of its own, π_ref when active, verl's policy update).
         """
-        from verl.trainer.ppo import core_algos
-
         from lightning_nb.trainers.verl.bridge import grpo_advantages, triplets_to_dataproto
 
         cfg = self.config
-        stages = 3 if self._reference_active() else 2
-
-        def report(done: int) -> None:
-            on_progress(done, stages, "stages")
-
-        report(0)
         # on the actor's device: verl returns its log-probs there, and they meet the batch's rollout_log_probs
         data = triplets_to_dataproto(kept, pad_token_id=self.engine.pad_token_id, pack_turns=cfg.pack_turns,
                                      device=self.actor.device)
         lengths = data.batch["attention_mask"].sum(-1)
         max_tokens = cfg.max_token_len(int(lengths.max()), self.model)  # verl's dynamic micro-batch budget
-        data = data.union(self.actor.compute_log_prob(data, max_token_len=max_tokens))
-        report(1)
-        mask = data.batch["response_mask"].bool()
-        stats: dict[str, float] = {"kl": math.nan}
-        if self._reference_active():
-            ref = self._reference_log_prob(data, max_tokens)
-            report(2)
-            data.batch["ref_log_prob"] = ref
-            kl = core_algos.kl_penalty(data.batch["old_log_probs"], ref, cfg.kl_penalty)
-            stats["kl"] = float(kl[mask].mean()) if mask.any() else math.nan
+        mask = data.batch["response_mask"].bool()  # before verl's rejection sampling (overrides) may change it
+        from_forward, with_reference = self._old_from_forward(len(data)), self._reference_active()
+        stages = [not from_forward, with_reference, True]  # π_old pass, π_ref pass, the update
+        report = _stage_reporter(on_progress, sum(stages))
+        if not from_forward:
+            data = data.union(self.actor.compute_log_prob(data, max_token_len=max_tokens))
+            report()
+        if with_reference:
+            data.batch["ref_log_prob"] = self._reference_log_prob(data, max_tokens)
+            report()
         data.batch["advantages"] = grpo_advantages(data, norm_adv_by_std=cfg.norm_adv_by_std,
                                                    min_group_size=cfg.min_group_size)
-        if "rollout_log_probs" in data.batch.keys() and mask.any():
-            diff = (data.batch["old_log_probs"] - data.batch["rollout_log_probs"]).abs()
-            stats["logprob_diff_max"] = float(diff[mask].max())
+        stats: dict[str, float] = {}
+        if not from_forward:  # the IS weights from the π_old pass, before the update reads them
             data = self._rollout_correction(data, stats)
-        else:
-            stats["logprob_diff_max"] = stats["tis_weight_mean"] = math.nan
-        stats.update(self.actor.update_policy(data, mini_batch_size=cfg.mini_batch_size, max_token_len=max_tokens))
-        report(stages)
+        stats.update(self.actor.update_policy(
+            data, mini_batch_size=cfg.mini_batch_size, max_token_len=max_tokens, old_from_forward=from_forward,
+            rollout_correction=self.verl_config.algorithm.rollout_correction if cfg.tis_cap is not None else None))
+        if from_forward:  # the same weights, from the update's π_old: for the metrics
+            data = self._rollout_correction(data, stats)
+        report()
+        self._old_log_prob_stats(data, mask, stats)
         return data, stats
+
+    def _old_from_forward(self, rows: int) -> bool:
+        """Whether π_old comes from the update's own forward: the update takes one optimizer step (``ppo_epochs=1``,
+        one mini-batch), and verl's rollout correction (``tis_cap``) needs no batch-wide statistic of π_old before
+        the first micro-batch (no rejection sampling, batch normalization or bypass mode set through
+        ``overrides``). Otherwise verl's ``compute_log_prob`` scores the batch first, as verl does."""
+        if self.actor.optimizer_steps(rows, self.config.mini_batch_size) != 1:
+            return False
+        correction = self.verl_config.algorithm.rollout_correction
+        return self.config.tis_cap is None or not (
+            correction.get("rollout_rs") or correction.get("rollout_is_batch_normalize")
+            or correction.get("bypass_mode"))
+
+    def _old_log_prob_stats(self, data: Any, mask: Any, stats: dict[str, float]) -> None:
+        """``kl`` (π_old vs π_ref, mean over the response tokens ``mask`` (B, R) bool; NaN without
+        ``ref_log_prob``) and ``logprob_diff_max`` (largest |π_old − engine| log-prob there, nats; NaN without the
+        engine's) into ``stats``."""
+        from verl.trainer.ppo import core_algos
+
+        b = data.batch
+        stats["kl"] = stats["logprob_diff_max"] = math.nan
+        if "ref_log_prob" in b.keys() and mask.any():
+            kl = core_algos.kl_penalty(b["old_log_probs"], b["ref_log_prob"], self.config.kl_penalty)
+            stats["kl"] = float(kl[mask].mean())
+        if "rollout_log_probs" in b.keys() and mask.any():
+            stats["logprob_diff_max"] = float((b["old_log_probs"] - b["rollout_log_probs"]).abs()[mask].max())
 
     def _rollout_correction(self, data: Any, stats: dict[str, float]) -> Any:
         """verl's rollout correction with ``tis_cap`` (:class:`VerlConfig`): ``rollout_is_weights`` (B, R) =
         min(π_old / π_engine, tis_cap) per response token, which verl's ``ppo_loss`` multiplies the policy loss by.
-        Adds ``tis_weight_mean`` (mean weight over response tokens; NaN when off) and verl's ``rollout_corr/*``
-        metrics to ``stats``. Returns ``data`` with the weights (unchanged when ``tis_cap`` is None)."""
-        if self.config.tis_cap is None:
+        Adds ``tis_weight_mean`` (mean weight over response tokens; NaN when off or without the engine's log-probs)
+        and verl's ``rollout_corr/*`` metrics to ``stats``. Returns ``data`` with the weights (unchanged when
+        ``tis_cap`` is None or the batch has no ``rollout_log_probs``)."""
+        mask = data.batch["response_mask"].bool()
+        if self.config.tis_cap is None or "rollout_log_probs" not in data.batch.keys() or not mask.any():
             stats["tis_weight_mean"] = math.nan
             return data
         from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
@@ -330,6 +360,20 @@ class VerlTrainer(InPlaceTrainer):
         with self._updating:
             self.verl_config = self.config.verl_config()
             self._build_actors()
+
+
+def _stage_reporter(on_progress: ProgressCallback, total: int) -> Any:
+    """A function to call after each of ``total`` stages: reports ``on_progress(done, total, "stages")``; reports 0
+    at once."""
+    done = 0
+    on_progress(0, total, "stages")
+
+    def report() -> None:
+        nonlocal done
+        done += 1
+        on_progress(done, total, "stages")
+
+    return report
 
 
 def _batch_rows(data: Any) -> list[dict[str, Any]]:
