@@ -170,7 +170,7 @@ def run_langgraph(args: argparse.Namespace) -> None:
     try:
         algo = LightningRL(store, GRPOTrainer(engine, _config("after")), load_tasks("train", limit=args.tasks),
                            config=AlgorithmConfig(tasks_per_step=args.tasks, group_size=4, seed=args.seed,
-                                                  temperature=0.7, max_tokens=48))
+                                                  temperature=0.7, max_tokens=48, dynamic_sampling=False))
         triplets, _ = algo.collect()
     finally:
         group.stop()

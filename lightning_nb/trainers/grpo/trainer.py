@@ -263,7 +263,8 @@ class GRPOTrainer(InPlaceTrainer):
         as verl's default); one with nothing to forward takes no step. Returns the sums over
         micro-batches of ``loss``, ``pg_loss`` and the token-weighted ``kl``, ``ppo_kl``,
         ``pg_clipfrac``, ``tis_weight`` with the forwarded ``tokens``; ``grad_norm`` summed over
-        the steps; the largest ``logprob_diff_max``; and ``optimizer_steps``.
+        the steps; and ``optimizer_steps`` (the engine/trainer agreement is read from the sequences afterwards,
+        :func:`~lightning_nb.trainers.agreement.agreement_metrics`).
         """
         import torch
 
@@ -281,7 +282,7 @@ class GRPOTrainer(InPlaceTrainer):
         if scored:  # fix π_start before the first step changes the weights
             self._score_at_start(scored, tick)
         stats = dict.fromkeys(("loss", "pg_loss", "kl", "ppo_kl", "pg_clipfrac", "tis_weight", "tokens",
-                               "logprob_diff_max", "grad_norm"), 0.0)
+                               "grad_norm"), 0.0)
         stats["optimizer_steps"] = 0
         for _ in range(cfg.ppo_epochs):
             for mini in minis:
@@ -292,7 +293,7 @@ class GRPOTrainer(InPlaceTrainer):
                     part = self._micro_step(micro, agg)
                     tick()
                     for k, v in part.items():
-                        stats[k] = max(stats[k], v) if k == "logprob_diff_max" else stats[k] + v
+                        stats[k] += v
                 stats["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self._trainable,
                                                                            cfg.max_grad_norm))
                 self.optimizer.step()
@@ -459,8 +460,6 @@ class GRPOTrainer(InPlaceTrainer):
                 loss = loss + cfg.kl_coef * aggregate_loss(kl_B_L, mask_B_L, **agg)
             kl_sum = float((kl_B_L.detach() * mask_B_L).sum())
         loss.backward()
-        diff_B_L = (start_B_L - engine_B_L).abs() * mask_B_L * has_old_B
         return {"loss": float(loss.detach()), "pg_loss": float(pg_loss.detach()), "kl": kl_sum,
                 "ppo_kl": pg_metrics["ppo_kl"] * tokens, "pg_clipfrac": pg_metrics["pg_clipfrac"] * tokens,
-                "tis_weight": float((is_B_L * mask_B_L).sum()) if is_B_L is not None else 0.0, "tokens": tokens,
-                "logprob_diff_max": float(diff_B_L.max())}
+                "tis_weight": float((is_B_L * mask_B_L).sum()) if is_B_L is not None else 0.0, "tokens": tokens}
