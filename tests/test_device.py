@@ -214,7 +214,10 @@ def test_gradient_checkpointing_gives_the_same_step_and_recomputes_each_layer(ow
                 own_engine.model.load_state_dict(start)
             trainer = GRPOTrainer(own_engine, GRPOConfig(gradient_checkpointing=gc, micro_batch_size=4))
             attn_calls.clear()
-            results[gc] = trainer.update(_batch(gens))
+            # the reloaded weights are the ones that sampled: on-policy for both updates, though the first
+            # update moved engine.weight_version on
+            batch = [t.model_copy(update={"weight_version": own_engine.weight_version}) for t in _batch(gens)]
+            results[gc] = trainer.update(batch)
             results[gc]["attn_calls"] = len(attn_calls)
     finally:
         hook.remove()

@@ -16,11 +16,10 @@ import torch
 
 from lightning_nb import GRPOConfig, GRPOTrainer
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainers.grpo.logprobs import (logprob_path, response_logprobs, shift_pad, tree_path,
-                                                 tree_response_logprobs)
+from lightning_nb.trainers.grpo.logprobs import logprob_path, response_logprobs, shift_pad, tree_response_logprobs
 from lightning_nb.trainers.microbatch import MicroBatcher
 from lightning_nb.trainers.prefix_tree import (MAX_TREE_TOKENS, build_prefix_tree, plan_tree_micro_batches,
-                                               tree_tokens)
+                                               tree_path, tree_token_budget, tree_tokens)
 from lightning_nb.types import Triplet
 
 
@@ -284,3 +283,38 @@ def test_a_tree_update_equals_the_padded_update_lora():
         _compare_updates(trainer, batch)
     finally:
         engine.stop()
+
+
+def test_tree_token_budget_gives_verl_one_micro_batch_where_the_tree_fits():
+    seqs = [[7] * 100 + [1, i] for i in range(8)]  # 816 tokens, a tree of 100 + 1 + 8 = 109 nodes
+    assert tree_token_budget(seqs, 200) == 816  # the tree fits: all rows in one micro-batch
+    assert tree_token_budget(seqs, 60) == 408  # two trees' worth: verl splits the rows in two
+    assert tree_token_budget(seqs, 1) == 102  # never below the longest row
+    assert tree_token_budget([], 64) == 64
+
+
+@pytest.mark.slow
+def test_a_verl_update_over_trees_equals_its_update_over_rows(engine, pristine, episodes):
+    """VerlTrainer (patch 7): verl's loss, gradient and π_old from one tree forward are those of verl's padded rows,
+    and the demo-sized batch is one micro-batch whose shared prompt is forwarded once."""
+    from lightning_nb.trainers.verl.trainer import VerlConfig, VerlTrainer
+
+    engine.weight_version = 0
+    start = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    runs = {}
+    for tree in (False, True):
+        with engine.lock, torch.no_grad():
+            engine.model.load_state_dict(start)
+        trainer = VerlTrainer(engine, VerlConfig(learning_rate=1e-30, prefix_tree=tree))
+        runs[tree] = _update_grads(trainer, episodes) + (trainer.last_batch,)
+    (rows, g_rows, batch_rows), (tree, g_tree, batch_tree) = runs[False], runs[True]
+    assert rows["prefix_shared_tokens"] == 0 and tree["prefix_shared_tokens"] > 0
+    assert tree["forwarded_tokens"] < 0.5 * rows["forwarded_tokens"]
+    for key in ("loss", "pg_loss", "grad_norm"):
+        assert abs(tree[key] - rows[key]) < 1e-5 * max(1.0, abs(rows[key])), key
+    for a, b in zip(batch_tree, batch_rows):  # π_old, from each update's own forward
+        assert a["input_ids"] == b["input_ids"]
+        assert max(abs(x - y) / max(1.0, abs(y)) for x, y in zip(a["trainer_logprobs"], b["trainer_logprobs"])) < 1e-5
+    g_max = max(float(g.abs().max()) for g in g_rows.values())
+    g_diff = max(float((g_tree[k] - g_rows[k]).abs().max()) for k in g_rows)
+    assert g_max > 0 and g_diff < 1e-5 * g_max, (g_diff, g_max)

@@ -245,7 +245,8 @@ def test_the_output_head_runs_from_the_first_response_position_with_verls_log_pr
         model.load_state_dict(start)
         heads = []
         hook = model.lm_head.register_forward_hook(lambda m, args, out: heads.append(args[0].shape[1]))
-        actor = VerlActor(model, ppo_config(["actor_rollout_ref.actor.optim.lr=1e-2"]), response_logits_only=not full)
+        actor = VerlActor(model, ppo_config(["actor_rollout_ref.actor.optim.lr=1e-2"]), response_logits_only=not full,
+                          prefix_tree=False)  # patch 6 alone; patch 7: test_prefix_tree.py
         d = triplets_to_dataproto(ts, pad_token_id=PAD)
         d = d.union(actor.compute_log_prob(d))
         d.batch["advantages"] = grpo_advantages(d)

@@ -177,6 +177,16 @@ class TrainerConfig:
         "help": "Skip the forward/backward of sequences whose advantage is 0 on every trained token when kl_coef == 0 "
                 "(their gradient is exactly 0); they still count in the loss denominator, so the step size is "
                 "unchanged."})
+    prefix_tree: bool = field(default=True, metadata={
+        "help": "Forward each micro-batch's sequences as a prefix tree (lightning_nb.trainers.prefix_tree): a "
+                "token that several sequences share at the same position, after the same tokens, is forwarded "
+                "and backpropagated once (the batch's system prompt, a group's prompt, an episode's shared "
+                "turns), under a tree attention mask; the same log-probs and gradients as padded rows (float32: "
+                "within 1e-5). The token budget (micro_batch_tokens) then counts the tree's nodes. Reported per "
+                "update as prefix_shared_tokens and forwarded_tokens. Needs an attention implementation that "
+                "takes a dense 4-D mask (sdpa, the default, or eager); with another the update forwards padded "
+                "rows and warns once. VerlTrainer: inside verl's actor (patch 7 of lightning_nb.trainers.verl."
+                "patches) where only log-probs are read from the logits. False = padded rows."})
     device: str = field(default="cpu", metadata={
         "help": "Where the model trains and the TransformersEngine serves it: 'cpu', 'cuda' or 'cuda:N'. "
                 "The trainer moves the engine's model (and the reference copy) there; set at construction."})
@@ -308,6 +318,7 @@ class TrainerConfig:
                 isinstance(self.lora_target_modules, (list, tuple)) and self.lora_target_modules
                 and all(isinstance(m, str) for m in self.lora_target_modules)),
              "'all-linear' or a non-empty list of module names", "e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj']"),
+            ("prefix_tree", isinstance(self.prefix_tree, bool), "True or False", "use False to forward padded rows"),
             ("fail_on_fork", not self.fail_on_fork or self.pack_turns, "False when pack_turns is False",
              "set pack_turns=True (without packing every turn is its own sequence, so nothing forks)"),
         ]

@@ -12,14 +12,17 @@ and since backpropagation adds the gradients of every use of a shared activation
 token at position ``depth[n]`` (its RoPE position) and attends to its ancestors and itself (the tree attention
 mask, :meth:`PrefixTree.attention_mask`), which is what each sequence's causal mask gives it in its own row.
 :func:`plan_tree_micro_batches` splits a mini-batch into such trees under a token budget counted in nodes.
-The trainer's forward over a tree is :func:`lightning_nb.trainers.grpo.logprobs.tree_response_logprobs`.
-
 The same scheme for one shared prompt per group is Unsloth's PrefixGrouper (2026; forward a GRPO group's prompt
 once) and, for trees of any depth, the "tree attention" of speculative decoding (SpecInfer, Miao et al. 2024,
 §4.2: a token tree verified in one decoder pass with a topology-aware causal mask). Here the trees hold whole
 packed multi-turn episodes with their response_mask, and train.
 
-Pure Python but :meth:`PrefixTree.attention_mask`, which imports torch when called.
+The trainer's forward over a tree: :func:`lightning_nb.trainers.grpo.logprobs.tree_response_logprobs`
+(``GRPOTrainer``), and patch 7 of :mod:`lightning_nb.trainers.verl.patches` inside verl's actor (``VerlTrainer``);
+both put the tree through the model's own forward with :func:`tree_attention_mask`, when :func:`tree_path` says
+its attention reads one.
+
+Pure Python but :meth:`PrefixTree.attention_mask` and :func:`tree_attention_mask`, which import torch when called.
 """
 
 from __future__ import annotations
@@ -29,12 +32,17 @@ from typing import Any, Optional, Sequence
 
 from lightning_nb.errors import ConfigError
 
-__all__ = ["PrefixTree", "build_prefix_tree", "plan_tree_micro_batches", "tree_tokens", "MAX_TREE_TOKENS"]
+__all__ = ["PrefixTree", "build_prefix_tree", "plan_tree_micro_batches", "tree_tokens", "MAX_TREE_TOKENS",
+           "TREE_ATTENTION", "tree_path", "tree_attention_mask", "tree_token_budget"]
 
 #: The most nodes one tree may hold, whatever the budget: its attention mask is dense (nodes², a float32
 #: additive mask of 8,192 nodes is 256 MiB), and attention costs nodes² per layer, so past this size several
 #: smaller trees forward faster.
 MAX_TREE_TOKENS = 8192
+
+#: ``config._attn_implementation`` values whose attention takes a dense 4-D mask as it is: ``"sdpa"`` a bool mask
+#: (True = attend), ``"eager"`` an additive one. Flash attention takes none; flex attention a BlockMask.
+TREE_ATTENTION = frozenset({"sdpa", "eager"})
 
 
 @dataclass
@@ -156,3 +164,40 @@ def plan_tree_micro_batches(sequences: Sequence[Sequence[int]], max_tokens: Opti
             plan.append([i])
             nodes = len(sequences[i])
     return plan
+
+
+def tree_path(model: Any) -> str:
+    """Whether a forward over a prefix tree can run on ``model``: ``"tree"``, or ``"padded: <reason>"`` (the trainer
+    then forwards padded rows). ``model`` may be a ``peft.PeftModel``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    impl = getattr(getattr(base, "config", None), "_attn_implementation", None)
+    if impl not in TREE_ATTENTION:
+        return f"padded: the attention implementation {impl!r} takes no dense 4-D mask (sdpa or eager do)"
+    return "tree"
+
+
+def tree_attention_mask(tree: PrefixTree, model: Any, device: Any) -> Any:
+    """(1, 1, N, N) attention mask of ``tree`` in the form ``model``'s attention reads (:func:`tree_path` says it
+    reads one): bool for sdpa (True = attend), additive in the model's dtype for eager (0, or the dtype's most
+    negative value). transformers passes a 4-D mask to the attention as it is (``masking_utils``)."""
+    import torch
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    allowed_N_N = tree.attention_mask(device)
+    if base.config._attn_implementation == "sdpa":
+        return allowed_N_N[None, None]
+    dtype = next(base.parameters()).dtype
+    blocked = torch.full(allowed_N_N.shape, torch.finfo(dtype).min, dtype=dtype, device=device)
+    return torch.where(allowed_N_N, torch.zeros((), dtype=dtype, device=device), blocked)[None, None]
+
+
+def tree_token_budget(sequences: Sequence[Sequence[int]], budget: int) -> int:
+    """A budget in sequence tokens for a micro-batcher that counts tokens, not tree nodes (verl's dynamic
+    micro-batches): the sequences' tokens over the number of trees their prefix tree needs under ``budget`` nodes
+    (``ceil(nodes / budget)``), and at least the longest sequence. A batch whose tree fits ``budget`` nodes is then
+    one micro-batch; a larger one is cut into as many as its tree needs."""
+    if not sequences:
+        return budget
+    tokens = sum(len(s) for s in sequences)
+    parts = -(-tree_tokens(sequences) // max(budget, 1))
+    return max(max(len(s) for s in sequences), -(-tokens // parts))

@@ -2,8 +2,8 @@
 
 The fields are :class:`~lightning_nb.trainers.config.TrainerConfig`'s (shared with
 :class:`~lightning_nb.trainers.verl.config.VerlConfig`, one name per concept); what is GRPOTrainer's own here
-is ``prefix_tree`` (verl's actor builds its own padded forward) and two defaults that follow the config's dtype and
-device (:data:`DTYPE_DEFAULT`, :data:`DEVICE_DEFAULT`).
+is two defaults: ``tis_cap`` follows the dtype (:data:`DTYPE_DEFAULT`), and ``micro_batch_tokens`` is ``'auto'`` on
+every device (:data:`DEVICE_DEFAULT`, the CUDA-only default before issue 49, is still read from old configs).
 The learning-rate schedule is :func:`lightning_nb.trainers.config.lr_factor`.
 """
 
@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 # the placeholders are shared with VerlConfig; re-exported here, where they were defined first
-from lightning_nb.errors import ConfigError
 from lightning_nb.trainers.config import BF16_TIS_CAP, DEVICE_DEFAULT, DTYPE_DEFAULT, TrainerConfig
 
 __all__ = ["GRPOConfig", "DEVICE_DEFAULT", "DTYPE_DEFAULT", "BF16_TIS_CAP"]
@@ -23,8 +22,7 @@ __all__ = ["GRPOConfig", "DEVICE_DEFAULT", "DTYPE_DEFAULT", "BF16_TIS_CAP"]
 class GRPOConfig(TrainerConfig):
     """Hyper-parameters of the GRPO update. Validated on construction and again on ``algo.resume()``.
 
-    :class:`~lightning_nb.trainers.config.TrainerConfig`'s fields and ``prefix_tree``, with one default resolved on
-    construction: ``tis_cap`` (:data:`BF16_TIS_CAP` in bfloat16, else None). ``micro_batch_tokens`` is ``'auto'``
+    :class:`~lightning_nb.trainers.config.TrainerConfig`'s fields, with one default resolved on construction: ``tis_cap`` (:data:`BF16_TIS_CAP` in bfloat16, else None). ``micro_batch_tokens`` is ``'auto'``
     on every device (2,048 tokens on CPU). Fields may be edited while the trainer is paused; the edit takes effect at the next
     update and is recorded in the metrics (``config_changes``, and the algorithm's ``config_changes``).
     """
@@ -48,22 +46,7 @@ class GRPOConfig(TrainerConfig):
                 "memory estimate from the model's hidden size, layers, vocabulary and dtype, 70% of what is free "
                 "after 1 GiB of headroom), 2048 on CPU; the metrics report the budget used (micro_batch_tokens). "
                 "Default 'auto' on every device (None on CPU before issue 49)."})
-    prefix_tree: bool = field(default=True, metadata={
-        "help": "Forward each micro-batch's sequences as a prefix tree (lightning_nb.trainers.prefix_tree): a "
-                "token that several sequences share at the same position, after the same tokens, is forwarded "
-                "and backpropagated once (the batch's system prompt, a group's prompt, an episode's shared "
-                "turns), under a tree attention mask; the same log-probs and gradients as padded rows (float32: "
-                "within 1e-5). Reported per update as prefix_shared_tokens and forwarded_tokens. Needs an "
-                "attention implementation that takes a dense 4-D mask (sdpa, the default, or eager); with another "
-                "the update forwards padded rows and warns once. False = padded rows."})
-
     def __post_init__(self) -> None:
         if self.micro_batch_tokens is DEVICE_DEFAULT:  # the placeholder of checkpoints' configs before issue 49
             self.micro_batch_tokens = "auto"
         super().__post_init__()
-
-    def _validate_rl_options(self) -> None:
-        if not isinstance(self.prefix_tree, bool):
-            raise ConfigError(f"GRPOConfig.prefix_tree={self.prefix_tree!r} is invalid: it must be True or False; "
-                              "use False to forward padded rows")
-        super()._validate_rl_options()

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["response_logprobs", "logprob_path", "FUSED_MODEL_TYPES", "shift_pad", "tree_response_logprobs", "tree_path",
-           "TREE_ATTENTION"]
+from lightning_nb.trainers.prefix_tree import tree_path
+
+__all__ = ["response_logprobs", "logprob_path", "FUSED_MODEL_TYPES", "shift_pad", "tree_response_logprobs"]
 
 #: ``config.model_type`` of the models whose causal-LM ``forward`` is exactly ``lm_head(decoder(...))``:
 #: for these :func:`response_logprobs` runs the decoder and the fused float32 head itself.
@@ -109,32 +110,6 @@ def shift_pad(rows: Sequence[Sequence[float]], T: int, device: Any) -> Any:
     return torch.tensor([list(r[1:]) + [0] * (T - len(r)) for r in rows], dtype=torch.float32, device=device)
 
 
-#: ``config._attn_implementation`` values whose attention takes a dense 4-D mask as it is: ``"sdpa"`` a bool mask
-#: (True = attend), ``"eager"`` an additive one. Flash attention takes none; flex attention a BlockMask.
-TREE_ATTENTION = frozenset({"sdpa", "eager"})
-
-
-def tree_path(model: Any) -> str:
-    """Whether :func:`tree_response_logprobs` can run on ``model``: ``"tree"``, or ``"padded: <reason>"`` (the
-    trainer then forwards padded rows, :func:`response_logprobs`). ``model`` may be a ``peft.PeftModel``."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    impl = getattr(getattr(base, "config", None), "_attn_implementation", None)
-    if impl not in TREE_ATTENTION:
-        return f"padded: the attention implementation {impl!r} takes no dense 4-D mask (sdpa or eager do)"
-    return "tree"
-
-
-def _tree_attention_mask(tree: Any, impl: str, dtype: Any, device: Any) -> Any:
-    """(1, 1, N, N) tree attention mask in the form ``impl`` reads: bool for sdpa, additive ``dtype`` for eager."""
-    import torch
-
-    allowed_N_N = tree.attention_mask(device)
-    if impl == "sdpa":
-        return allowed_N_N[None, None]
-    blocked = torch.full(allowed_N_N.shape, torch.finfo(dtype).min, dtype=dtype, device=device)
-    return torch.where(allowed_N_N, torch.zeros((), dtype=dtype, device=device), blocked)[None, None]
-
-
 def tree_response_logprobs(model: Any, tree: Any, sequences: Sequence[Sequence[int]], mask_B_L: Any,
                            temp_B: Any) -> Any:
     """:func:`response_logprobs` of ``sequences`` computed by one forward over their prefix tree.
@@ -148,7 +123,8 @@ def tree_response_logprobs(model: Any, tree: Any, sequences: Sequence[Sequence[i
 
     Both of :func:`response_logprobs`'s paths: **fused** (the decoder, then the float32 head on the scored
     positions only) and **forward** (the model's own ``forward`` with ``logits_to_keep`` the distinct scored
-    nodes). Needs an attention implementation that reads a dense 4-D mask (:func:`tree_path`).
+    nodes). Needs an attention implementation that reads a dense 4-D mask
+    (:func:`~lightning_nb.trainers.prefix_tree.tree_path`).
 
     Returns:
         (B, T − 1) float32 log-probs in nats at the masked positions, 0 elsewhere.
@@ -159,6 +135,7 @@ def tree_response_logprobs(model: Any, tree: Any, sequences: Sequence[Sequence[i
     import torch
 
     from lightning_nb.models.lm_head import logits_token_logprobs, token_logprobs
+    from lightning_nb.trainers.prefix_tree import tree_attention_mask
 
     if len(tree.paths) != len(sequences) or any(len(p) != len(s) for p, s in zip(tree.paths, sequences)):
         raise ValueError("tree_response_logprobs: tree is not the prefix tree of these sequences "
@@ -167,7 +144,6 @@ def tree_response_logprobs(model: Any, tree: Any, sequences: Sequence[Sequence[i
     if reason != "tree":
         raise ValueError(f"tree_response_logprobs: {reason}")
     device = mask_B_L.device
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     sel_B_L = mask_B_L.bool()
     b_N, t_N = sel_B_L.nonzero(as_tuple=True)  # the scored positions, row-major as response_logprobs orders them
     node_N = torch.tensor([tree.paths[b][t] for b, t in zip(b_N.tolist(), t_N.tolist())], dtype=torch.long,
@@ -177,8 +153,7 @@ def tree_response_logprobs(model: Any, tree: Any, sequences: Sequence[Sequence[i
     temp_N = temp_B[b_N]
     ids_1_N = torch.tensor([tree.ids], dtype=torch.long, device=device)
     pos_1_N = torch.tensor([tree.depth], dtype=torch.long, device=device)
-    dtype = next(base.parameters()).dtype
-    attn = _tree_attention_mask(tree, base.config._attn_implementation, dtype, device)
+    attn = tree_attention_mask(tree, model, device)
     decoder, weight_V_H, _ = _fused_parts(model)
     if decoder is not None:
         hidden_N_H = decoder(input_ids=ids_1_N, attention_mask=attn, position_ids=pos_1_N,

@@ -26,13 +26,13 @@ from lightning_nb.trainers.batch import Batch, build_batch, check_batch, per_tri
 from lightning_nb.trainers.config import lr_factor
 from lightning_nb.trainers.credit import group_advantages, overlong_penalty, reward_to_go, transition_advantages
 from lightning_nb.trainers.grpo.config import GRPOConfig
-from lightning_nb.trainers.grpo.logprobs import response_logprobs, shift_pad, tree_path, tree_response_logprobs
+from lightning_nb.trainers.grpo.logprobs import response_logprobs, shift_pad, tree_response_logprobs
 from lightning_nb.trainers.grpo.losses import aggregate_loss, kl_estimate, policy_loss, truncated_is_weights
 from lightning_nb.trainers.inplace import InPlaceTrainer
 from lightning_nb.trainers.metrics import batch_metrics
 from lightning_nb.trainers.microbatch import MicroBatcher, auto_micro_batch_tokens
 from lightning_nb.trainers.packing import PackedSequence, pack_episode
-from lightning_nb.trainers.prefix_tree import PrefixTree, build_prefix_tree
+from lightning_nb.trainers.prefix_tree import PrefixTree, build_prefix_tree, tree_path
 from lightning_nb.types import Triplet
 
 # the names this module has always exported (their homes: trainers.config, trainers.credit, trainers.packing,

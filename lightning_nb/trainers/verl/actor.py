@@ -80,10 +80,12 @@ class VerlActor:
         response_logits_only: patch 6 (:mod:`lightning_nb.trainers.verl.patches`): the output head from each
             micro-batch's first response position on, not over the prompts (the same log-probs where verl reads
             them); False: verl's own head over every position.
+        prefix_tree: patch 7: each micro-batch forwarded as one prefix tree where patch 6 applies (the same
+            log-probs and gradients, a shared prompt forwarded once); False: padded rows.
     """
 
     def __init__(self, model: Any, config: Any = None, *, optimizer: Any = None, lr_scheduler: Any = None,
-                 forward_only: bool = False, response_logits_only: bool = True) -> None:
+                 forward_only: bool = False, response_logits_only: bool = True, prefix_tree: bool = True) -> None:
         import functools
 
         import torch
@@ -126,6 +128,7 @@ class VerlActor:
         self.engine.given_module, self.engine.given_optimizer = model, optimizer
         self.engine.given_lr_scheduler = lr_scheduler
         self.engine.response_logits_only = response_logits_only
+        self.engine.prefix_tree = prefix_tree
         with contextlib.redirect_stdout(io.StringIO()):  # verl prints the model size and the LR schedule
             self.engine.initialize()
         self.model, self.optimizer = self.engine.module, self.engine.optimizer
@@ -341,24 +344,37 @@ def _engine_class() -> type:
         warnings.simplefilter("ignore")
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    from lightning_nb.trainers.verl.patches import response_window, window_log_probs
+    from lightning_nb.trainers.verl.patches import response_tree, response_window, tree_log_probs, window_log_probs
 
     class _InProcessEngine(FSDPEngineWithLMHead):
         given_module: Any = None
         given_optimizer: Any = None
         given_lr_scheduler: Any = None
         response_logits_only: bool = True  # patch 6
+        prefix_tree: bool = True  # patch 7
+        forward_counts: Optional[list] = None  # [tokens forwarded, tokens a tree shared], when counting
 
         def prepare_model_inputs(self, micro_batch: Any) -> Any:  # patch 6: logits from the first response position
             model_inputs, output_args = super().prepare_model_inputs(micro_batch)
             window = response_window(micro_batch, self.module) if self.response_logits_only else None
-            if window is not None:
+            tree = response_tree(micro_batch, window, self.module) if window is not None and self.prefix_tree else None
+            shared = 0
+            if tree is not None:  # patch 7: the rows as one prefix tree
+                model_inputs, output_args["response_tree"] = tree[0], tree[1]
+                shared = tree[1].tree.shared_tokens
+            elif window is not None:
                 model_inputs["logits_to_keep"] = window.keep
                 output_args["response_window"] = window
+            if self.forward_counts is not None:
+                self.forward_counts[0] += int(model_inputs["input_ids"].numel())
+                self.forward_counts[1] += shared
             return model_inputs, output_args
 
         def prepare_model_outputs(self, output: Any, output_args: Any, micro_batch: Any,
                                   logits_processor_func: Any) -> Any:
+            if "response_tree" in output_args:
+                return {"log_probs": tree_log_probs(output.logits, output_args["temperature"], micro_batch,
+                                                    output_args["response_tree"])}
             window = output_args.get("response_window")
             if window is None:
                 return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)

@@ -1,6 +1,6 @@
-"""The six patches that let verl's actor run in this process, without Ray, on a model already in memory.
+"""The seven patches that let verl's actor run in this process, without Ray, on a model already in memory.
 
-What runs in-process and what is patched (patch 1 in :mod:`lightning_nb.trainers.verl.actor`, 2–6 here;
+What runs in-process and what is patched (patch 1 in :mod:`lightning_nb.trainers.verl.actor`, 2–7 here;
 nothing in verl's files).
 verl 0.9.0 has no ``dp_actor.DataParallelPPOActor`` any more: its actor is
 ``engine_workers.ActorRolloutRefWorker`` → ``TrainingWorker`` → an engine from
@@ -45,6 +45,14 @@ departures:
    logits (entropy, ``calculate_sum_pi_squared``, distillation, fused kernels, remove-padding, multi-modal
    inputs) or the model takes no ``logits_to_keep``, verl's own code runs. ``VerlActor(response_logits_only=False)``
    turns it off.
+7. Prefix trees (``TrainerConfig.prefix_tree``, :func:`response_tree` and :func:`tree_log_probs`, in the same two
+   hooks, where patch 6 applies and the model's attention reads a 4-D mask): the micro-batch's rows go through
+   the model as one prefix tree (:mod:`lightning_nb.trainers.prefix_tree`), so a prompt that several rows share
+   is forwarded once, and the response positions' log-probs are verl's ``logprobs_from_logits`` of the logits of
+   the nodes that hold them, divided by each row's temperature, in verl's per-token layout: the same values as
+   patch 6 (float32: within 1e-5) and the same gradients. verl's dynamic micro-batching counts row tokens, not
+   tree nodes, so ``VerlTrainer`` gives it :func:`~lightning_nb.trainers.prefix_tree.tree_token_budget`: a batch
+   whose tree fits the budget is one micro-batch. ``VerlActor(prefix_tree=False)`` turns it off.
 
 ``import verl`` needs the ``ray`` *package* (``verl/protocol.py`` imports it at module level),
 but nothing here starts or contacts Ray.
@@ -156,6 +164,66 @@ def window_log_probs(logits_b_K_V: Any, temperature_b: Any, micro_batch: Any, wi
     offsets = ids.offsets()
     flat_N = (offsets[:-1, None] + positions_K[None, :])[sel_b_K]
     values = torch.zeros(int(offsets[-1]), dtype=log_probs_N.dtype, device=log_probs_N.device)
+    return torch.nested.nested_tensor_from_jagged(values.index_put((flat_N,), log_probs_N), offsets)
+
+
+@dataclass
+class ResponseTree:
+    """One micro-batch as a prefix tree (patch 7): the tree of its rows, and for each of the N response positions
+    verl reads (row ``b_N``, position ``t_N``: scoring token t + 1) the slot ``slot_N`` of its node among the K
+    distinct nodes ``keep_K`` whose logits the model returns, and its next token ``labels_N``."""
+
+    tree: Any
+    b_N: Any
+    t_N: Any
+    labels_N: Any
+    keep_K: Any
+    slot_N: Any
+
+
+def response_tree(micro_batch: Any, window: ResponseWindow, module: Any) -> Optional[tuple[dict, ResponseTree]]:
+    """The model inputs of a verl micro-batch forwarded as one prefix tree, and its :class:`ResponseTree` (patch 7);
+    None where the module's attention takes no 4-D mask (:func:`~lightning_nb.trainers.prefix_tree.tree_path`).
+
+    The inputs are one row of the tree's N nodes: ``input_ids`` (1, N), ``position_ids`` (1, N) = each node's
+    depth, ``attention_mask`` (1, 1, N, N) the tree mask, ``logits_to_keep`` (K,) the nodes whose logits are read.
+    """
+    import torch
+
+    from lightning_nb.trainers.prefix_tree import build_prefix_tree, tree_attention_mask, tree_path
+
+    if tree_path(module) != "tree":
+        return None
+    rows = [r.tolist() for r in micro_batch["input_ids"].unbind()]
+    tree = build_prefix_tree(rows)
+    device = window.lengths.device
+    b, t = [], []
+    for i, (start, length) in enumerate(zip(window.starts.tolist(), window.lengths.tolist())):
+        b += [i] * max(length - 1 - start, 0)
+        t += range(start, length - 1)
+    node_N = torch.tensor([tree.paths[i][j] for i, j in zip(b, t)], dtype=torch.long, device=device)
+    labels_N = torch.tensor([rows[i][j + 1] for i, j in zip(b, t)], dtype=torch.long, device=device)
+    keep_K, slot_N = torch.unique(node_N, return_inverse=True)
+    inputs = {"input_ids": torch.tensor([tree.ids], dtype=torch.long, device=device),
+              "position_ids": torch.tensor([tree.depth], dtype=torch.long, device=device),
+              "attention_mask": tree_attention_mask(tree, module, device), "logits_to_keep": keep_K}
+    return inputs, ResponseTree(tree, torch.tensor(b, dtype=torch.long, device=device),
+                                torch.tensor(t, dtype=torch.long, device=device), labels_N, keep_K, slot_N)
+
+
+def tree_log_probs(logits_1_K_V: Any, temperature_b: Any, micro_batch: Any, rt: ResponseTree) -> Any:
+    """verl's ``log_probs`` of a micro-batch forwarded as a tree (patch 7), in the jagged layout of
+    :func:`window_log_probs`: each response position's ``logprobs_from_logits(logits / temperature, next token)``
+    from the logits of its node, 0 elsewhere. ``logits_1_K_V``: the logits of the nodes ``rt.keep_K``."""
+    import torch
+    from verl.utils.torch_functional import logprobs_from_logits
+
+    temp_N = temperature_b.clamp(min=1e-8).to(logits_1_K_V.dtype)[rt.b_N]
+    logits_N_V = logits_1_K_V[0].index_select(0, rt.slot_N) / temp_N[:, None]
+    log_probs_N = logprobs_from_logits(logits=logits_N_V, labels=rt.labels_N)
+    offsets = micro_batch["input_ids"].offsets()
+    values = torch.zeros(int(offsets[-1]), dtype=log_probs_N.dtype, device=log_probs_N.device)
+    flat_N = offsets[:-1][rt.b_N] + rt.t_N
     return torch.nested.nested_tensor_from_jagged(values.index_put((flat_N,), log_probs_N), offsets)
 
 

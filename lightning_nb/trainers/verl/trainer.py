@@ -93,8 +93,10 @@ class VerlTrainer(InPlaceTrainer):
     def _build_actors(self) -> None:
         from lightning_nb.trainers.verl.actor import VerlActor
 
-        self.actor = VerlActor(self.model, self.verl_config, optimizer=self.optimizer, lr_scheduler=self.scheduler)
-        self.reference_actor = (VerlActor(self.reference, self.verl_config, forward_only=True)
+        tree = self.config.prefix_tree
+        self.actor = VerlActor(self.model, self.verl_config, optimizer=self.optimizer, lr_scheduler=self.scheduler,
+                               prefix_tree=tree)
+        self.reference_actor = (VerlActor(self.reference, self.verl_config, forward_only=True, prefix_tree=tree)
                                 if self.reference is not None else None)
 
     # ----- the RL step ----------------------------------------------------------------
@@ -121,7 +123,9 @@ class VerlTrainer(InPlaceTrainer):
         ``groups_dropped``, ``episodes_dropped``, ``transitions``, ``stale_episodes_dropped``,
         ``staleness_max``, ``sequences_trained``, ``tokens_trained``, ``optimizer_steps``,
         ``turn_forks``, ``truncated_responses``, ``intermediate_rewards``, ``update_seconds``,
-        ``tokens_per_s``, ``lr``, ``config_changes``), plus every metric verl's loss reported under its
+        ``tokens_per_s``, ``lr``, ``config_changes``, ``forwarded_tokens`` and ``prefix_shared_tokens`` (of the
+        policy's forwards: tree nodes or padded rows' tokens, and what prefix trees saved, patch 7 of
+        :mod:`~lightning_nb.trainers.verl.patches`)), plus every metric verl's loss reported under its
         own name (``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``,
         ``kl_loss`` with the KL loss, ...) and ``trainer`` = ``"verl"``.
 
@@ -179,12 +183,12 @@ class VerlTrainer(InPlaceTrainer):
         # on the actor's device: verl returns its log-probs there, and they meet the batch's rollout_log_probs
         data = triplets_to_dataproto(kept, pad_token_id=self.engine.pad_token_id, pack_turns=cfg.pack_turns,
                                      device=self.actor.device)
-        lengths = data.batch["attention_mask"].sum(-1)
-        max_tokens = cfg.max_token_len(int(lengths.max()), self.model)  # verl's dynamic micro-batch budget
+        max_tokens = self._max_tokens(data)
         mask = data.batch["response_mask"].bool()  # before verl's rejection sampling (overrides) may change it
         from_forward, with_reference = self._old_from_forward(len(data)), self._reference_active()
         stages = [not from_forward, with_reference, True]  # π_old pass, π_ref pass, the update
         report = _stage_reporter(on_progress, sum(stages))
+        self.actor.engine.forward_counts = counts = [0, 0]  # the policy actor's forwards (a copied reference's not)
         if not from_forward:
             data = data.union(self.actor.compute_log_prob(data, max_token_len=max_tokens))
             report()
@@ -202,8 +206,23 @@ class VerlTrainer(InPlaceTrainer):
         if from_forward:  # the same weights, from the update's π_old: for the metrics
             data = self._rollout_correction(data, stats)
         report()
+        self.actor.engine.forward_counts = None
+        stats["forwarded_tokens"], stats["prefix_shared_tokens"] = counts
         self._old_log_prob_stats(data, mask, stats)
         return data, stats
+
+    def _max_tokens(self, data: Any) -> int:
+        """verl's dynamic micro-batch budget for ``data`` (tokens of its rows): :meth:`VerlConfig.max_token_len`;
+        with ``prefix_tree`` (where the model's attention takes the tree mask) that budget counts tree nodes, so
+        verl is given :func:`~lightning_nb.trainers.prefix_tree.tree_token_budget` of the rows."""
+        from lightning_nb.trainers.prefix_tree import tree_path, tree_token_budget
+
+        mask = data.batch["attention_mask"].bool()
+        budget = self.config.max_token_len(int(mask.sum(-1).max()), self.model)
+        if not self.config.prefix_tree or tree_path(self.model) != "tree":
+            return budget
+        rows = [ids[m].tolist() for ids, m in zip(data.batch["input_ids"], mask)]
+        return tree_token_budget(rows, budget)
 
     def _old_from_forward(self, rows: int) -> bool:
         """Whether π_old comes from the update's own forward: the update takes one optimizer step (``ppo_epochs=1``,
@@ -274,10 +293,13 @@ class VerlTrainer(InPlaceTrainer):
             "tis_weight_mean": stats.get("tis_weight_mean", math.nan), **head,
             "sequences_trained": len(rows), "tokens_trained": sum(sum(r["response_mask"]) for r in rows),
             "grad_norm": stats.get("grad_norm", 0.0), "update_seconds": seconds,
-            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "lr": lr, "optimizer_steps": steps, **tail,
+            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "lr": lr, "optimizer_steps": steps,
+            "forwarded_tokens": int(stats.get("forwarded_tokens", 0)),
+            "prefix_shared_tokens": int(stats.get("prefix_shared_tokens", 0)), **tail,
         }
         for k, v in stats.items():  # verl's own metric names, as its trainer logs them
-            if k not in ("loss", "grad_norm", "kl", "logprob_diff_max", "lr", "tis_weight_mean"):
+            if k not in ("loss", "grad_norm", "kl", "logprob_diff_max", "lr", "tis_weight_mean", "forwarded_tokens",
+                         "prefix_shared_tokens"):
                 metrics.setdefault(k, v)
         return metrics
 
