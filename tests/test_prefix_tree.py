@@ -295,8 +295,8 @@ def test_tree_token_budget_gives_verl_one_micro_batch_where_the_tree_fits():
 
 @pytest.mark.slow
 def test_a_verl_update_over_trees_equals_its_update_over_rows(engine, pristine, episodes):
-    """VerlTrainer (patch 7): verl's loss, gradient and π_old from one tree forward are those of verl's padded rows,
-    and the demo-sized batch is one micro-batch whose shared prompt is forwarded once."""
+    """VerlTrainer (patch 7): verl's loss, gradient and π_old from tree forwards are those of verl's padded rows,
+    and the shared prompts are forwarded once (under half the tokens)."""
     from lightning_nb.trainers.verl.trainer import VerlConfig, VerlTrainer
 
     engine.weight_version = 0

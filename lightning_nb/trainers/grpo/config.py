@@ -22,8 +22,9 @@ __all__ = ["GRPOConfig", "DEVICE_DEFAULT", "DTYPE_DEFAULT", "BF16_TIS_CAP"]
 class GRPOConfig(TrainerConfig):
     """Hyper-parameters of the GRPO update. Validated on construction and again on ``algo.resume()``.
 
-    :class:`~lightning_nb.trainers.config.TrainerConfig`'s fields, with one default resolved on construction: ``tis_cap`` (:data:`BF16_TIS_CAP` in bfloat16, else None). ``micro_batch_tokens`` is ``'auto'``
-    on every device (2,048 tokens on CPU). Fields may be edited while the trainer is paused; the edit takes effect at the next
+    :class:`~lightning_nb.trainers.config.TrainerConfig`'s fields, with one default resolved on construction:
+    ``tis_cap`` (:data:`BF16_TIS_CAP` in bfloat16, else None). ``micro_batch_tokens`` is ``'auto'`` on every device
+    (2,048 tokens on CPU). Fields may be edited while the trainer is paused; the edit takes effect at the next
     update and is recorded in the metrics (``config_changes``, and the algorithm's ``config_changes``).
     """
 
