@@ -137,6 +137,16 @@ class VerlActor:
         self._torch = torch
 
     @property
+    def forward_counts(self) -> Optional[list]:
+        """``[tokens forwarded, tokens a prefix tree shared]`` over the policy forwards since it was set to a
+        ``[0, 0]`` list (patch 7 counts into it); None: not counting."""
+        return self.engine.forward_counts
+
+    @forward_counts.setter
+    def forward_counts(self, counts: Optional[list]) -> None:
+        self.engine.forward_counts = counts
+
+    @property
     def device(self) -> Any:
         """The ``torch.device`` of the model's parameters: where verl computes, and where its outputs are."""
         return next(self.model.parameters()).device

@@ -188,7 +188,7 @@ class VerlTrainer(InPlaceTrainer):
         from_forward, with_reference = self._old_from_forward(len(data)), self._reference_active()
         stages = [not from_forward, with_reference, True]  # π_old pass, π_ref pass, the update
         report = _stage_reporter(on_progress, sum(stages))
-        self.actor.engine.forward_counts = counts = [0, 0]  # the policy actor's forwards (a copied reference's not)
+        self.actor.forward_counts = counts = [0, 0]  # the policy actor's forwards (a copied reference's not)
         if not from_forward:
             data = data.union(self.actor.compute_log_prob(data, max_token_len=max_tokens))
             report()
@@ -206,7 +206,7 @@ class VerlTrainer(InPlaceTrainer):
         if from_forward:  # the same weights, from the update's π_old: for the metrics
             data = self._rollout_correction(data, stats)
         report()
-        self.actor.engine.forward_counts = None
+        self.actor.forward_counts = None
         stats["forwarded_tokens"], stats["prefix_shared_tokens"] = counts
         self._old_log_prob_stats(data, mask, stats)
         return data, stats
