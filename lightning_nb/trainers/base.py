@@ -29,11 +29,25 @@ from lightning_nb.types import Triplet, html_view
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["Trainer", "ProgressCallback", "config_edits"]
+__all__ = ["Trainer", "ProgressCallback", "progress_ticker", "config_edits"]
 
 #: ``on_progress(done, total, unit)``: what :meth:`Trainer.update` calls as its work advances
 #: (``unit``: ``"micro-batches"`` for GRPOTrainer, ``"stages"`` for VerlTrainer).
 ProgressCallback = Callable[[int, int, str], None]
+
+
+def progress_ticker(report: ProgressCallback, total: int, unit: str) -> Callable[[], None]:
+    """A function to call after each of ``total`` pieces of work (``unit``): reports ``report(done, total, unit)``;
+    reports 0 at once."""
+    done = 0
+    report(0, total, unit)
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        report(done, total, unit)
+
+    return tick
 
 
 def config_edits(applied: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any, str]]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, TypeVar
 
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainers.prefix_tree import plan_tree_micro_batches
+from lightning_nb.trainers.prefix_tree import check_budget, plan_tree_micro_batches
 
 __all__ = ["MicroBatcher", "plan_micro_batches", "padded_tokens", "bytes_per_token", "auto_micro_batch_tokens",
            "CPU_AUTO_TOKENS", "DEFAULT_ROWS", "AUTO_MEMORY_FRACTION", "AUTO_HEADROOM_BYTES", "AUTO_MAX_TOKENS",
@@ -68,10 +68,7 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: Optional[int] = None,
     Raises:
         ConfigError: ``max_tokens`` or ``max_rows`` below 1.
     """
-    if max_tokens is not None and max_tokens < 1:
-        raise ConfigError(f"plan_micro_batches: max_tokens={max_tokens!r} must be None or an int >= 1")
-    if max_rows is not None and max_rows < 1:
-        raise ConfigError(f"plan_micro_batches: max_rows={max_rows!r} must be None or an int >= 1")
+    check_budget("plan_micro_batches", max_tokens, max_rows)
     if max_tokens is None:
         rows = max_rows or DEFAULT_ROWS
         return [list(range(i, min(i + rows, len(lengths)))) for i in range(0, len(lengths), rows)]

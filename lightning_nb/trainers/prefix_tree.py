@@ -129,6 +129,14 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def check_budget(caller: str, max_tokens: Optional[int], max_rows: Optional[int]) -> None:
+    """Raise :class:`ConfigError` naming ``caller`` where a micro-batch budget (``max_tokens``, ``max_rows``) is
+    below 1; None is no budget."""
+    for name, value in (("max_tokens", max_tokens), ("max_rows", max_rows)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{caller}: {name}={value!r} must be None or an int >= 1")
+
+
 def plan_tree_micro_batches(sequences: Sequence[Sequence[int]], max_tokens: Optional[int],
                             max_rows: Optional[int] = None) -> list[list[int]]:
     """Split ``sequences`` into micro-batches forwarded as prefix trees; returns lists of indices into ``sequences``.
@@ -146,10 +154,7 @@ def plan_tree_micro_batches(sequences: Sequence[Sequence[int]], max_tokens: Opti
     Raises:
         ConfigError: ``max_tokens`` or ``max_rows`` below 1.
     """
-    if max_tokens is not None and max_tokens < 1:
-        raise ConfigError(f"plan_tree_micro_batches: max_tokens={max_tokens!r} must be None or an int >= 1")
-    if max_rows is not None and max_rows < 1:
-        raise ConfigError(f"plan_tree_micro_batches: max_rows={max_rows!r} must be None or an int >= 1")
+    check_budget("plan_tree_micro_batches", max_tokens, max_rows)
     budget = MAX_TREE_TOKENS if max_tokens is None else min(max_tokens, MAX_TREE_TOKENS)
     order = sorted(range(len(sequences)), key=lambda i: (list(sequences[i]), i))
     plan: list[list[int]] = []

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from lightning_nb.engines.transformers import TransformersEngine
 from lightning_nb.trainers.agreement import agreement_metrics
-from lightning_nb.trainers.base import ProgressCallback
+from lightning_nb.trainers.base import ProgressCallback, progress_ticker
 from lightning_nb.trainers.batch import Batch, build_batch, check_batch, per_triplet_turn, signal_groups
 from lightning_nb.trainers.config import lr_factor
 from lightning_nb.trainers.credit import group_advantages, overlong_penalty, reward_to_go, transition_advantages
@@ -76,19 +76,6 @@ class _Micro:
 
 def _lengths(seqs: Sequence[PackedSequence]) -> list[int]:
     return [len(s.input_ids) for s in seqs]
-
-
-def _ticker(report: ProgressCallback, total: int) -> Callable[[], None]:
-    """A function to call after each of the update's ``total`` micro-batches: reports ``done`` of ``total``."""
-    done = 0
-    report(0, total, "micro-batches")
-
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        report(done, total, "micro-batches")
-
-    return tick
 
 
 class GRPOTrainer(InPlaceTrainer):
@@ -242,7 +229,8 @@ class GRPOTrainer(InPlaceTrainer):
                 self._batcher = self._micro_batcher()
                 batch = build_batch(self.config, triplets, self.engine.weight_version,
                                     score_kl=lambda seqs: self._score_at_start(
-                                        seqs, _ticker(report, self._batcher.count_sequences(_tokens(seqs))),
+                                        seqs, progress_ticker(report, self._batcher.count_sequences(_tokens(seqs)),
+                                                        "micro-batches"),
                                         with_reference=True))
                 stats = self._optimize(batch.seqs, report)
                 if stats["optimizer_steps"]:
@@ -277,8 +265,8 @@ class GRPOTrainer(InPlaceTrainer):
         scored = ([s for s in seqs if s.trained and s.trainer_logprobs is None]
                   if cfg.ppo_epochs * len(minis) > 1 else [])
         count = self._batcher.count_sequences
-        tick = _ticker(report, count(_tokens(scored)) + cfg.ppo_epochs * sum(
-            count(_tokens([s for s in m if s.trained])) for m in minis))
+        tick = progress_ticker(report, count(_tokens(scored)) + cfg.ppo_epochs * sum(
+            count(_tokens([s for s in m if s.trained])) for m in minis), "micro-batches")
         if scored:  # fix π_start before the first step changes the weights
             self._score_at_start(scored, tick)
         stats = dict.fromkeys(("loss", "pg_loss", "kl", "ppo_kl", "pg_clipfrac", "tis_weight", "tokens",

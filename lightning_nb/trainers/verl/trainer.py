@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainers.base import ProgressCallback
+from lightning_nb.trainers.base import ProgressCallback, progress_ticker
 from lightning_nb.trainers.checkpoint import write_file
 from lightning_nb.trainers.batch import Batch, build_batch, check_batch, signal_groups
 from lightning_nb.trainers.inplace import InPlaceTrainer
@@ -187,7 +187,7 @@ class VerlTrainer(InPlaceTrainer):
         mask = data.batch["response_mask"].bool()  # before verl's rejection sampling (overrides) may change it
         from_forward, with_reference = self._old_from_forward(len(data)), self._reference_active()
         stages = [not from_forward, with_reference, True]  # π_old pass, π_ref pass, the update
-        report = _stage_reporter(on_progress, sum(stages))
+        report = progress_ticker(on_progress, sum(stages), "stages")
         self.actor.forward_counts = counts = [0, 0]  # the policy actor's forwards (a copied reference's not)
         if not from_forward:
             data = data.union(self.actor.compute_log_prob(data, max_token_len=max_tokens))
@@ -382,20 +382,6 @@ class VerlTrainer(InPlaceTrainer):
         with self._updating:
             self.verl_config = self.config.verl_config()
             self._build_actors()
-
-
-def _stage_reporter(on_progress: ProgressCallback, total: int) -> Any:
-    """A function to call after each of ``total`` stages: reports ``on_progress(done, total, "stages")``; reports 0
-    at once."""
-    done = 0
-    on_progress(0, total, "stages")
-
-    def report() -> None:
-        nonlocal done
-        done += 1
-        on_progress(done, total, "stages")
-
-    return report
 
 
 def _batch_rows(data: Any) -> list[dict[str, Any]]:
