@@ -34,7 +34,8 @@ __all__ = [
     "RESPONSE_FINISH_REASONS", "RESPONSE_TOOL_CALLS", "USAGE_INPUT_TOKENS", "USAGE_OUTPUT_TOKENS",
     "ENGINE", "CHOICE_INDEX", "CHOICES", "PROMPT_TOKEN_IDS", "COMPLETION_TOKEN_IDS", "LOGPROBS", "WEIGHT_VERSION",
     "TOKEN_IDS_MISSING", "SAMPLING_NOT_APPLIED", "WEIGHTS_CHANGED_DURING_CALL", "REQUEST_RESPONSE_MASK", "PROMPT_SPLICED",
-    "TOOL_CHOICE_RESAMPLED", "ASSISTANT_TURNS_AS_SAMPLED", "ASSISTANT_TURNS_REWRITTEN", "APPLIED_TEMPERATURE",
+    "TOOL_CHOICE_RESAMPLED", "ASSISTANT_TURNS_AS_SAMPLED", "ASSISTANT_TURNS_REWRITTEN", "REPLAYED_FROM", "REPLAY_DIVERGENCE",
+    "APPLIED_TEMPERATURE",
     "APPLIED_TOP_P", "APPLIED_MAX_TOKENS", "APPLIED_STOP", "APPLIED_SEED", "APPLIED_SAMPLING",
     "REWARD", "REWARD_NAME", "REWARD_SOURCE", "REWARD_NOTE", "JUDGE_SPAN", "JUDGE_MODEL", "JUDGE_PROMPT",
     "JUDGE_VERDICT", "JUDGE_SCORE", "JUDGE_GROUP", "TOOL_NAME", "TOOL_INPUT", "TOOL_OUTPUT", "ERROR",
@@ -182,6 +183,13 @@ ASSISTANT_TURNS_AS_SAMPLED = "lightning_nb.assistant_turns.as_sampled"
 #: How many earlier assistant turns with tool calls it re-wrote from ``tool_calls`` instead (the proxy no
 #: longer knew their text, or the client changed the calls): each can fork the episode (int).
 ASSISTANT_TURNS_REWRITTEN = "lightning_nb.assistant_turns.rewritten"
+#: On a call the proxy answered from another rollout's record instead of sampling (a replay or the replayed
+#: part of a branch, :mod:`lightning_nb.proxy.replay`): the recorded call's span id. Trainers never train such a
+#: call's tokens again (its reply belongs to the parent); absent on a sampled call.
+REPLAYED_FROM = "lightning_nb.replay.source_span_id"
+#: On the :data:`ERROR` span of a call a replay refused (409) because the agent's request differs from the
+#: record: JSON ``{"call": j, "field": ..., "recorded": ..., "requested": ...}``.
+REPLAY_DIVERGENCE = "lightning_nb.replay.divergence"
 
 # ----- rewards and tools ----------------------------------------------------------------------
 #: The reward value (float) of a :data:`REWARD_SPAN` or :data:`INTERMEDIATE_REWARD_SPAN`.

@@ -65,6 +65,9 @@ __all__ = [
     "GROUP_ID_KEY",
     "SAMPLING_PARAMETERS_KEY",
     "MAIN_LLM",
+    "PARENT_ROLLOUT_KEY",
+    "BRANCH_CALL_KEY",
+    "REPLAY_KEY",
 ]
 
 RolloutStatus = Literal["queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled"]
@@ -79,6 +82,13 @@ GROUP_ID_KEY = "group_id"
 #: Rollout metadata key of the rollout's own sampling parameters (``{"temperature": ..., "max_tokens": ...}``),
 #: which runners hand the agent in ``llm.sampling_parameters`` and the LLM proxy applies on the rollout's URL.
 SAMPLING_PARAMETERS_KEY = "sampling_parameters"
+#: Rollout metadata key of the rollout a replay or a branch copies (:func:`lightning_nb.replay.branch`).
+PARENT_ROLLOUT_KEY = "parent_rollout_id"
+#: Rollout metadata key of a branch's number of calls replayed from its parent (0: none, a fresh rollout).
+BRANCH_CALL_KEY = "branch_call"
+#: Rollout metadata key the LLM proxy reads to answer a rollout's first calls from another's record:
+#: ``{"rollout_id": parent, "attempt_id": its attempt, "calls": k}`` (:mod:`lightning_nb.proxy.replay`).
+REPLAY_KEY = "replay"
 #: The name of the LLM resource agents are given (``store.add_resources({MAIN_LLM: proxy.as_resource()})``).
 MAIN_LLM = "main_llm"
 WorkerStatus = Literal["idle", "busy", "stopped", "unresponsive"]

@@ -292,7 +292,7 @@ def test_episodes_df_shows_input_completions_and_reward_side_by_side(store):
 
     df = store.episodes_df()
     assert list(df.columns) == ["rollout_id", "mode", "status", "group_id", "input", "completions", "llm_calls",
-                                "reward", "attempts", "duration_s", "error"]
+                                "reward", "attempts", "duration_s", "error", "parent_rollout_id", "branch_call"]
     assert df["rollout_id"].tolist() == [rid, retried.rollout_id, bad.rollout.rollout_id, val.rollout.rollout_id]
     rows = df.set_index("rollout_id").to_dict("index")
     assert rows[rid]["completions"] == "let me think\n---\n4" and rows[rid]["llm_calls"] == 2
@@ -313,6 +313,56 @@ def test_episodes_df_shows_input_completions_and_reward_side_by_side(store):
     assert store.episodes_df(mode="test").empty and list(store.episodes_df(mode="test").columns) == list(df.columns)
     with pytest.raises(ConfigError, match="mode"):
         store.episodes_df(mode="eval")
+
+
+def test_episode_gives_calls_tools_rewards_and_status_of_the_latest_attempt(store):
+    """store.episode(): every backend builds it from its spans alike (the LLM calls of the latest attempt only,
+    numbered from 1; the tool span between them; the final reward and the shaping component)."""
+    import json
+
+    ok = store.start_rollout({"q": "2+2"}, metadata={"group_id": "g1"})
+    rid, aid = ok.rollout.rollout_id, ok.attempt.attempt_id
+    first = _llm_span(rid, aid, "CALC: 2 + 2")
+    first.attributes.update({semconv.PROMPT: json.dumps([{"role": "user", "content": "2+2?"}]),
+                             semconv.PROMPT_TOKEN_IDS: [5, 6], semconv.LOGPROBS: [-0.5, -0.25],
+                             semconv.RESPONSE_FINISH_REASONS: ["stop"], semconv.REQUEST_TEMPERATURE: 0.7,
+                             semconv.WEIGHT_VERSION: 3})
+    store.add_span(first)
+    store.add_span(_span(rid, aid, "tool:calculator", **{semconv.TOOL_NAME: "calculator", semconv.TOOL_INPUT: "2 + 2",
+                                                         semconv.TOOL_OUTPUT: "4"}))
+    store.add_span(_span(rid, aid, "intermediate_reward", **{semconv.REWARD: 0.2, semconv.REWARD_NAME: "shaping"}))
+    store.add_span(_llm_span(rid, aid, "ANSWER: 4"))
+    store.add_span(_span(rid, aid, "reward", **{semconv.REWARD: 1.0}))
+    store.update_attempt(rid, aid, status="succeeded")
+    ep = store.episode(rid)
+    assert (ep.rollout_id, ep.attempt_id, ep.status, ep.attempt_status, ep.group_id) == (rid, aid, "succeeded",
+                                                                                          "succeeded", "g1")
+    assert ep.task == {"q": "2+2"} and ep.reward == 1.0 and ep.components == {"shaping": 0.2}
+    assert [c.call for c in ep.calls] == [1, 2] and ep.replies == ["CALC: 2 + 2", "ANSWER: 4"]
+    one = ep.calls[0]
+    assert one.messages == [{"role": "user", "content": "2+2?"}] and one.prompt_ids == [5, 6]
+    assert one.completion_ids == [1, 2] and one.logprobs == [-0.5, -0.25] and one.finish_reason == "stop"
+    assert one.request == {"temperature": 0.7} and one.weight_version == 3 and not one.replayed
+    assert [(t.name, t.input, t.output, t.after_call) for t in ep.tools] == [("calculator", "2 + 2", "4", 1)]
+    assert ep.final_reply == "ANSWER: 4" and ep.parent_rollout_id is None and ep.branch_call is None
+    assert list(ep.to_frame()["call"]) == [1, 2] and "ANSWER: 4" in ep._repr_html_()
+
+    retried = store.enqueue_rollout("retried", config=RolloutConfig(max_attempts=2))
+    a1 = store.dequeue_rollout("w")
+    store.add_span(_llm_span(retried.rollout_id, a1.attempt.attempt_id, "old try"))
+    store.update_attempt(retried.rollout_id, a1.attempt.attempt_id, status="failed", error="first crash")
+    a2 = store.dequeue_rollout("w")
+    store.add_span(_llm_span(retried.rollout_id, a2.attempt.attempt_id, "new try"))
+    store.update_attempt(retried.rollout_id, a2.attempt.attempt_id, status="failed", error="second crash")
+    ep = store.episode(retried.rollout_id)
+    assert ep.replies == ["new try"] and ep.attempt_id == a2.attempt.attempt_id and ep.status == "failed"
+    assert ep.reward == 0.0 and ep.error == "second crash" and ep.group_id is None
+    queued = store.enqueue_rollout("queued")
+    ep = store.episode(queued.rollout_id)
+    assert ep.calls == [] and ep.attempt_id is None and ep.reward is None and ep.final_reply == ""
+    assert [e.rollout_id for e in store.episodes()] == [rid, retried.rollout_id]
+    with pytest.raises(NotFoundError):
+        store.episode("nope")
 
 
 def test_episodes_df_reads_the_spans_once():

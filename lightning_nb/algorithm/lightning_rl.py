@@ -18,6 +18,7 @@ import json
 import math
 import random
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Callable, Optional, Sequence, Union, overload
@@ -29,6 +30,7 @@ from lightning_nb.algorithm.control import TrainerStopped, config_edits
 from lightning_nb.algorithm.slice_report import SliceReport
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.loggers import MetricLogger, make_loggers
+from lightning_nb.replay.rescoring import RewardFn, rescore, score
 from lightning_nb.slices import Slicer, ordered_labels, slice_keys, slice_labels, slicer_name
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import reward_or_zero
@@ -37,6 +39,14 @@ from lightning_nb.trainers.checkpoint import rng_state
 from lightning_nb.types import SAMPLING_PARAMETERS_KEY, RolloutConfig
 
 __all__ = ["AlgorithmConfig", "LightningRL", "SliceReport", "task_key"]
+
+
+def _reward_name(fn: Any) -> Optional[str]:
+    """A reward function's name as the config log shows it (None: the agent's own reward)."""
+    if fn is None:
+        return None
+    inner = getattr(fn, "func", fn)  # functools.partial
+    return f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', type(inner).__name__)}"
 
 
 def task_key(task: Any, id_key: str = "id") -> str:
@@ -191,6 +201,9 @@ class LightningRL(RunCheckpoint, Algorithm):
         self._train_labels: Optional[list[str]] = None
         self._train_keys: Optional[list[str]] = None
         self._weights: tuple[Any, Optional[list[float]]] = (None, None)
+        self.reward_fn: Optional[RewardFn] = None  # set_reward(): the reward from the next step on
+        self._reward_applied: Optional[str] = None  # the name of the reward function the last step used
+        self._rescored: dict[str, float] = {}  # the step's rollouts' rewards under reward_fn
         self._task_weights()  # a bad slice_weights fails here
         self.loggers = make_loggers(loggers, config=self._logged_config()) if loggers else []
 
@@ -300,7 +313,7 @@ class LightningRL(RunCheckpoint, Algorithm):
         with_signal = 0
         skipped: dict[str, int] = {}
         taken: set[str] = set()  # the step's tasks so far: a later round draws the others first
-        self.last_sample_rounds, self.last_judge = 0, {}
+        self.last_sample_rounds, self.last_judge, self._rescored = 0, {}, {}
         for round_ in range(cfg.max_sample_rounds if cfg.dynamic_sampling else 1):
             if round_ > 0:
                 self.at_boundary("between sample rounds")
@@ -311,6 +324,8 @@ class LightningRL(RunCheckpoint, Algorithm):
                 for k, v in self.group_judge.judge_rollouts(self.store, new_ids).items():
                     self.last_judge[k] = self.last_judge.get(k, 0) + v
             new = self.adapter.adapt(self.store, new_ids)
+            if self.reward_fn is not None:  # set_reward(): the step trains on the new reward, the spans stay as recorded
+                new = self._apply_reward(new, new_ids)
             for k, v in self.adapter.last_skipped.items():
                 skipped[k] = skipped.get(k, 0) + v
             triplets += new
@@ -322,6 +337,58 @@ class LightningRL(RunCheckpoint, Algorithm):
         self.last_groups_with_signal = with_signal
         self.last_skipped = skipped
         return triplets, ids
+
+    def set_reward(self, reward_fn: Optional[RewardFn]) -> None:
+        """Train on ``reward_fn(task, episode)`` instead of the agent's reward, from the next step on (None: back to
+        the agent's).
+
+        ``reward_fn`` is :func:`~lightning_nb.replay.rescoring.what_if`'s: ``(task, Episode) -> float | dict of
+        components`` (a dict's sum is the reward). Each step's finished rollouts are scored with it after the
+        runners finish them (:func:`~lightning_nb.replay.rescoring.rescore`: the new reward replaces the recorded one
+        and its intermediate rewards in the triplets), so dynamic sampling, the advantages and the step's
+        ``reward_mean`` use it; ``reward_recorded_mean`` is then the agent's own reward of the same rollouts. The
+        reward spans stay as the agent recorded them, and :meth:`evaluate` still reports the agent's reward (the
+        task's measure). Try a function first with ``what_if(reward_fn, algo=algo)``.
+
+        The change is logged at the next step in :attr:`config_changes` (field ``"reward"``, old and new the
+        functions' names) and the step's ``config_changes`` column. A checkpoint saves the function's name, not
+        the function: :meth:`load` warns when the checkpoint's run used one and none is set.
+
+        Raises:
+            ConfigError: the loop is running (call :meth:`pause` first), or ``reward_fn`` is not callable.
+        """
+        if self.state in ("running", "pausing"):
+            raise ConfigError(f"set_reward() while the loop is {self.state}: call algo.pause() first; the new reward "
+                              "applies from the next step, after algo.resume()")
+        if reward_fn is not None and not callable(reward_fn):
+            raise ConfigError(f"set_reward(reward_fn={reward_fn!r}): pass a function (task, episode) -> float | dict, "
+                              "or None for the agent's own reward")
+        self.reward_fn = reward_fn
+
+    def state_dict(self) -> dict[str, Any]:
+        """:class:`~lightning_nb.algorithm.checkpoint.RunCheckpoint`'s state, with the name of the reward function
+        the last step trained on (``"reward_fn"``; None: the agent's reward)."""
+        return {**super().state_dict(), "reward_fn": self._reward_applied}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; warns when the saved run trained on a reward function (:meth:`set_reward`)
+        other than the one set now (functions are not saved)."""
+        state = dict(state)
+        name = state.pop("reward_fn", None)
+        super().load_state_dict(state)
+        self._reward_applied = name
+        if name is not None and _reward_name(self.reward_fn) != name:
+            warnings.warn(f"the checkpoint's run trained on reward function {name} (set_reward); a function is not "
+                          f"saved, and {'none' if self.reward_fn is None else _reward_name(self.reward_fn)} is set "
+                          "now: call algo.set_reward(fn) before resuming to keep it, or the next step logs the change",
+                          stacklevel=2)
+
+    def _apply_reward(self, triplets: list, rollout_ids: Sequence[str]) -> list:
+        """``triplets`` of ``rollout_ids`` under :attr:`reward_fn` (succeeded rollouts; a failed one stays 0)."""
+        rewards = {e.rollout_id: score(self.reward_fn, e)[0]
+                   for e in self.store.episodes(list(rollout_ids)) if e.status == "succeeded"}
+        self._rescored.update(rewards)
+        return rescore(triplets, rewards)
 
     def _reporter(self, phase: str, step: int, n: int, before: int = 0) -> Callable[[int, int], None]:
         """The ``on_progress`` of :meth:`wait_for` that reports ``phase`` of ``step`` to the loop
@@ -411,6 +478,11 @@ class LightningRL(RunCheckpoint, Algorithm):
         now = asdict(self.config)
         edits = config_edits(self._applied_config, now)
         self._applied_config = now
+        name = _reward_name(self.reward_fn)
+        if name != self._reward_applied:
+            edits.append(("reward", self._reward_applied, name,
+                          f"reward {self._reward_applied or 'the agent'!s} → {name or 'the agent'!s}"))
+            self._reward_applied = name
         return edits
 
     def step(self, progress: bool = True) -> dict[str, Any]:
@@ -466,7 +538,7 @@ class LightningRL(RunCheckpoint, Algorithm):
                                    for k, old, new, _ in edits)
         rollouts = self.store.query_rollouts(rollout_ids=ids)
         finished = self._finished_rewards(ids)
-        rewards = list(finished.values())
+        rewards = [self._rescored.get(rid, r) for rid, r in finished.items()]  # set_reward's, else the agent's
         extra: dict[str, Any] = {
             "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
             "batch_reward_mean": metrics["reward_mean"], "rollout_seconds": rollout_seconds,
@@ -475,6 +547,9 @@ class LightningRL(RunCheckpoint, Algorithm):
             **{f"skipped_{k}": v for k, v in self.last_skipped.items()},
             **self._component_means(list(finished)), **self.last_judge,
         }
+        if self.reward_fn is not None:
+            recorded = list(finished.values())
+            extra["reward_recorded_mean"] = sum(recorded) / len(recorded) if recorded else math.nan
         if edits:
             extra["config_changes"] = "; ".join(filter(None, [metrics.get("config_changes", ""),
                                                               *(text for *_, text in edits)]))

@@ -19,9 +19,11 @@ import pandas as pd
 from lightning_nb.errors import ConfigError
 from lightning_nb.semconv import COMPLETION, ERROR, JUDGE_SPAN, LLM_SPAN, REWARD, REWARD_NAME
 from lightning_nb.slices import slice_labels
+from lightning_nb.store.episode import Episode, build_episode
 from lightning_nb.store.rules import counted_reward_spans, reward_component
 from lightning_nb.store.spanframe import Flatten, check_flatten, frame_from_spans
-from lightning_nb.types import GROUP_ID_KEY, ROLLOUT_TERMINAL, Attempt, Rollout, RolloutMode, Worker
+from lightning_nb.types import (BRANCH_CALL_KEY, GROUP_ID_KEY, PARENT_ROLLOUT_KEY, ROLLOUT_TERMINAL, Attempt, Rollout,
+                                RolloutMode, Worker)
 
 __all__ = ["FrameViews"]
 
@@ -127,6 +129,33 @@ class FrameViews:
         df["heartbeat_age_s"] = df["heartbeat_age_s"].astype("float64")
         return df
 
+    def episode(self, rollout_id: str) -> Episode:
+        """The rollout as a user reads it: its task, each LLM call's messages, reply, token IDs and
+        finish_reason, the traced tool calls, the final reply, the final reward and its components, the attempt's
+        status (:class:`~lightning_nb.store.episode.Episode`, from the spans of its latest attempt).
+
+        Raises:
+            NotFoundError: ``rollout_id`` is not in the store.
+        """
+        rollout = self.get_rollout_by_id(rollout_id)
+        attempts = self.query_attempts(rollout_id)
+        return build_episode(rollout, attempts[-1] if attempts else None,
+                             self.query_spans(rollout_id, "latest") if attempts else [])
+
+    def episodes(self, rollout_ids: Optional[Any] = None, *, mode: Optional[str] = None) -> list[Episode]:
+        """:meth:`episode` of each of ``rollout_ids`` (None: every finished rollout, succeeded or failed, in
+        enqueue order; ``mode``: only that mode's).
+
+        Raises:
+            ConfigError: ``mode`` is not a rollout mode. NotFoundError: an id is not in the store.
+        """
+        if mode is not None and mode not in _MODES:
+            raise ConfigError(f"mode={mode!r} is not a rollout mode; use one of {list(_MODES)} or None (all)")
+        if rollout_ids is None:
+            rollout_ids = [r.rollout_id for r in self.query_rollouts(status=["succeeded", "failed"])
+                           if mode is None or r.mode == mode]
+        return [self.episode(rid) for rid in rollout_ids]
+
     def episodes_df(self, mode: Optional[str] = None, by: Any = None) -> pd.DataFrame:
         """One row per finished rollout (succeeded or failed): its input, completions and reward side by side.
 
@@ -148,7 +177,10 @@ class FrameViews:
             (``num_attempts``), duration_s (float seconds from start to end) and error
             (the latest attempt's error if the rollout failed, else missing). Cancelled and
             unfinished rollouts are left out. Spans no longer in the store (evicted by an
-            ``InMemoryStore`` with ``max_spans``) count as no calls.
+            ``InMemoryStore`` with ``max_spans``) count as no calls. Then parent_rollout_id and branch_call:
+            the rollout a replay or branch copies and how many of its calls it replayed
+            (:func:`lightning_nb.replay.branch`; missing for an ordinary rollout).
+            :meth:`episode` gives one rollout's calls, tool calls and rewards in full.
 
         Reads every span once (:meth:`query_spans`), not one query per rollout.
 
@@ -182,6 +214,8 @@ class FrameViews:
                 "reward": math.nan if reward is None else reward, "attempts": r.num_attempts,
                 "duration_s": _duration(r),
                 "error": attempt.error if r.status == "failed" and attempt is not None else None,
+                "parent_rollout_id": r.metadata.get(PARENT_ROLLOUT_KEY),
+                "branch_call": r.metadata.get(BRANCH_CALL_KEY) if r.metadata.get(PARENT_ROLLOUT_KEY) else None,
             })
         df = pd.DataFrame(rows, columns=_EPISODE_COLUMNS)
         for col, dtype in (("llm_calls", "int64"), ("attempts", "int64"), ("reward", "float64"),
@@ -299,6 +333,6 @@ _ATTEMPT_COLUMNS = [
 ]
 _EPISODE_COLUMNS = [
     "rollout_id", "mode", "status", GROUP_ID_KEY, "input", "completions", "llm_calls", "reward", "attempts",
-    "duration_s", "error",
+    "duration_s", "error", "parent_rollout_id", "branch_call",
 ]
 _MODES = get_args(RolloutMode)

@@ -1,0 +1,24 @@
+"""Prototype rewards and replies on stored episodes: what-if rewards (:mod:`~lightning_nb.replay.rescoring`), exact
+replay and branching a rollout at call k (:mod:`~lightning_nb.replay.branching`).
+
+Imports nothing heavy: the names are loaded on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["what_if", "what_if_groups", "what_if_slices", "what_if_figure", "rescore", "score",
+           "replay", "branch", "ReplayResult", "Divergence", "branch_group"]
+
+_HOMES = {"what_if": "rescoring", "what_if_groups": "rescoring", "what_if_slices": "rescoring", "what_if_figure": "rescoring",
+          "rescore": "rescoring", "score": "rescoring", "replay": "branching", "branch": "branching",
+          "ReplayResult": "branching", "Divergence": "branching", "branch_group": "branching"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(f"lightning_nb.replay.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'lightning_nb.replay' has no attribute {name!r}")
