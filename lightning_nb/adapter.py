@@ -173,6 +173,7 @@ def _triplet(rollout_id: str, span: Span, group: str, turn: int, reward: float, 
         weight_version=a.get(semconv.WEIGHT_VERSION),
         finish_reason=(a.get(semconv.RESPONSE_FINISH_REASONS) or [None])[0],
         prompt_text=str(a.get(semconv.PROMPT, "")), response_text=str(a.get(semconv.COMPLETION, "")),
+        replayed=bool(a.get(semconv.REPLAYED_FROM)),
     )
 
 

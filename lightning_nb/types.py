@@ -434,6 +434,10 @@ class Triplet(_Model):
         "Why the engine stopped: 'stop', 'length' (cut at max_tokens) or 'tool_calls'; None if unknown."))
     prompt_text: str = ""
     response_text: str = ""
+    replayed: bool = Field(False, description=(
+        "The call was answered from another rollout's record (the replayed part of a replay or a branch, span "
+        "attribute lightning_nb.replay.source_span_id), not sampled: its response tokens are context (response "
+        "mask 0), never trained again; the parent rollout's own triplet trains them."))
 
     @field_validator("reward", "step_reward")
     @classmethod

@@ -187,6 +187,9 @@ def test_gem_runner_on_frozen_lake_setup_once_step_scores_on_their_calls_one_pac
         for k in range(1, len(ts)):
             before = ts[k - 1].prompt_ids + ts[k - 1].response_ids
             assert ts[k].prompt_ids[:len(before)] == before, (rid, k, first_difference(before, ts[k].prompt_ids))
+        ep = store.episode(rid)  # the episode as a user reads it: the same calls, the step scores as rewards
+        assert [c.completion_ids for c in ep.calls] == [t.response_ids for t in ts]
+        assert ep.reward == pytest.approx(sum(steps)) and ep.status == "succeeded" and ep.calls[-1].messages
         seqs = pack_episode(ts, advantage=1.0)
         assert len(seqs) == 1
         assert sum(map(sum, (s.mask for s in seqs))) == sum(len(t.response_ids) for t in ts)

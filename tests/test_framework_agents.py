@@ -233,10 +233,18 @@ def _check_framework(store: InMemoryStore, name: str) -> None:
         assert any(tool.attributes[semconv.TOOL_OUTPUT] in json.dumps(m.get("content")) for m in results), prompt
         assert any(c["function"]["name"] == "calculator" for m in prompt for c in m.get("tool_calls") or [])
 
+    # store.episode (issue 50): the same calls with their token IDs, the traced tool with its result, the reward
+    first = called[0]
+    ep = store.episode(first)
+    assert [c.completion_ids for c in ep.calls] == [s.attributes[semconv.COMPLETION_TOKEN_IDS] for s in found[first]["llm"]]
+    assert ep.calls[found[first]["turn"]].tool_calls and ep.final_reply == ep.calls[-1].reply
+    assert any(t.name == "calculator" and t.output == found[first]["tool"].attributes[semconv.TOOL_OUTPUT]
+               for t in ep.tools)
+    assert ep.reward == store.final_reward(first) and ep.status == "succeeded"
+
     # the adapter: triplets with the spans' token IDs (multi-turn when a tool ran); the cached rollout, which made
     # no LLM call, is counted as skipped, not dropped
     adapter = TripletAdapter()
-    first = called[0]
     triplets = adapter.adapt(store, [first, cached])
     turns = [t for t in triplets if t.rollout_id == first]
     assert turns and [t.turn for t in turns] == list(range(len(turns)))
@@ -274,3 +282,24 @@ def test_a_rollout_without_llm_calls_is_skipped_as_no_llm_calls_not_dropped():
     adapter = TripletAdapter()
     assert adapter.adapt(store, [rid]) == []
     assert adapter.last_skipped["no_llm_calls"] == 1 and adapter.skipped["no_llm_calls"] == 1
+
+
+def test_the_langgraph_agent_replays_to_the_same_calls_tokens_and_reward(stack):
+    """Issue 50: ``replay`` re-runs the LangGraph agent with every call answered from the record; LangGraph echoes the
+    recorded tool calls (their ids too) and the tool is deterministic, so every request equals the recorded one."""
+    from lightning_nb.replay import replay
+
+    _needs(*FRAMEWORKS["langgraph"][1])
+    store = stack
+    with start_runners(langgraph_agent, store, n=1, default_timeout_s=150):
+        task = _tasks()[0]
+        rid = store.enqueue_rollout(task, metadata={"sampling_parameters": SAMPLING}).rollout_id
+        assert store.wait_for_rollouts([rid], timeout=180)
+        assert not _failures(store, [rid]), _failures(store, [rid])
+        ep = replay(rid, store=store)
+    orig = store.episode(rid)
+    assert ep.divergence is None and ep.status == "succeeded", (ep.divergence, ep.error)
+    assert all(c.replayed for c in ep.calls) and len(ep.calls) == len(orig.calls) >= 1
+    assert [c.completion_ids for c in ep.calls] == [c.completion_ids for c in orig.calls]
+    assert [c.messages for c in ep.calls] == [c.messages for c in orig.calls]
+    assert ep.reward == orig.reward and [t.output for t in ep.tools] == [t.output for t in orig.tools]

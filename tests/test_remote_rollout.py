@@ -244,6 +244,10 @@ def test_episode_through_the_reference_server_is_one_masked_sequence(engine, pro
     # the second prompt extends the first prompt and completion token for token: one packed sequence
     assert second[semconv.PROMPT_TOKEN_IDS][: len(first_prompt) + len(first_completion)] == (
         first_prompt + first_completion)
+    ep = store.episode(rollout.rollout_id)  # built from the same spans: the calls, the tool result, the reward
+    assert [c.completion_ids for c in ep.calls] == [c.attributes[semconv.COMPLETION_TOKEN_IDS] for c in calls]
+    assert ep.calls[0].tool_calls[0]["function"]["name"] == "add" and ep.calls[1].messages[2]["content"] == "8"
+    assert ep.reward == reward_of(store, rollout.rollout_id)[0] and ep.task == TOOL_QUESTION
     triplets = TripletAdapter().adapt(store, [rollout.rollout_id])
     [seq] = pack_episode(triplets, 1.0)
     assert seq.fork_at is None and len(seq.input_ids) == len(triplets[-1].prompt_ids) + len(triplets[-1].response_ids)

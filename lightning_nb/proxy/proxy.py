@@ -46,13 +46,14 @@ from lightning_nb.errors import ConfigError, LightningNbError, NotFoundError
 from lightning_nb.proxy.app import ROLLOUT_ID_HEADER, proxy_app
 from lightning_nb.proxy.request import (ChatCompletionRequest, ProxyHTTPError, applied_sampling, check_attempt_open,
                                         check_body_rollout_id, check_supported, validate_request)
+from lightning_nb.proxy.replay import ReplayPlan, divergence, recorded_choices, replayed_attributes
 from lightning_nb.proxy.response import Choice, dropped_before_reply, openai_response, parse_choices
 from lightning_nb.proxy.spans import choice_attributes, record_call, record_error, requested_attributes
 from lightning_nb.proxy.splice import (ServedCall, can_submit_tokens, generations_response, splice_previous_reply,
                                        submit_kwargs)
 from lightning_nb.store.base import LightningStore
 from lightning_nb.tracing.tracer import Tracer
-from lightning_nb.types import SAMPLING_PARAMETERS_KEY, TRAFFIC_KEY, LLMResource
+from lightning_nb.types import REPLAY_KEY, SAMPLING_PARAMETERS_KEY, TRAFFIC_KEY, LLMResource
 
 __all__ = ["LLMProxy", "ChatCompletionRequest", "TRAFFIC_KEY", "ROLLOUT_ID_HEADER"]
 
@@ -143,6 +144,9 @@ class LLMProxy:
         # call's prompt + completion length, which a rollout server's response_mask is checked against
         self._sampled: "OrderedDict[str, str]" = OrderedDict()
         self._served: "OrderedDict[tuple[str, str], ServedCall]" = OrderedDict()
+        # attempts that replay another's record (rollout metadata REPLAY_KEY): their plan, and calls served so far
+        self._replays: "OrderedDict[tuple[str, str], ReplayPlan]" = OrderedDict()
+        self._calls_seen: "OrderedDict[tuple[str, str], int]" = OrderedDict()
 
     # ----- lifecycle ------------------------------------------------------------------
     def start(self) -> "LLMProxy":
@@ -274,7 +278,16 @@ class LLMProxy:
                                       "call that one, or drop response_mask", "response_mask")
         check_body_rollout_id(req, rollout_id)
         engine = self._engine_for(req)
-        enforced = await self._rollout_sampling(rollout_id, attempt_id)
+        enforced, replay = await self._rollout_sampling(rollout_id, attempt_id)
+        if replay is not None and rollout_id and attempt_id:
+            key = (rollout_id, attempt_id)
+            call = self._calls_seen.get(key, 0) + 1  # counted before any await: the attempt's calls in arrival order
+            _remember(self._calls_seen, key, call)
+            plan = await self._replay_plan(key, replay)
+            if call <= plan.replay or plan.exact:
+                completion = await self._replayed(req, engine, key, plan, call, enforced, agent_name)
+                return req, completion
+            enforced = {**enforced, **plan.sampling}  # a branch's own sampling, from call k + 1
         completion = await self._complete(req, engine, rollout_id, attempt_id, enforced, agent_name=agent_name)
         return req, completion
 
@@ -330,11 +343,13 @@ class LLMProxy:
         check_supported(req, engine)
         return engine
 
-    async def _rollout_sampling(self, rollout_id: Optional[str], attempt_id: Optional[str]) -> dict[str, Any]:
-        """The rollout's ``sampling_parameters`` (empty off a rollout URL); 404 for unknown ids, 409 for an attempt
+    async def _rollout_sampling(self, rollout_id: Optional[str], attempt_id: Optional[str]
+                                ) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+        """The rollout's ``sampling_parameters`` (empty off a rollout URL) and its replay record (metadata
+        :data:`~lightning_nb.types.REPLAY_KEY`, None without one); 404 for unknown ids, 409 for an attempt
         that already ended (:func:`_check_open`)."""
         if rollout_id is None:
-            return {}
+            return {}, None
         def lookup() -> tuple[Any, list[Any]]:
             return self.store.get_rollout_by_id(rollout_id), self.store.query_attempts(rollout_id)
 
@@ -343,7 +358,61 @@ class LLMProxy:
         except NotFoundError as exc:
             raise ProxyHTTPError(404, str(exc), "rollout_id") from None
         check_attempt_open(attempts, rollout_id, attempt_id)
-        return dict(rollout.metadata.get(SAMPLING_PARAMETERS_KEY) or {})
+        return dict(rollout.metadata.get(SAMPLING_PARAMETERS_KEY) or {}), rollout.metadata.get(REPLAY_KEY)
+
+    async def _replay_plan(self, key: tuple[str, str], meta: dict[str, Any]) -> ReplayPlan:
+        """The attempt's :class:`~lightning_nb.proxy.replay.ReplayPlan`, read from the parent's spans once."""
+        plan = self._replays.get(key)
+        if plan is None:
+            spans = await asyncio.to_thread(self.store.query_spans, str(meta["rollout_id"]), str(meta["attempt_id"]))
+            plan = ReplayPlan.from_metadata(meta, spans)
+            _remember(self._replays, key, plan)
+        return plan
+
+    async def _replayed(self, req: ChatCompletionRequest, engine: Engine, key: tuple[str, str], plan: ReplayPlan,
+                        call: int, enforced: dict[str, Any], agent_name: Optional[str]) -> dict[str, Any]:
+        """Answer call ``call`` of a replaying attempt from the parent's record, and record it on the attempt.
+
+        Raises:
+            ProxyHTTPError: 409 naming the call and the field when the request differs from the record
+                (:func:`~lightning_nb.proxy.replay.divergence`) or the record has no such call; an
+                :data:`~lightning_nb.semconv.ERROR` span with :data:`~lightning_nb.semconv.REPLAY_DIVERGENCE` is written.
+        """
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        if call > len(plan.calls):
+            diff: Optional[tuple[str, Any, Any]] = ("calls", f"{len(plan.calls)} calls",
+                                                    f"call {call} (the agent made more calls than the record has)")
+        else:
+            diff = divergence(req, messages, plan.calls[call - 1], plan.compare_model)
+        if diff is not None:
+            name, recorded, asked = diff
+            message = (f"replay of rollout {plan.parent_rollout_id!r} (attempt {plan.parent_attempt_id!r}) diverged "
+                       f"at call {call}: {name} was {json.dumps(recorded, default=str)[:500]} in the record, the agent "
+                       f"sent {json.dumps(asked, default=str)[:500]}. The proxy answers no request from a record it "
+                       "differs from; the replay stops here (its calls before this one are recorded on the attempt)")
+            span = self.tracer.start_span(semconv.LLM_SPAN, key[0], key[1], {
+                semconv.REQUEST_MODEL: req.model, semconv.ERROR: message[:2000],
+                semconv.REPLAY_DIVERGENCE: json.dumps({"call": call, "field": name, "recorded": recorded,
+                                                       "requested": asked}, default=str),
+                **({semconv.AGENT_NAME: agent_name} if agent_name else {})})
+            await asyncio.to_thread(span.end)
+            raise ProxyHTTPError(409, message, name)
+        rec = plan.calls[call - 1]
+        t0 = time.time_ns()
+        raw, choices, prompt_ids, version = recorded_choices(rec)
+        version = engine.weight_version if version is None else int(version)
+        await self._check_still_open(*key)
+        for ch in choices:
+            if ch.tool_calls:
+                _remember(self._sampled, sampled_turn_key(ch.tool_calls), ch.text)
+        if prompt_ids is not None and choices and choices[0].token_ids is not None:
+            _remember(self._served, key, ServedCall(tuple(prompt_ids), tuple(choices[0].token_ids), choices[0].text,
+                                                    tuple(prompt_ids), cut=choices[0].finish_reason == "length",
+                                                    n_messages=len(req.messages)))
+        applied, not_applied = applied_sampling(req, enforced)
+        requested = requested_attributes(req, messages, applied, not_applied, engine, version, version, agent_name)
+        await record_call(self.tracer, key[0], key[1], t0, requested, replayed_attributes(rec))
+        return openai_response(req, raw, choices, prompt_ids, version)
 
     async def _check_still_open(self, rollout_id: str, attempt_id: str) -> None:
         """409 when the attempt ended while its call was being served: the call is then not recorded."""

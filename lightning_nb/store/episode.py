@@ -93,6 +93,8 @@ class Episode:
             (``{"calc_uses_all_numbers": 0.2}``), the final reward not among them.
         error: the attempt's error when it failed. parent_rollout_id, branch_call: the rollout this one replays
             or branches and the number of its calls replayed (None for an ordinary rollout).
+        divergence: where a replay stopped because the agent's request differed from the record: ``{"call": j,
+            "field": ..., "recorded": ..., "requested": ...}`` (None when it did not, or for an ordinary rollout).
     """
 
     rollout_id: str
@@ -110,6 +112,7 @@ class Episode:
     error: Optional[str] = None
     parent_rollout_id: Optional[str] = None
     branch_call: Optional[int] = None
+    divergence: Optional[dict[str, Any]] = None
 
     @property
     def replies(self) -> list[str]:
@@ -198,10 +201,13 @@ def build_episode(rollout: Rollout, attempt: Optional[Attempt], spans: Sequence[
                                  after_call=seen, span_id=s.span_id))
     rewards = [s.attributes.get(semconv.REWARD) for s in spans if s.name == semconv.REWARD_SPAN]
     parent = rollout.metadata.get(PARENT_ROLLOUT_KEY)
+    diverged = next((_json(s.attributes[semconv.REPLAY_DIVERGENCE], None) for s in spans
+                     if s.name == semconv.LLM_SPAN and semconv.REPLAY_DIVERGENCE in s.attributes), None)
     return Episode(
         rollout_id=rollout.rollout_id, attempt_id=attempt.attempt_id if attempt else None, task=rollout.input,
         mode=rollout.mode, status=rollout.status, attempt_status=attempt.status if attempt else None,
         group_id=rollout.metadata.get(GROUP_ID_KEY), calls=calls, tools=tools,
         final_reply=calls[-1].reply if calls else "", reward=final_reward(rollout.status, rewards),
         components=component_sums(spans), error=attempt.error if attempt is not None else None,
-        parent_rollout_id=parent, branch_call=rollout.metadata.get(BRANCH_CALL_KEY) if parent else None)
+        parent_rollout_id=parent, branch_call=rollout.metadata.get(BRANCH_CALL_KEY) if parent else None,
+        divergence=diverged)

@@ -89,7 +89,9 @@ def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = Tru
     ``pack`` that is a fork, and the new sequence's ``fork_at`` is the first position where
     the prompt differs from the previous sequence (an episode packed into k sequences has
     k − 1 forks). With ``mask_truncated`` the response of a turn the engine cut at
-    ``max_tokens`` (``finish_reason == "length"``) gets mask 0 (DAPO's overlong filtering).
+    ``max_tokens`` (``finish_reason == "length"``) gets mask 0 (DAPO's overlong filtering). A replayed turn
+    (:attr:`Triplet.replayed`: answered from a parent rollout's record by a branch) gets mask 0 always: its tokens
+    are the branch's context, trained once, in the parent.
     A turn sampled at another temperature than the sequence it extends starts a new sequence
     (not a fork: ``fork_at`` stays None), since a sequence is scored at one temperature.
     Each token's ``token_turns`` entry is its transition's index in turn order (0..T−1), and every
@@ -98,7 +100,7 @@ def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = Tru
     out: list[PackedSequence] = []
     for k, t in enumerate(sorted(triplets, key=lambda t: t.turn)):
         lp = list(t.logprobs) if t.logprobs is not None else [0.0] * len(t.response_ids)
-        keep = 0 if mask_truncated and t.finish_reason == "length" else 1  # response mask value
+        keep = 0 if (mask_truncated and t.finish_reason == "length") or t.replayed else 1  # response mask value
         cur = out[-1] if out else None
         extends = cur is not None and t.prompt_ids[: len(cur.input_ids)] == cur.input_ids
         if pack and extends and t.temperature == cur.temperature:

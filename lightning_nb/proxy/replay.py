@@ -1,0 +1,158 @@
+"""Answering a rollout's first calls from another rollout's record: exact replay and branching (the proxy's side).
+
+A rollout whose metadata holds :data:`~lightning_nb.types.REPLAY_KEY` (``{"rollout_id": parent, "attempt_id": its
+attempt, "calls": k, ...}``, written by :func:`lightning_nb.replay.replay` and :func:`lightning_nb.replay.branch`)
+has its calls 1..k answered by the proxy from the parent attempt's recorded calls (:func:`recorded_calls`): the same
+reply text, tool calls, token IDs, log-probs, finish reason and weight version, recorded on the new attempt with
+:data:`~lightning_nb.semconv.REPLAYED_FROM`. Each request is first compared with the recorded one
+(:func:`divergence`): the messages, the tools and tool_choice, the sampling the agent asked for, ``n``, and the model
+(unless the branch runs on other resources). A request that differs is never answered from the record: the proxy
+answers 409 naming the call, the field and both values, and writes an :data:`~lightning_nb.semconv.ERROR` span with
+:data:`~lightning_nb.semconv.REPLAY_DIVERGENCE`. From call k + 1 on the proxy samples as for any rollout (with the
+branch's own sampling over the rollout's, ``"sampling"``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from lightning_nb import semconv
+from lightning_nb.proxy.request import ChatCompletionRequest
+from lightning_nb.proxy.response import Choice
+from lightning_nb.types import Span
+
+__all__ = ["RecordedCall", "ReplayPlan", "recorded_calls", "divergence", "recorded_choices", "replayed_attributes"]
+
+#: The request fields compared with the record, in this order: the span key and the request's value of each.
+_SAMPLING = (("temperature", semconv.REQUEST_TEMPERATURE), ("top_p", semconv.REQUEST_TOP_P),
+             ("max_tokens", semconv.REQUEST_MAX_TOKENS), ("seed", semconv.REQUEST_SEED))
+
+
+@dataclass
+class RecordedCall:
+    """One recorded call of the parent attempt: ``call`` (from 1), ``spans`` (one per choice, index order)."""
+
+    call: int
+    spans: list[Span] = field(default_factory=list)
+
+    @property
+    def attributes(self) -> dict[str, Any]:
+        return self.spans[0].attributes
+
+
+@dataclass
+class ReplayPlan:
+    """What the proxy replays on one attempt: the parent's ``calls`` (recorded), how many of them (``replay``: k),
+    the sampling applied after them (``sampling``), whether the model name must match (``compare_model``), and
+    whether a call past the record is a divergence (``exact``: a replay) or sampled (a branch)."""
+
+    parent_rollout_id: str
+    parent_attempt_id: str
+    replay: int
+    calls: list[RecordedCall]
+    sampling: dict[str, Any] = field(default_factory=dict)
+    compare_model: bool = True
+    exact: bool = False  # a replay: a call past the record is a divergence, not sampled
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, Any], spans: Sequence[Span]) -> "ReplayPlan":
+        calls = recorded_calls(spans)
+        k = meta.get("calls")
+        return cls(parent_rollout_id=str(meta["rollout_id"]), parent_attempt_id=str(meta["attempt_id"]),
+                   replay=len(calls) if k is None else int(k), calls=calls, sampling=dict(meta.get("sampling") or {}),
+                   compare_model=bool(meta.get("compare_model", True)), exact=bool(meta.get("exact", False)))
+
+
+def recorded_calls(spans: Sequence[Span]) -> list[RecordedCall]:
+    """The LLM calls among one attempt's ``spans`` (store order), each with its choices' spans: a span of choice
+    index 0 (or without one) starts a call, a higher index joins the call before it."""
+    calls: list[RecordedCall] = []
+    for s in spans:
+        if s.name != semconv.LLM_SPAN:
+            continue
+        index = int(s.attributes.get(semconv.CHOICE_INDEX, 0) or 0)
+        if index == 0 or not calls:
+            calls.append(RecordedCall(call=len(calls) + 1))
+        calls[-1].spans.append(s)
+    return calls
+
+
+def _recorded_json(attrs: dict[str, Any], key: str) -> Any:
+    value = attrs.get(key)
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def divergence(req: ChatCompletionRequest, messages: list[dict[str, Any]], rec: RecordedCall,
+               compare_model: bool = True) -> Optional[tuple[str, Any, Any]]:
+    """``(field, recorded, requested)`` of the first field where ``req`` differs from the recorded call, or None.
+
+    Compared: ``model`` (when ``compare_model``), ``messages`` (as the client sent them), ``tools``, ``tool_choice``,
+    ``temperature``, ``top_p``, ``max_tokens``, ``seed``, ``stop`` (as the agent requested them, before a
+    rollout's own sampling), and ``n``; and a recorded call that failed (``error``: it has no reply to give).
+    """
+    a = rec.attributes
+    requested_max = req.max_completion_tokens or req.max_tokens
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    checks: list[tuple[str, Any, Any]] = []
+    if compare_model:
+        checks.append(("model", a.get(semconv.REQUEST_MODEL), req.model))
+    checks += [("messages", _recorded_json(a, semconv.PROMPT), messages),
+               ("tools", _recorded_json(a, semconv.REQUEST_TOOLS), req.tools or None),
+               ("tool_choice", _recorded_json(a, semconv.REQUEST_TOOL_CHOICE), req.tool_choice)]
+    requested = {"temperature": req.temperature, "top_p": req.top_p, "max_tokens": requested_max, "seed": req.seed}
+    checks += [(name, a.get(key), requested[name]) for name, key in _SAMPLING]
+    checks += [("stop", list(a[semconv.REQUEST_STOP_SEQUENCES]) if a.get(semconv.REQUEST_STOP_SEQUENCES) else None,
+                list(stop) if stop else None),
+               ("n", int(a.get(semconv.CHOICES, 1) or 1), int(req.n or 1))]
+    if a.get(semconv.ERROR):
+        return "error", a[semconv.ERROR], "a reply (the recorded call failed, so there is none to replay)"
+    for name, recorded, asked in checks:
+        if recorded != asked:
+            return name, recorded, asked
+    return None
+
+
+def recorded_choices(rec: RecordedCall) -> tuple[dict[str, Any], list[Choice], Optional[list[int]], Optional[int]]:
+    """``(raw, choices, prompt_ids, weight_version)`` of a recorded call, in the form the proxy's reply and spans are
+    made from (:func:`~lightning_nb.proxy.response.openai_response`, :func:`replayed_attributes`)."""
+    choices = []
+    for s in rec.spans:
+        a = s.attributes
+        calls = _recorded_json(a, semconv.RESPONSE_TOOL_CALLS) or []
+        text = str(a.get(semconv.COMPLETION, ""))
+        ids = a.get(semconv.COMPLETION_TOKEN_IDS)
+        lps = a.get(semconv.LOGPROBS)
+        content = text
+        if calls:  # the content returned without the call markup the proxy parsed: what the client got then
+            from lightning_nb.engines.chat_format import parse_tool_calls
+
+            names = [c.get("function", {}).get("name") for c in calls]
+            parsed, again = parse_tool_calls(text, names)
+            content = parsed if again else text
+        choices.append(Choice(
+            index=int(a.get(semconv.CHOICE_INDEX, 0) or 0), text=text, content=content if content or not calls else None,
+            tool_calls=calls, token_ids=list(ids) if ids is not None else None,
+            finish_reason=(a.get(semconv.RESPONSE_FINISH_REASONS) or [None])[0],
+            logprobs={"content": [{"token": "", "logprob": float(lp), "bytes": None, "top_logprobs": []} for lp in lps]}
+            if lps else None))
+    a = rec.attributes
+    prompt_ids = list(a[semconv.PROMPT_TOKEN_IDS]) if a.get(semconv.PROMPT_TOKEN_IDS) else None
+    usage = {"prompt_tokens": a.get(semconv.USAGE_INPUT_TOKENS), "completion_tokens": a.get(semconv.USAGE_OUTPUT_TOKENS)}
+    if usage["prompt_tokens"] is not None and usage["completion_tokens"] is not None:
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    raw = {"id": a.get(semconv.RESPONSE_ID) or None, "usage": usage}
+    return raw, choices, prompt_ids, a.get(semconv.WEIGHT_VERSION)
+
+
+def replayed_attributes(rec: RecordedCall) -> list[dict[str, Any]]:
+    """Per choice, the recorded reply's attributes to write on the new attempt's span (what was sampled: text, tool
+    calls, token IDs, log-probs, finish reason, weight version, and the applied sampling it was sampled with), with
+    :data:`~lightning_nb.semconv.REPLAYED_FROM` naming the recorded span."""
+    keep = (semconv.RESPONSE_ID, semconv.CHOICE_INDEX, semconv.CHOICES, semconv.RESPONSE_FINISH_REASONS,
+            semconv.COMPLETION, semconv.WEIGHT_VERSION, semconv.RESPONSE_TOOL_CALLS, semconv.PROMPT_TOKEN_IDS,
+            semconv.COMPLETION_TOKEN_IDS, semconv.USAGE_INPUT_TOKENS, semconv.USAGE_OUTPUT_TOKENS, semconv.LOGPROBS,
+            semconv.TOKEN_IDS_MISSING, semconv.ENGINE, *semconv.APPLIED_SAMPLING)
+    return [{**{k: s.attributes[k] for k in keep if k in s.attributes}, semconv.REPLAYED_FROM: s.span_id}
+            for s in rec.spans]

@@ -1,0 +1,195 @@
+"""Exact replay of a stored rollout, and branching it at call k (Tree-GRPO, ARPO), from a cell.
+
+:func:`replay` re-runs the agent on a rollout's task with every LLM call answered by the proxy from the recorded
+completion (the same text, token IDs and log-probs); :func:`branch` replays calls 1..k and samples anew from call
+k + 1, ``n`` times, with the current weights, other sampling or another resources set. Each is a new rollout of
+its own, run by the runners like any other (start them first), linked to its parent (metadata
+``parent_rollout_id`` and ``branch_call``: ``store.episodes_df()`` columns, ``Episode.parent_rollout_id``) and
+never editing it. The proxy's side (what is compared, the 409 on a divergence) is
+:mod:`lightning_nb.proxy.replay`.
+
+The branches of one parent at one call share the GRPO group ``branch:<parent>:<k>`` (:func:`branch_group`), so
+an update over their triplets computes advantages relative within the group; only the calls sampled after the
+branch point are trained (:attr:`~lightning_nb.types.Triplet.replayed` calls are context, response mask 0). The
+scheme is Tree-GRPO's (Ji et al. 2025, "Tree Search for LLM Agent Reinforcement Learning", arXiv 2509.21240:
+sibling branches from a shared prefix as the group) and ARPO's (Dong et al. 2025, "Agentic Reinforced Policy
+Optimization", arXiv 2507.19849: branching after tool calls).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from lightning_nb.errors import ConfigError, LightningNbError
+from lightning_nb.proxy.replay import recorded_calls
+from lightning_nb.store.episode import Episode
+from lightning_nb.types import (BRANCH_CALL_KEY, GROUP_ID_KEY, PARENT_ROLLOUT_KEY, REPLAY_KEY, SAMPLING_PARAMETERS_KEY,
+                                Rollout)
+
+__all__ = ["replay", "branch", "branch_group", "branch_tree"]
+
+#: The sampling a branch may set (the proxy applies them from call k + 1 on, over the rollout's).
+BRANCH_SAMPLING = ("temperature", "top_p", "max_tokens", "seed", "stop")
+
+
+def branch_group(parent_rollout_id: str, at_call: int) -> str:
+    """The GRPO group of the branches of ``parent_rollout_id`` at ``at_call``: ``"branch:<parent>:<k>"``."""
+    return f"branch:{parent_rollout_id}:{at_call}"
+
+
+def _store_of(store: Any, algo: Any) -> Any:
+    if store is None and algo is not None:
+        store = algo.store
+    if store is None:
+        raise ConfigError("pass store=... (the store the rollout is in, whose runners will run the replay) or algo=...")
+    return store
+
+
+def _parent(store: Any, rollout_id: str) -> tuple[Rollout, str, int]:
+    """The parent rollout, its latest attempt id and its number of recorded LLM calls."""
+    parent = store.get_rollout_by_id(rollout_id)
+    attempts = store.query_attempts(rollout_id)
+    if parent.status not in ("succeeded", "failed") or not attempts:
+        raise ConfigError(f"rollout {rollout_id!r} is {parent.status!r}: only a finished rollout (succeeded or failed) "
+                          "has a record to replay; wait for it (store.wait_for_rollouts) first")
+    attempt = attempts[-1].attempt_id
+    return parent, attempt, len(recorded_calls(store.query_spans(rollout_id, attempt)))
+
+
+def _enqueue(store: Any, parent: Rollout, attempt_id: str, calls: int, n: int, *, exact: bool,
+             sampling: dict[str, Any], resources_id: Optional[str]) -> list[str]:
+    meta = {REPLAY_KEY: {"rollout_id": parent.rollout_id, "attempt_id": attempt_id, "calls": calls,
+                         "exact": exact, "sampling": sampling, "compare_model": resources_id is None},
+            PARENT_ROLLOUT_KEY: parent.rollout_id, BRANCH_CALL_KEY: calls,
+            GROUP_ID_KEY: ("replay:" + parent.rollout_id) if exact else branch_group(parent.rollout_id, calls)}
+    if parent.metadata.get(SAMPLING_PARAMETERS_KEY):  # the agent sends what it sent then
+        meta[SAMPLING_PARAMETERS_KEY] = dict(parent.metadata[SAMPLING_PARAMETERS_KEY])
+    return [store.enqueue_rollout(parent.input, mode=parent.mode, resources_id=resources_id or parent.resources_id,
+                                  metadata=json.loads(json.dumps(meta))).rollout_id for _ in range(n)]
+
+
+def _wait(store: Any, ids: list[str], timeout: float, what: str) -> list[Episode]:
+    done = store.wait_for_rollouts(ids, timeout=timeout, progress=len(ids) > 1)
+    if len(done) < len(ids):
+        raise LightningNbError(f"{what}: {len(ids) - len(done)} of {len(ids)} rollouts did not finish in {timeout:g} s "
+                               f"(ids {ids}); are runners running on this store (start_runners(agent, store))? They "
+                               "stay queued and will run when runners start")
+    return [store.episode(rid) for rid in ids]
+
+
+def replay(rollout_id: str, *, store: Any = None, algo: Any = None, timeout: float = 300.0) -> Episode:
+    """Re-run the agent on a stored rollout's task with every LLM call answered from the record, and return the new
+    episode.
+
+    The new rollout (same input, mode, resources set and sampling parameters as the parent) is run by the store's
+    runners; the proxy answers its call j with the parent's recorded call j (text, tool calls, token IDs, log-probs,
+    finish reason) when the agent's request equals the recorded one (messages, tools, tool_choice, sampling, n,
+    model). Where it differs, the replay stops at j: the proxy answers 409 naming the call and the field, the attempt
+    fails, and the episode's :attr:`~lightning_nb.store.episode.Episode.divergence` holds the call, the field and
+    both values. A deterministic agent with deterministic tools replays to the same calls, tokens and reward.
+
+    Args:
+        rollout_id: a finished rollout (succeeded or failed): its latest attempt is replayed.
+        store: the store it is in (runners must be running on it); or ``algo`` (its store).
+        timeout: seconds to wait for the replay to finish.
+
+    Returns:
+        The replay's :class:`~lightning_nb.store.episode.Episode` (``parent_rollout_id`` the parent,
+        ``branch_call`` its number of calls; every call ``replayed``).
+
+    Raises:
+        ConfigError: no store, or the rollout has not finished. NotFoundError: unknown rollout.
+        LightningNbError: the replay did not finish within ``timeout`` (no runners?).
+    """
+    store = _store_of(store, algo)
+    parent, attempt, calls = _parent(store, rollout_id)
+    ids = _enqueue(store, parent, attempt, calls, 1, exact=True, sampling={}, resources_id=None)
+    return _wait(store, ids, timeout, f"replay of {rollout_id!r}")[0]
+
+
+def branch(rollout_id: str, at_call: int, n: int = 4, *, sampling: Optional[dict[str, Any]] = None,
+           resources: Any = None, store: Any = None, algo: Any = None, timeout: float = 600.0) -> list[Episode]:
+    """``n`` new rollouts that replay calls 1..``at_call`` of a stored rollout from its record, then sample anew.
+
+    From call ``at_call`` + 1 the proxy samples with the engine's current weights, with ``sampling`` over the
+    rollout's own sampling parameters, on the resources set the branches are pinned to. ``at_call`` = the number of
+    the parent's calls replays the whole episode (each branch equals the parent when the agent is deterministic);
+    ``at_call=0`` replays nothing: a fresh rollout of the same task (still linked to the parent). Calls 1..k are
+    compared with the record as in :func:`replay` (a request that differs stops that branch with a 409 and its
+    :attr:`~lightning_nb.store.episode.Episode.divergence`); with ``resources`` the model name is not compared, so
+    the calls after k can go to another model the proxy serves. A prompt template that changes the messages of calls
+    1..k makes the branches diverge at the first of them: branch at call 0 to try a template from the start.
+
+    The ``n`` branches share the GRPO group :func:`branch_group` (``"branch:<parent>:<k>"``), linked to the parent by
+    ``parent_rollout_id`` and ``branch_call``; ``trainer.update(adapter.adapt(store, [e.rollout_id for e in
+    branches]))`` trains one step on them as a group (only the calls after k carry a response mask).
+
+    Args:
+        rollout_id: a finished rollout (its latest attempt is the record).
+        at_call: k, how many of its LLM calls to replay (0..number of calls).
+        n: branches (>= 1).
+        sampling: ``temperature``, ``top_p``, ``max_tokens``, ``seed``, ``stop`` for the calls after k (None: the
+            rollout's own).
+        resources: a resources set for the branches: the id of one in the store, or a dict of resources (stored
+            with ``store.add_resources``; the set that was the latest is written again after it, so it stays the
+            latest for everything else, its version one higher). None: the parent's set.
+        store, algo: the store (runners must be running on it), or an algorithm holding it.
+        timeout: seconds to wait for all branches.
+
+    Returns:
+        The ``n`` branches' :class:`~lightning_nb.store.episode.Episode` objects, in enqueue order.
+
+    Raises:
+        ConfigError: ``at_call`` outside 0..calls, ``n`` < 1, an unknown ``sampling`` key, an unfinished parent, no
+            store. NotFoundError: unknown rollout or resources id. LightningNbError: not finished within ``timeout``.
+    """
+    store = _store_of(store, algo)
+    parent, attempt, calls = _parent(store, rollout_id)
+    if not isinstance(at_call, int) or isinstance(at_call, bool) or not 0 <= at_call <= calls:
+        raise ConfigError(f"branch(at_call={at_call!r}): rollout {rollout_id!r} made {calls} LLM calls; pass an int in "
+                          f"0..{calls} (0: a fresh rollout of the task, {calls}: replay all of them)")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"branch(n={n!r}): pass the number of branches, an int >= 1")
+    sampling = dict(sampling or {})
+    unknown = sorted(set(sampling) - set(BRANCH_SAMPLING))
+    if unknown:
+        raise ConfigError(f"branch(sampling=...) has {unknown}; a branch samples with {list(BRANCH_SAMPLING)} only")
+    resources_id = None
+    if isinstance(resources, dict):
+        latest = store.get_latest_resources()
+        resources_id = store.add_resources(resources).resources_id
+        if latest is not None:  # the set everything else runs with stays the latest
+            store.add_resources(dict(latest.resources), resources_id=latest.resources_id)
+    elif resources is not None:
+        resources_id = str(getattr(resources, "resources_id", resources))
+        store.get_resources_by_id(resources_id)  # NotFoundError for an unknown id, before anything is enqueued
+    ids = _enqueue(store, parent, attempt, at_call, n, exact=False, sampling=sampling, resources_id=resources_id)
+    return _wait(store, ids, timeout, f"branches of {rollout_id!r} at call {at_call}")
+
+
+def branch_tree(store: Any, rollout_id: str) -> Any:
+    """The branches of ``rollout_id`` (and theirs, recursively) as a DataFrame: rollout_id, parent_rollout_id,
+    branch_call, depth (1 for a direct branch), status, reward, calls; the root rollout first."""
+    import pandas as pd
+
+    df = store.episodes_df()
+    children: dict[str, list[str]] = {}
+    for rid, parent in zip(df["rollout_id"], df["parent_rollout_id"]):
+        if isinstance(parent, str):
+            children.setdefault(parent, []).append(rid)
+    rows = df.set_index("rollout_id")
+    out: list[dict[str, Any]] = []
+
+    def walk(rid: str, depth: int) -> None:
+        if rid in rows.index:
+            r = rows.loc[rid]
+            out.append({"rollout_id": rid, "parent_rollout_id": r["parent_rollout_id"] if depth else None,
+                        "branch_call": r["branch_call"] if depth else None, "depth": depth, "status": r["status"],
+                        "reward": r["reward"], "calls": int(r["llm_calls"])})
+        for child in children.get(rid, []):
+            walk(child, depth + 1)
+
+    walk(rollout_id, 0)
+    return pd.DataFrame(out, columns=["rollout_id", "parent_rollout_id", "branch_call", "depth", "status", "reward",
+                                      "calls"])
