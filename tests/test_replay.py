@@ -145,3 +145,27 @@ def test_branching_at_call_k_replays_k_calls_then_samples_and_a_branch_group_tra
     sampled = sum(len(t.response_ids) for t in triplets if not t.replayed)
     assert m["tokens_trained"] == sampled and sampled < sum(len(t.response_ids) for t in triplets)
     assert m["groups_with_signal"] == 1
+
+
+@pytest.mark.slow
+def test_one_lightning_rl_step_trains_on_branch_groups_of_its_episodes(proxied_store, pristine):
+    from lightning_nb import AlgorithmConfig, LightningRL
+    from lightning_nb.replay import BranchConfig
+
+    store = proxied_store
+    with pytest.raises(ConfigError, match="BranchConfig.n must be an int >= 2"):
+        BranchConfig(n=1)
+    with start_runners(two_call_agent_factory(), store, n=4):
+        algo = LightningRL(store, GRPOTrainer(pristine, GRPOConfig(learning_rate=1e-6)), [{"id": "fruit"}], [],
+                           AlgorithmConfig(tasks_per_step=1, group_size=2, dynamic_sampling=False, max_tokens=8),
+                           branch=BranchConfig(parents=1, n=4, at="any"))
+        row = algo.step(progress=False)
+    assert (row["branch_groups"], row["branch_rollouts"], row["rollouts"]) == (1, 4, 2)
+    assert row["branch_groups_with_signal"] == 1 and 0.0 < row["branch_reward_mean"] < 1.0
+    batch = algo.trainer.last_triplets
+    branch_ts = [t for t in batch if t.group_id.startswith("branch:")]
+    assert len({t.rollout_id for t in branch_ts}) == 4 and {t.turn for t in branch_ts if t.replayed} == {0}
+    parent = store.get_rollout_by_id(branch_ts[0].rollout_id).metadata["parent_rollout_id"]
+    assert parent in {t.rollout_id for t in batch if not t.group_id.startswith("branch:")}
+    # the replayed first calls are context: trained tokens are the sampled calls' only, of both kinds of group
+    assert row["tokens_trained"] == sum(len(t.response_ids) for t in batch if not t.replayed)

@@ -30,6 +30,7 @@ from lightning_nb.algorithm.control import TrainerStopped, config_edits
 from lightning_nb.algorithm.slice_report import SliceReport
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.loggers import MetricLogger, make_loggers
+from lightning_nb.replay.branching import BranchConfig, draw_branch_points, enqueue_branches
 from lightning_nb.replay.rescoring import RewardFn, rescore, score
 from lightning_nb.slices import Slicer, ordered_labels, slice_keys, slice_labels, slicer_name
 from lightning_nb.store.base import LightningStore
@@ -158,9 +159,13 @@ class LightningRL(RunCheckpoint, Algorithm):
             finish and before the adapter reads their rewards, it scores each group in one judge call
             (:meth:`~lightning_nb.rewards.GroupJudge.judge_rollouts`); a group whose reply does not parse keeps
             the agent's rewards (a warning), counted in the step's ``judge_groups_failed``. Not used by ``evaluate()``.
+        branch: a :class:`~lightning_nb.replay.branching.BranchConfig`: each step also branches some of its
+            episodes at a branch point (after a tool result) and trains on the branch groups (Tree-GRPO, ARPO);
+            the row's ``branch_groups``, ``branch_groups_with_signal``, ``branch_rollouts`` and
+            ``branch_reward_mean`` report them. None (default): no branches.
 
     Raises:
-        ConfigError: ``train_tasks`` is empty, ``slice_by`` fails on a val task, or
+        ConfigError: ``train_tasks`` is empty, ``branch`` is not a BranchConfig, ``slice_by`` fails on a val task, or
             ``config.slice_weights`` is set without ``slice_by``, names a label no training task
             has, or weighs every training task 0 (checked again whenever the config was edited).
     """
@@ -170,7 +175,7 @@ class LightningRL(RunCheckpoint, Algorithm):
                  adapter: Optional[TripletAdapter] = None, id_key: str = "id",
                  on_step: Optional[Callable[[dict], None]] = None,
                  loggers: Sequence[Union[MetricLogger, str]] = (), slice_by: Optional[Slicer] = None,
-                 group_judge: Any = None) -> None:
+                 group_judge: Any = None, branch: Optional[BranchConfig] = None) -> None:
         if not train_tasks:
             raise ConfigError("train_tasks is empty; load some with lightning_nb.tasks.calc.load_tasks('train')")
         if slice_by is not None:
@@ -201,6 +206,11 @@ class LightningRL(RunCheckpoint, Algorithm):
         self._train_labels: Optional[list[str]] = None
         self._train_keys: Optional[list[str]] = None
         self._weights: tuple[Any, Optional[list[float]]] = (None, None)
+        if branch is not None and not isinstance(branch, BranchConfig):
+            raise ConfigError(f"LightningRL(branch=...) is a {type(branch).__name__}; pass a BranchConfig(parents=2, n=4) "
+                              "or None")
+        self.branch = branch
+        self.last_branch: dict[str, Any] = {}  # the step's branch-group counts (with branch)
         self.reward_fn: Optional[RewardFn] = None  # set_reward(): the reward from the next step on
         self._reward_applied: Optional[str] = None  # the name of the reward function the last step used
         self._rescored: dict[str, float] = {}  # the step's rollouts' rewards under reward_fn
@@ -336,7 +346,32 @@ class LightningRL(RunCheckpoint, Algorithm):
                 break
         self.last_groups_with_signal = with_signal
         self.last_skipped = skipped
+        if self.branch is not None:  # branch groups of this step's episodes join its batch (not its ids)
+            triplets = triplets + self._collect_branches(ids)
         return triplets, ids
+
+    def _collect_branches(self, ids: Sequence[str]) -> list:
+        """Enqueue and wait for :attr:`branch`'s groups of the step's episodes ``ids``; their triplets (under
+        :attr:`reward_fn` when set). Sets :attr:`last_branch`: branch_groups, branch_groups_with_signal,
+        branch_rollouts, branch_reward_mean."""
+        cfg = self.branch
+        points = draw_branch_points(self.store.episodes(list(ids)), cfg, self._rng)
+        branch_ids: list[str] = []
+        for rid, k in points:
+            branch_ids += enqueue_branches(self.store, rid, k, cfg.n, cfg.sampling)
+        self.last_branch = {"branch_groups": len(points), "branch_groups_with_signal": 0, "branch_rollouts": 0,
+                            "branch_reward_mean": math.nan}
+        if not branch_ids:
+            return []
+        self.wait_for(branch_ids, on_progress=self._reporter("branches", self.global_step + 1, len(branch_ids)))
+        new = self.adapter.adapt(self.store, branch_ids)
+        if self.reward_fn is not None:
+            new = self._apply_reward(new, branch_ids)
+        rewards = [self._rescored.get(rid, r) for rid, r in self._finished_rewards(branch_ids).items()]
+        self.last_branch.update(branch_groups_with_signal=len(self.trainer.signal_groups(new)) if new else 0,
+                                branch_rollouts=len(branch_ids),
+                                branch_reward_mean=sum(rewards) / len(rewards) if rewards else math.nan)
+        return new
 
     def set_reward(self, reward_fn: Optional[RewardFn]) -> None:
         """Train on ``reward_fn(task, episode)`` instead of the agent's reward, from the next step on (None: back to
@@ -546,6 +581,7 @@ class LightningRL(RunCheckpoint, Algorithm):
             "sample_rounds": self.last_sample_rounds,
             **{f"skipped_{k}": v for k, v in self.last_skipped.items()},
             **self._component_means(list(finished)), **self.last_judge,
+            **(self.last_branch if self.branch is not None else {}),
         }
         if self.reward_fn is not None:
             recorded = list(finished.values())

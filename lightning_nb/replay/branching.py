@@ -19,6 +19,8 @@ Optimization", arXiv 2507.19849: branching after tool calls).
 from __future__ import annotations
 
 import json
+import random
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_nb.errors import ConfigError, LightningNbError
@@ -27,10 +29,78 @@ from lightning_nb.store.episode import Episode
 from lightning_nb.types import (BRANCH_CALL_KEY, GROUP_ID_KEY, PARENT_ROLLOUT_KEY, REPLAY_KEY, SAMPLING_PARAMETERS_KEY,
                                 Rollout)
 
-__all__ = ["replay", "branch", "branch_group", "branch_tree"]
+__all__ = ["replay", "branch", "branch_group", "branch_tree", "BranchConfig", "branch_points", "enqueue_branches"]
 
 #: The sampling a branch may set (the proxy applies them from call k + 1 on, over the rollout's).
 BRANCH_SAMPLING = ("temperature", "top_p", "max_tokens", "seed", "stop")
+
+
+@dataclass
+class BranchConfig:
+    """Branch groups in the training loop (``LightningRL(..., branch=BranchConfig(...))``): Tree-GRPO's and ARPO's
+    per-step credit from sibling continuations of one shared prefix.
+
+    After each step's rollouts finish, ``parents`` of its succeeded episodes that have a branch point are drawn
+    (the algorithm's task sampler RNG), one branch point each; ``n`` branches of each replay the parent's calls up to
+    it and sample the rest (:func:`branch`'s rollouts, group ``branch:<parent>:<k>``). Their triplets join the step's
+    batch: the group's advantages are relative within it, and only the calls sampled after the branch point carry a
+    response mask (the replayed calls are the parent's, trained once with the parent's own group). The step's row
+    reports ``branch_groups``, ``branch_groups_with_signal`` and ``branch_reward_mean``; the step's ``reward_mean``
+    stays that of its ordinary rollouts.
+
+    Sources: Tree-GRPO (Ji et al. 2025, arXiv 2509.21240) and ARPO (Dong et al. 2025, arXiv 2507.19849), which
+    branch after tool calls; here the branch points are chosen from the episodes' records.
+    """
+
+    parents: int = field(default=2, metadata={"help": "Episodes of each step branched (fewer when fewer qualify)."})
+    n: int = field(default=4, metadata={"help": "Branches per branch point: the branch group's size (>= 2)."})
+    at: str = field(default="tool", metadata={
+        "help": "'tool': after a tool result (a call k whose reply made a tool call, or after which a tool span ran, "
+                "with a call after it); 'any': any call 1..calls-1 (a turn boundary)."})
+    sampling: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "temperature, top_p, max_tokens, seed, stop of the branches' calls after the branch point "
+                "(empty: the step's own)."})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first field out of range."""
+        if not isinstance(self.parents, int) or self.parents < 1:
+            raise ConfigError(f"BranchConfig.parents must be an int >= 1, got {self.parents!r}")
+        if not isinstance(self.n, int) or self.n < 2:
+            raise ConfigError(f"BranchConfig.n must be an int >= 2 (a group compares branches), got {self.n!r}")
+        if self.at not in ("tool", "any"):
+            raise ConfigError(f"BranchConfig.at must be 'tool' or 'any', got {self.at!r}")
+        unknown = sorted(set(self.sampling) - set(BRANCH_SAMPLING))
+        if unknown:
+            raise ConfigError(f"BranchConfig.sampling has {unknown}; a branch samples with {list(BRANCH_SAMPLING)}")
+
+
+def branch_points(episode: Episode, at: str = "tool") -> list[int]:
+    """The calls k (1..calls − 1) after which ``episode`` can branch with something left to sample: with
+    ``at="tool"`` those whose reply made a tool call or after which a traced tool ran; ``"any"``: every one."""
+    last = len(episode.calls)
+    if at == "any":
+        return list(range(1, last))
+    after_tool = {t.after_call for t in episode.tools}
+    return [c.call for c in episode.calls[:-1] if c.tool_calls or c.call in after_tool]
+
+
+def enqueue_branches(store: Any, rollout_id: str, at_call: int, n: int, sampling: Optional[dict[str, Any]] = None
+                     ) -> list[str]:
+    """Enqueue :func:`branch`'s ``n`` rollouts without waiting for them; returns their ids (the algorithm waits)."""
+    parent, attempt, _ = _parent(store, rollout_id)
+    return _enqueue(store, parent, attempt, at_call, n, exact=False, sampling=dict(sampling or {}), resources_id=None)
+
+
+def draw_branch_points(episodes: list[Episode], config: BranchConfig, rng: random.Random) -> list[tuple[str, int]]:
+    """``(rollout_id, k)`` for up to ``config.parents`` of ``episodes`` (succeeded, with a branch point), drawn with
+    ``rng``; one branch point each, drawn among the episode's :func:`branch_points`."""
+    able = [(e.rollout_id, points) for e in episodes if e.status == "succeeded"
+            for points in [branch_points(e, config.at)] if points]
+    chosen = rng.sample(able, min(config.parents, len(able)))
+    return [(rid, rng.choice(points)) for rid, points in chosen]
 
 
 def branch_group(parent_rollout_id: str, at_call: int) -> str:
