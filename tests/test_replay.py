@@ -135,6 +135,19 @@ def test_branching_at_call_k_replays_k_calls_then_samples_and_a_branch_group_tra
     tree = branch_tree(store, parent)
     assert tree["rollout_id"].iloc[0] == parent and len(tree) == 7 and set(tree["depth"]) == {0, 1}
     assert sorted(tree["branch_call"].iloc[1:]) == [0, 1, 1, 1, 1, 2]
+    # the SpanBrowser shows the family of the selected branch as a tree with rewards, the parent at its root
+    from widgets import SpanBrowser
+    from widgets.spans import branch_family
+
+    family = branch_family(store, kids[0].rollout_id)
+    assert family[0]["rollout_id"] == parent and len(family) == 7
+    assert {r["rollout_id"]: r["reward"] for r in family}[kids[0].rollout_id] == kids[0].reward
+    browser = SpanBrowser(store, autostart=False)
+    browser.table.selected = kids[0].rollout_id  # what a click on its row does
+    view = browser.branches.value
+    browser.close()
+    assert "replays and branches" in view and view.index(parent) < view.index(kids[0].rollout_id)
+    assert view.count("at call 1 →") == 4 and view.count("at call 0 →") == 1 and f"<b>{kids[0].rollout_id}</b>" in view
 
     # one update on the branch group: only the calls sampled after the branch point are trained
     triplets = TripletAdapter().adapt(store, [k.rollout_id for k in kids])

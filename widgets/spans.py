@@ -3,7 +3,9 @@
 The table is a small anywidget (no labextension build: anywidget ships a prebuilt
 one). Clicking a row selects its rollout; the tree below shows that rollout's
 spans per attempt (agent → LLM calls and tools → reward) with the prompt and
-completion text and token counts.
+completion text and token counts. When the rollout was replayed or branched (or is a
+replay or branch itself, :mod:`lightning_nb.replay`), a second tree shows its family:
+the root rollout, its branches at each call with their rewards, and theirs.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ import traitlets
 from lightning_nb.inspect import span_tree_html
 from lightning_nb.semconv import REWARD, USAGE_INPUT_TOKENS, USAGE_OUTPUT_TOKENS
 from lightning_nb.store.base import LightningStore
-from lightning_nb.types import ROLLOUT_TERMINAL, Span
+from lightning_nb.types import BRANCH_CALL_KEY, PARENT_ROLLOUT_KEY, ROLLOUT_TERMINAL, Span
 from widgets._live import LivePanel
 
-__all__ = ["SpanBrowser", "SpanTable", "SPAN_COLUMNS"]
+__all__ = ["SpanBrowser", "SpanTable", "SPAN_COLUMNS", "branch_family", "branch_family_html"]
 
 SPAN_COLUMNS = ["time", "rollout", "attempt", "#", "name", "ms", "prompt tok", "completion tok", "reward"]
 
@@ -106,11 +108,14 @@ class SpanBrowser(LivePanel):
         self.tree_title = ipw.HTML("<b>span tree</b>: click a row (or filter to one rollout)")
         self.tree = ipw.HTML()
         self.tree.add_class("lnb-span-tree")
+        self.branches = ipw.HTML()  # the selected rollout's replays and branches, as a tree with rewards
+        self.branches.add_class("lnb-branch-tree")
+        self._family_key: Any = None
         for w in (self.rollout_filter, self.attempt_filter, self.name_filter):
             w.observe(lambda _change: self.refresh(), names="value")
         self.table.observe(lambda _change: self.refresh(), names="selected")
         super().__init__([ipw.HBox([self.rollout_filter, self.attempt_filter, self.name_filter]), self.table,
-                          self.tree_title, self.tree], interval_s=interval_s, autostart=autostart)
+                          self.tree_title, self.tree, self.branches], interval_s=interval_s, autostart=autostart)
         self.add_class("lnb-span-browser")
 
     # ----- reading ----------------------------------------------------------------------
@@ -166,6 +171,61 @@ class SpanBrowser(LivePanel):
             self.tree.value = tree
         if self.tree_title.value != title:
             self.tree_title.value = title
+        key = (rid, len(self._spans), len(self._final))  # read the family again only when something changed
+        if key != self._family_key:
+            self._family_key = key
+            family = branch_family(self.store, rid) if rid else []
+            html = branch_family_html(family, rid) if len(family) > 1 else ""
+            if self.branches.value != html:
+                self.branches.value = html
+
+
+def branch_family(store: LightningStore, rollout_id: str) -> list[dict[str, Any]]:
+    """The replay/branch family of ``rollout_id``: its root (following ``parent_rollout_id`` up) and every rollout
+    below it, depth first. One dict each: rollout_id, depth (0 for the root), branch_call, status, reward (None
+    until finished). Just the root for an ordinary rollout."""
+    rollouts = {r.rollout_id: r for r in store.query_rollouts()}
+    root = rollout_id
+    while rollouts.get(root) is not None and rollouts[root].metadata.get(PARENT_ROLLOUT_KEY) in rollouts:
+        root = rollouts[root].metadata[PARENT_ROLLOUT_KEY]
+    children: dict[str, list[str]] = {}
+    for rid, r in rollouts.items():
+        parent = r.metadata.get(PARENT_ROLLOUT_KEY)
+        if parent:
+            children.setdefault(parent, []).append(rid)
+    out: list[dict[str, Any]] = []
+
+    def walk(rid: str, depth: int) -> None:
+        r = rollouts.get(rid)
+        if r is None or depth > 50:
+            return
+        out.append({"rollout_id": rid, "depth": depth, "status": r.status,
+                    "branch_call": r.metadata.get(BRANCH_CALL_KEY) if depth else None})
+        for child in sorted(children.get(rid, []), key=lambda c: (rollouts[c].metadata.get(BRANCH_CALL_KEY) or 0,
+                                                                    rollouts[c].enqueue_time)):
+            walk(child, depth + 1)
+
+    walk(root, 0)
+    rewards = store.final_rewards([row["rollout_id"] for row in out]) if out else {}
+    for row in out:
+        row["reward"] = rewards.get(row["rollout_id"]) if row["status"] in ROLLOUT_TERMINAL else None
+    return out
+
+
+def branch_family_html(family: list[dict[str, Any]], selected: Optional[str] = None) -> str:
+    """:func:`branch_family` as an indented tree: each branch under its parent with the call it branched at, its
+    status and its reward; ``selected`` in bold."""
+    import html
+
+    lines = ["<b>replays and branches</b>"]
+    for row in family:
+        rid = html.escape(row["rollout_id"])
+        name = f"<b>{rid}</b>" if row["rollout_id"] == selected else rid
+        at = "" if row["depth"] == 0 else f"at call {row['branch_call']} → "
+        reward = "–" if row["reward"] is None else f"{float(row['reward']):.3g}"
+        lines.append(f'<div style="margin-left:{16 * row["depth"]}px">{"└ " if row["depth"] else ""}{at}'
+                     f"<code>{name}</code> · {html.escape(row['status'])} · reward {reward}</div>")
+    return '<div class="lnb-branches">' + "".join(lines) + "</div>"
 
 
 def _row(s: Span) -> list[Any]:
