@@ -38,6 +38,10 @@ EXPECTED = {
                                         "versions of 'calc'",  # the winner published as a new resources version
                                         "judge spans: 3",  # judge_reward recorded one judge span per summary
                                         "'undone': True"],  # the traffic update, then undo()
+    "07_replay_and_branch.ipynb": ["yesterday's run:", "<b>episode ",  # the stored run; Episode's HTML view
+                                   "what-if:",  # the groups' change of signal under the new reward
+                                   "replayed exactly: True",  # the replay reached the same tokens
+                                   "branches of", "'branch_groups': 1"],  # branch(); one step on branch groups
 }
 # notebooks written by a script: notebooks/make_<notebook name>.py writes notebooks/<notebook name>.ipynb (its OUT)
 GENERATORS = sorted((ROOT / "notebooks").glob("make_*.py"))

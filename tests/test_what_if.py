@@ -14,7 +14,8 @@ from openai import OpenAI
 
 from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL, emit_intermediate_reward, start_runners
 from lightning_nb.errors import ConfigError
-from lightning_nb.replay import what_if, what_if_figure, what_if_groups, what_if_slices
+from lightning_nb.replay import what_if, what_if_groups, what_if_slices
+from widgets import what_if_figure
 from lightning_nb.trainers.config import TrainerConfig
 
 # group -> per episode (final reward, shaping term): what the agent emits for task {"g": group, "i": i}

@@ -18,7 +18,6 @@ import json
 import math
 import random
 import time
-import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Callable, Optional, Sequence, Union, overload
@@ -30,8 +29,9 @@ from lightning_nb.algorithm.control import TrainerStopped, config_edits
 from lightning_nb.algorithm.slice_report import SliceReport
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.loggers import MetricLogger, make_loggers
-from lightning_nb.replay.branching import BranchConfig, draw_branch_points, enqueue_branches
-from lightning_nb.replay.rescoring import RewardFn, rescore, score
+from lightning_nb.algorithm.rewards_branches import RewardAndBranches, reward_name
+from lightning_nb.replay.branching import BranchConfig
+from lightning_nb.replay.rescoring import RewardFn
 from lightning_nb.slices import Slicer, ordered_labels, slice_keys, slice_labels, slicer_name
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import reward_or_zero
@@ -40,14 +40,6 @@ from lightning_nb.trainers.checkpoint import rng_state
 from lightning_nb.types import SAMPLING_PARAMETERS_KEY, RolloutConfig
 
 __all__ = ["AlgorithmConfig", "LightningRL", "SliceReport", "task_key"]
-
-
-def _reward_name(fn: Any) -> Optional[str]:
-    """A reward function's name as the config log shows it (None: the agent's own reward)."""
-    if fn is None:
-        return None
-    inner = getattr(fn, "func", fn)  # functools.partial
-    return f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', type(inner).__name__)}"
 
 
 def task_key(task: Any, id_key: str = "id") -> str:
@@ -120,7 +112,7 @@ class AlgorithmConfig:
                                       f"got {w!r}")
 
 
-class LightningRL(RunCheckpoint, Algorithm):
+class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
     """Drive GRPO training of ``trainer`` on ``train_tasks`` through ``store``; own the loop and its checkpoints.
 
     ``start(steps)`` runs :meth:`run` in a background thread that ``pause()`` parks at a step
@@ -350,81 +342,6 @@ class LightningRL(RunCheckpoint, Algorithm):
             triplets = triplets + self._collect_branches(ids)
         return triplets, ids
 
-    def _collect_branches(self, ids: Sequence[str]) -> list:
-        """Enqueue and wait for :attr:`branch`'s groups of the step's episodes ``ids``; their triplets (under
-        :attr:`reward_fn` when set). Sets :attr:`last_branch`: branch_groups, branch_groups_with_signal,
-        branch_rollouts, branch_reward_mean."""
-        cfg = self.branch
-        points = draw_branch_points(self.store.episodes(list(ids)), cfg, self._rng)
-        branch_ids: list[str] = []
-        for rid, k in points:
-            branch_ids += enqueue_branches(self.store, rid, k, cfg.n, cfg.sampling)
-        self.last_branch = {"branch_groups": len(points), "branch_groups_with_signal": 0, "branch_rollouts": 0,
-                            "branch_reward_mean": math.nan}
-        if not branch_ids:
-            return []
-        self.wait_for(branch_ids, on_progress=self._reporter("branches", self.global_step + 1, len(branch_ids)))
-        new = self.adapter.adapt(self.store, branch_ids)
-        if self.reward_fn is not None:
-            new = self._apply_reward(new, branch_ids)
-        rewards = [self._rescored.get(rid, r) for rid, r in self._finished_rewards(branch_ids).items()]
-        self.last_branch.update(branch_groups_with_signal=len(self.trainer.signal_groups(new)) if new else 0,
-                                branch_rollouts=len(branch_ids),
-                                branch_reward_mean=sum(rewards) / len(rewards) if rewards else math.nan)
-        return new
-
-    def set_reward(self, reward_fn: Optional[RewardFn]) -> None:
-        """Train on ``reward_fn(task, episode)`` instead of the agent's reward, from the next step on (None: back to
-        the agent's).
-
-        ``reward_fn`` is :func:`~lightning_nb.replay.rescoring.what_if`'s: ``(task, Episode) -> float | dict of
-        components`` (a dict's sum is the reward). Each step's finished rollouts are scored with it after the
-        runners finish them (:func:`~lightning_nb.replay.rescoring.rescore`: the new reward replaces the recorded one
-        and its intermediate rewards in the triplets), so dynamic sampling, the advantages and the step's
-        ``reward_mean`` use it; ``reward_recorded_mean`` is then the agent's own reward of the same rollouts. The
-        reward spans stay as the agent recorded them, and :meth:`evaluate` still reports the agent's reward (the
-        task's measure). Try a function first with ``what_if(reward_fn, algo=algo)``.
-
-        The change is logged at the next step in :attr:`config_changes` (field ``"reward"``, old and new the
-        functions' names) and the step's ``config_changes`` column. A checkpoint saves the function's name, not
-        the function: :meth:`load` warns when the checkpoint's run used one and none is set.
-
-        Raises:
-            ConfigError: the loop is running (call :meth:`pause` first), or ``reward_fn`` is not callable.
-        """
-        if self.state in ("running", "pausing"):
-            raise ConfigError(f"set_reward() while the loop is {self.state}: call algo.pause() first; the new reward "
-                              "applies from the next step, after algo.resume()")
-        if reward_fn is not None and not callable(reward_fn):
-            raise ConfigError(f"set_reward(reward_fn={reward_fn!r}): pass a function (task, episode) -> float | dict, "
-                              "or None for the agent's own reward")
-        self.reward_fn = reward_fn
-
-    def state_dict(self) -> dict[str, Any]:
-        """:class:`~lightning_nb.algorithm.checkpoint.RunCheckpoint`'s state, with the name of the reward function
-        the last step trained on (``"reward_fn"``; None: the agent's reward)."""
-        return {**super().state_dict(), "reward_fn": self._reward_applied}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; warns when the saved run trained on a reward function (:meth:`set_reward`)
-        other than the one set now (functions are not saved)."""
-        state = dict(state)
-        name = state.pop("reward_fn", None)
-        super().load_state_dict(state)
-        self._reward_applied = name
-        if name is not None and _reward_name(self.reward_fn) != name:
-            warnings.warn(f"the checkpoint's run trained on reward function {name} (set_reward); a function is not "
-                          f"saved, and {'none' if self.reward_fn is None else _reward_name(self.reward_fn)} is set "
-                          "now: call algo.set_reward(fn) before resuming to keep it, or the next step logs the change",
-                          stacklevel=2)
-
-    def _apply_reward(self, triplets: list, rollout_ids: Sequence[str]) -> list:
-        """``triplets`` of ``rollout_ids`` under :attr:`reward_fn` (succeeded rollouts; a failed one stays 0)."""
-        rewards = {e.rollout_id: score(self.reward_fn, e)[0]
-                   for e in self.store.episodes(list(rollout_ids)) if e.status == "succeeded"}
-        self._rescored.update(rewards)
-        return rescore(triplets, rewards)
-
     def _reporter(self, phase: str, step: int, n: int, before: int = 0) -> Callable[[int, int], None]:
         """The ``on_progress`` of :meth:`wait_for` that reports ``phase`` of ``step`` to the loop
         (:meth:`BackgroundLoop.report_progress`), ``before`` finished rollouts counted ahead of the ``n`` waited
@@ -513,7 +430,7 @@ class LightningRL(RunCheckpoint, Algorithm):
         now = asdict(self.config)
         edits = config_edits(self._applied_config, now)
         self._applied_config = now
-        name = _reward_name(self.reward_fn)
+        name = reward_name(self.reward_fn)
         if name != self._reward_applied:
             edits.append(("reward", self._reward_applied, name,
                           f"reward {self._reward_applied or 'the agent'!s} → {name or 'the agent'!s}"))

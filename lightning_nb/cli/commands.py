@@ -99,7 +99,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             trainer_kind=args.trainer, slice_by=slice_by, ood_size=args.ood_size,
             all_numbers_bonus=args.all_numbers_bonus, slice_weights=slice_weights, device=args.device,
             dtype=settings["dtype"], gradient_checkpointing=settings["gradient_checkpointing"],
-            micro_batch_size=args.micro_batch_size))
+            micro_batch_size=args.micro_batch_size, overlong_filter=args.overlong_filter))
     return 0
 
 
@@ -167,6 +167,9 @@ def _add_demo_command(sub: Any) -> None:
                            "use a ~10x higher --lr, e.g. 2e-4)")
     demo.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA scale numerator (default 32)")
     demo.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-initial-weights loss weight (default 0)")
+    demo.add_argument("--overlong-filter", action=argparse.BooleanOptionalAction, default=False,
+                      help="DAPO's overlong filter: replies cut at --max-tokens add no gradient (their episodes "
+                           "still count in the group's statistics); grpo trainer only (default off)")
     demo.add_argument("--val-every", type=int, default=0,
                       help="also evaluate on the val tasks every N steps (default 0: only before/after)")
     demo.add_argument("--sample-rounds", type=int, default=3,

@@ -36,7 +36,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from typing import Any, Hashable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from lightning_nb._net import ThreadedServer, is_loopback
 from lightning_nb.engines import Engine
@@ -46,11 +46,11 @@ from lightning_nb.errors import ConfigError, LightningNbError, NotFoundError
 from lightning_nb.proxy.app import ROLLOUT_ID_HEADER, proxy_app
 from lightning_nb.proxy.request import (ChatCompletionRequest, ProxyHTTPError, applied_sampling, check_attempt_open,
                                         check_body_rollout_id, check_supported, validate_request)
-from lightning_nb.proxy.replay import ReplayPlan, divergence, recorded_choices, replayed_attributes
+from lightning_nb.proxy.replay import ReplayPlan, ReplayServing
 from lightning_nb.proxy.response import Choice, dropped_before_reply, openai_response, parse_choices
 from lightning_nb.proxy.spans import choice_attributes, record_call, record_error, requested_attributes
-from lightning_nb.proxy.splice import (ServedCall, can_submit_tokens, generations_response, splice_previous_reply,
-                                       submit_kwargs)
+from lightning_nb.proxy.splice import (ServedCall, can_submit_tokens, remember,
+                                       generations_response, splice_previous_reply, submit_kwargs)
 from lightning_nb.store.base import LightningStore
 from lightning_nb.tracing.tracer import Tracer
 from lightning_nb.types import REPLAY_KEY, SAMPLING_PARAMETERS_KEY, TRAFFIC_KEY, LLMResource
@@ -61,18 +61,6 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the
 
 #: Samples the proxy draws at most per choice to honour ``tool_choice="required"`` or a named tool.
 TOOL_CHOICE_TRIES = 4
-#: How many sampled assistant turns (and attempts' served lengths) the proxy remembers, newest kept.
-REMEMBERED_TURNS = 16384
-
-
-def _remember(table: "OrderedDict[Any, Any]", key: Hashable, value: Any) -> None:
-    """Put ``key`` last in ``table`` with ``value``, dropping the oldest entries beyond :data:`REMEMBERED_TURNS`."""
-    table[key] = value
-    table.move_to_end(key)
-    while len(table) > REMEMBERED_TURNS:
-        table.popitem(last=False)
-
-
 def _named_tool(tool_choice: Any) -> Optional[str]:
     """The tool a ``{"type": "function", "function": {"name": ...}}`` tool_choice names, else None."""
     if isinstance(tool_choice, dict):
@@ -98,7 +86,7 @@ def _register_free_model(engine: Engine) -> None:
                                   "litellm_provider": "hosted_vllm", "mode": "chat"}})
 
 
-class LLMProxy:
+class LLMProxy(ReplayServing):
     """Serve ``engines`` behind one OpenAI-compatible endpoint and trace every call into ``store``.
 
     Args:
@@ -282,7 +270,7 @@ class LLMProxy:
         if replay is not None and rollout_id and attempt_id:
             key = (rollout_id, attempt_id)
             call = self._calls_seen.get(key, 0) + 1  # counted before any await: the attempt's calls in arrival order
-            _remember(self._calls_seen, key, call)
+            remember(self._calls_seen, key, call)
             plan = await self._replay_plan(key, replay)
             if call <= plan.replay or plan.exact:
                 completion = await self._replayed(req, engine, key, plan, call, enforced, agent_name)
@@ -360,60 +348,6 @@ class LLMProxy:
         check_attempt_open(attempts, rollout_id, attempt_id)
         return dict(rollout.metadata.get(SAMPLING_PARAMETERS_KEY) or {}), rollout.metadata.get(REPLAY_KEY)
 
-    async def _replay_plan(self, key: tuple[str, str], meta: dict[str, Any]) -> ReplayPlan:
-        """The attempt's :class:`~lightning_nb.proxy.replay.ReplayPlan`, read from the parent's spans once."""
-        plan = self._replays.get(key)
-        if plan is None:
-            spans = await asyncio.to_thread(self.store.query_spans, str(meta["rollout_id"]), str(meta["attempt_id"]))
-            plan = ReplayPlan.from_metadata(meta, spans)
-            _remember(self._replays, key, plan)
-        return plan
-
-    async def _replayed(self, req: ChatCompletionRequest, engine: Engine, key: tuple[str, str], plan: ReplayPlan,
-                        call: int, enforced: dict[str, Any], agent_name: Optional[str]) -> dict[str, Any]:
-        """Answer call ``call`` of a replaying attempt from the parent's record, and record it on the attempt.
-
-        Raises:
-            ProxyHTTPError: 409 naming the call and the field when the request differs from the record
-                (:func:`~lightning_nb.proxy.replay.divergence`) or the record has no such call; an
-                :data:`~lightning_nb.semconv.ERROR` span with :data:`~lightning_nb.semconv.REPLAY_DIVERGENCE` is written.
-        """
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        if call > len(plan.calls):
-            diff: Optional[tuple[str, Any, Any]] = ("calls", f"{len(plan.calls)} calls",
-                                                    f"call {call} (the agent made more calls than the record has)")
-        else:
-            diff = divergence(req, messages, plan.calls[call - 1], plan.compare_model)
-        if diff is not None:
-            name, recorded, asked = diff
-            message = (f"replay of rollout {plan.parent_rollout_id!r} (attempt {plan.parent_attempt_id!r}) diverged "
-                       f"at call {call}: {name} was {json.dumps(recorded, default=str)[:500]} in the record, the agent "
-                       f"sent {json.dumps(asked, default=str)[:500]}. The proxy answers no request from a record it "
-                       "differs from; the replay stops here (its calls before this one are recorded on the attempt)")
-            span = self.tracer.start_span(semconv.LLM_SPAN, key[0], key[1], {
-                semconv.REQUEST_MODEL: req.model, semconv.ERROR: message[:2000],
-                semconv.REPLAY_DIVERGENCE: json.dumps({"call": call, "field": name, "recorded": recorded,
-                                                       "requested": asked}, default=str),
-                **({semconv.AGENT_NAME: agent_name} if agent_name else {})})
-            await asyncio.to_thread(span.end)
-            raise ProxyHTTPError(409, message, name)
-        rec = plan.calls[call - 1]
-        t0 = time.time_ns()
-        raw, choices, prompt_ids, version = recorded_choices(rec)
-        version = engine.weight_version if version is None else int(version)
-        await self._check_still_open(*key)
-        for ch in choices:
-            if ch.tool_calls:
-                _remember(self._sampled, sampled_turn_key(ch.tool_calls), ch.text)
-        if prompt_ids is not None and choices and choices[0].token_ids is not None:
-            _remember(self._served, key, ServedCall(tuple(prompt_ids), tuple(choices[0].token_ids), choices[0].text,
-                                                    tuple(prompt_ids), cut=choices[0].finish_reason == "length",
-                                                    n_messages=len(req.messages)))
-        applied, not_applied = applied_sampling(req, enforced)
-        requested = requested_attributes(req, messages, applied, not_applied, engine, version, version, agent_name)
-        await record_call(self.tracer, key[0], key[1], t0, requested, replayed_attributes(rec))
-        return openai_response(req, raw, choices, prompt_ids, version)
-
     async def _check_still_open(self, rollout_id: str, attempt_id: str) -> None:
         """409 when the attempt ended while its call was being served: the call is then not recorded."""
         check_attempt_open(await asyncio.to_thread(self.store.query_attempts, rollout_id), rollout_id, attempt_id)
@@ -443,12 +377,12 @@ class LLMProxy:
         version = raw.get("weight_version", before)
         for ch in choices:
             if ch.tool_calls:
-                _remember(self._sampled, sampled_turn_key(ch.tool_calls), ch.text)
+                remember(self._sampled, sampled_turn_key(ch.tool_calls), ch.text)
         if attempt:
             await self._check_still_open(*attempt)  # ended while served (the rollout server answered): not recorded
             await self._check_response_mask(req, engine, prompt_ids, rendered, attempt, agent_name)
             if prompt_ids is not None and choices and choices[0].token_ids is not None:
-                _remember(self._served, attempt, ServedCall(tuple(prompt_ids), tuple(choices[0].token_ids),
+                remember(self._served, attempt, ServedCall(tuple(prompt_ids), tuple(choices[0].token_ids),
                                                             choices[0].text, tuple(rendered or prompt_ids),
                                                             cut=choices[0].finish_reason == "length",
                                                             n_messages=len(req.messages)))

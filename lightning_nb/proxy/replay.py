@@ -14,16 +14,24 @@ branch's own sampling over the rollout's, ``"sampling"``).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from lightning_nb import semconv
-from lightning_nb.proxy.request import ChatCompletionRequest
-from lightning_nb.proxy.response import Choice
+from lightning_nb.engines import Engine
+from lightning_nb.engines.chat_format import sampled_turn_key
+from lightning_nb.proxy.request import ChatCompletionRequest, ProxyHTTPError, applied_sampling
+from lightning_nb.proxy.response import Choice, openai_response
+from lightning_nb.proxy.spans import record_call, requested_attributes
+from lightning_nb.proxy.splice import ServedCall, remember
 from lightning_nb.types import Span
 
-__all__ = ["RecordedCall", "ReplayPlan", "recorded_calls", "divergence", "recorded_choices", "replayed_attributes"]
+__all__ = ["RecordedCall", "ReplayPlan", "ReplayServing", "recorded_calls", "divergence", "recorded_choices",
+           "replayed_attributes"]
 
 #: The request fields compared with the record, in this order: the span key and the request's value of each.
 _SAMPLING = (("temperature", semconv.REQUEST_TEMPERATURE), ("top_p", semconv.REQUEST_TOP_P),
@@ -156,3 +164,68 @@ def replayed_attributes(rec: RecordedCall) -> list[dict[str, Any]]:
             semconv.TOKEN_IDS_MISSING, semconv.ENGINE, *semconv.APPLIED_SAMPLING)
     return [{**{k: s.attributes[k] for k in keep if k in s.attributes}, semconv.REPLAYED_FROM: s.span_id}
             for s in rec.spans]
+
+
+class ReplayServing:
+    """The :class:`~lightning_nb.proxy.LLMProxy` side of a replaying attempt (a mixin: it uses the proxy's ``store``,
+    ``tracer``, ``_replays``, ``_served``, ``_sampled`` and ``_check_still_open``)."""
+
+    store: Any
+    tracer: Any
+    _replays: "OrderedDict[tuple[str, str], ReplayPlan]"
+    _served: "OrderedDict[tuple[str, str], ServedCall]"
+    _sampled: "OrderedDict[str, str]"
+
+    async def _replay_plan(self, key: tuple[str, str], meta: dict[str, Any]) -> ReplayPlan:
+        """The attempt's :class:`~lightning_nb.proxy.replay.ReplayPlan`, read from the parent's spans once."""
+        plan = self._replays.get(key)
+        if plan is None:
+            spans = await asyncio.to_thread(self.store.query_spans, str(meta["rollout_id"]), str(meta["attempt_id"]))
+            plan = ReplayPlan.from_metadata(meta, spans)
+            remember(self._replays, key, plan)
+        return plan
+
+    async def _replayed(self, req: ChatCompletionRequest, engine: Engine, key: tuple[str, str], plan: ReplayPlan,
+                        call: int, enforced: dict[str, Any], agent_name: Optional[str]) -> dict[str, Any]:
+        """Answer call ``call`` of a replaying attempt from the parent's record, and record it on the attempt.
+
+        Raises:
+            ProxyHTTPError: 409 naming the call and the field when the request differs from the record
+                (:func:`~lightning_nb.proxy.replay.divergence`) or the record has no such call; an
+                :data:`~lightning_nb.semconv.ERROR` span with :data:`~lightning_nb.semconv.REPLAY_DIVERGENCE` is written.
+        """
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        if call > len(plan.calls):
+            diff: Optional[tuple[str, Any, Any]] = ("calls", f"{len(plan.calls)} calls",
+                                                    f"call {call} (the agent made more calls than the record has)")
+        else:
+            diff = divergence(req, messages, plan.calls[call - 1], plan.compare_model)
+        if diff is not None:
+            name, recorded, asked = diff
+            message = (f"replay of rollout {plan.parent_rollout_id!r} (attempt {plan.parent_attempt_id!r}) diverged "
+                       f"at call {call}: {name} was {json.dumps(recorded, default=str)[:500]} in the record, the agent "
+                       f"sent {json.dumps(asked, default=str)[:500]}. The proxy answers no request from a record it "
+                       "differs from; the replay stops here (its calls before this one are recorded on the attempt)")
+            span = self.tracer.start_span(semconv.LLM_SPAN, key[0], key[1], {
+                semconv.REQUEST_MODEL: req.model, semconv.ERROR: message[:2000],
+                semconv.REPLAY_DIVERGENCE: json.dumps({"call": call, "field": name, "recorded": recorded,
+                                                       "requested": asked}, default=str),
+                **({semconv.AGENT_NAME: agent_name} if agent_name else {})})
+            await asyncio.to_thread(span.end)
+            raise ProxyHTTPError(409, message, name)
+        rec = plan.calls[call - 1]
+        t0 = time.time_ns()
+        raw, choices, prompt_ids, version = recorded_choices(rec)
+        version = engine.weight_version if version is None else int(version)
+        await self._check_still_open(*key)
+        for ch in choices:
+            if ch.tool_calls:
+                remember(self._sampled, sampled_turn_key(ch.tool_calls), ch.text)
+        if prompt_ids is not None and choices and choices[0].token_ids is not None:
+            remember(self._served, key, ServedCall(tuple(prompt_ids), tuple(choices[0].token_ids), choices[0].text,
+                                                    tuple(prompt_ids), cut=choices[0].finish_reason == "length",
+                                                    n_messages=len(req.messages)))
+        applied, not_applied = applied_sampling(req, enforced)
+        requested = requested_attributes(req, messages, applied, not_applied, engine, version, version, agent_name)
+        await record_call(self.tracer, key[0], key[1], t0, requested, replayed_attributes(rec))
+        return openai_response(req, raw, choices, prompt_ids, version)

@@ -17,13 +17,26 @@ branch of the agent, an edited history) goes to the engine as text, and ``turn_f
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 from lightning_nb.engines import Engine, Generation
 from lightning_nb.engines.base import chat_completion_payload
 
-__all__ = ["ServedCall", "splice_previous_reply", "can_submit_tokens", "submit_kwargs", "generations_response"]
+__all__ = ["remember", "REMEMBERED_TURNS", "ServedCall", "splice_previous_reply", "can_submit_tokens", "submit_kwargs", "generations_response"]
+
+#: How many sampled assistant turns (and attempts' served lengths) the proxy remembers, newest kept.
+REMEMBERED_TURNS = 16384
+
+
+def remember(table: "OrderedDict[Any, Any]", key: Hashable, value: Any) -> None:
+    """Put ``key`` last in ``table`` with ``value``, dropping the oldest entries beyond :data:`REMEMBERED_TURNS`."""
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > REMEMBERED_TURNS:
+        table.popitem(last=False)
+
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["what_if", "what_if_groups", "what_if_slices", "what_if_figure", "rescore", "score",
+__all__ = ["what_if", "what_if_groups", "what_if_slices", "rescore", "score",
            "replay", "branch", "branch_group", "branch_tree", "BranchConfig", "branch_points"]
 
-_HOMES = {"what_if": "rescoring", "what_if_groups": "rescoring", "what_if_slices": "rescoring", "what_if_figure": "rescoring",
+_HOMES = {"what_if": "rescoring", "what_if_groups": "rescoring", "what_if_slices": "rescoring",
           "rescore": "rescoring", "score": "rescoring", "replay": "branching", "branch": "branching",
           "branch_group": "branching", "branch_tree": "branching", "BranchConfig": "branching",
           "branch_points": "branching"}

@@ -30,7 +30,7 @@ from lightning_nb.trainers.config import TrainerConfig
 from lightning_nb.trainers.packing import episodes_of
 from lightning_nb.types import GROUP_ID_KEY, Triplet
 
-__all__ = ["what_if", "what_if_groups", "what_if_slices", "what_if_figure", "rescore", "score", "RewardFn"]
+__all__ = ["what_if", "what_if_groups", "what_if_slices", "rescore", "score", "RewardFn"]
 
 #: ``reward_fn(task, episode) -> float | {component: float}``: a reward written over a stored episode.
 RewardFn = Callable[[Any, Episode], Union[float, dict]]
@@ -121,7 +121,7 @@ def what_if(reward_fn: RewardFn, episodes: Optional[Sequence[Union[Episode, str]
         with ``credit="reward_to_go"``; NaN for an episode the trainer would not train: failed, no token IDs, or
         in a group the group-size rule drops), old_signal and new_signal (whether the episode's group carries
         signal: a non-zero advantage on any of its turns), trained (whether it gives triplets).
-        :func:`what_if_groups`, :func:`what_if_slices` and :func:`what_if_figure` summarise it.
+        :func:`what_if_groups` and :func:`what_if_slices` summarise it; ``widgets.what_if_figure`` plots it.
 
     Raises:
         ConfigError: no store or a wrong config; ``reward_fn`` returned a non-number (:func:`score`).
@@ -146,7 +146,7 @@ def what_if(reward_fn: RewardFn, episodes: Optional[Sequence[Union[Episode, str]
     rows = []
     for e in eps:
         group = groups.get(e.rollout_id, e.group_id if e.group_id is not None else e.rollout_id)
-        rows.append({"rollout_id": e.rollout_id, "group_id": group, "status": e.status,
+        rows.append({"rollout_id": e.rollout_id, GROUP_ID_KEY: group, "status": e.status,
                      "old_reward": math.nan if e.reward is None else e.reward,
                      "old_shaping": sum(e.components.values()), "new_reward": new[e.rollout_id],
                      **{f"new:{k}": comps[e.rollout_id].get(k, math.nan) for k in names},
@@ -154,7 +154,7 @@ def what_if(reward_fn: RewardFn, episodes: Optional[Sequence[Union[Episode, str]
                      "new_advantage": new_adv.get(e.rollout_id, math.nan),
                      "old_signal": group in old_signal, "new_signal": group in new_signal,
                      "trained": e.rollout_id in trained})
-    columns = ["rollout_id", "group_id", "status", "old_reward", "old_shaping", "new_reward",
+    columns = ["rollout_id", GROUP_ID_KEY, "status", "old_reward", "old_shaping", "new_reward",
                *(f"new:{k}" for k in names), "old_advantage", "new_advantage", "old_signal", "new_signal", "trained"]
     df = pd.DataFrame(rows, columns=columns)
     for col in ("old_reward", "old_shaping", "new_reward", "old_advantage", "new_advantage"):
@@ -182,7 +182,7 @@ def what_if_groups(df: pd.DataFrame) -> pd.DataFrame:
     """One row per group of a :func:`what_if` table: group_id, episodes, old_signal, new_signal, and ``change``:
     ``"gains signal"``, ``"loses signal"``, ``"keeps signal"`` or ``"no signal"``; then the groups' old and new
     mean reward."""
-    g = df.groupby("group_id", sort=False).agg(episodes=("rollout_id", "size"), old_signal=("old_signal", "first"),
+    g = df.groupby(GROUP_ID_KEY, sort=False).agg(episodes=("rollout_id", "size"), old_signal=("old_signal", "first"),
                                                 new_signal=("new_signal", "first"), old_reward=("old_reward", "mean"),
                                                 new_reward=("new_reward", "mean")).reset_index()
     g.insert(4, "change", [("keeps signal" if o else "gains signal") if n else ("loses signal" if o else "no signal")
@@ -200,8 +200,8 @@ def what_if_slices(df: pd.DataFrame, by: str = "slice") -> pd.DataFrame:
     if by not in df.columns:
         raise ConfigError(f"the what_if table has no {by!r} column; call what_if(..., by='ops') (a task field) or "
                           "with an algo that has slice_by")
-    groups = what_if_groups(df).set_index("group_id")["change"]
-    first = df.drop_duplicates("group_id").set_index("group_id")[by]
+    groups = what_if_groups(df).set_index(GROUP_ID_KEY)["change"]
+    first = df.drop_duplicates(GROUP_ID_KEY).set_index(GROUP_ID_KEY)[by]
     changes = pd.DataFrame({by: first, "change": groups.reindex(first.index)})
     out = df.groupby(by, sort=True).agg(episodes=("rollout_id", "size"), old_reward=("old_reward", "mean"),
                                          new_reward=("new_reward", "mean"))
@@ -209,32 +209,3 @@ def what_if_slices(df: pd.DataFrame, by: str = "slice") -> pd.DataFrame:
         out["groups_" + what.replace(" signal", "")] = (changes[changes["change"] == what].groupby(by).size()
                                                        .reindex(out.index, fill_value=0))
     return out.reset_index()
-
-
-def what_if_figure(df: pd.DataFrame) -> Any:
-    """A plotly figure of a :func:`what_if` table: each trained episode's old advantage against its new one, coloured
-    by its group's change of signal (hover: rollout, group, old and new reward). Points off the diagonal are the
-    episodes the new reward moves."""
-    import plotly.graph_objects as go
-
-    change = what_if_groups(df).set_index("group_id")["change"]
-    fig = go.Figure()
-    data = df[df["trained"]]
-    for what, colour in (("keeps signal", "#1f77b4"), ("gains signal", "#2ca02c"), ("loses signal", "#d62728"),
-                         ("no signal", "#7f7f7f")):
-        part = data[data["group_id"].map(change) == what]
-        if part.empty:
-            continue
-        fig.add_trace(go.Scatter(
-            x=part["old_advantage"], y=part["new_advantage"], mode="markers", name=f"{what} ({part['group_id'].nunique()} groups)",
-            marker={"color": colour, "size": 8, "opacity": 0.7},
-            customdata=part[["rollout_id", "group_id", "old_reward", "new_reward"]].to_numpy(),
-            hovertemplate="%{customdata[0]}<br>group %{customdata[1]}<br>reward %{customdata[2]:.3g} → "
-                          "%{customdata[3]:.3g}<br>advantage %{x:.3f} → %{y:.3f}<extra></extra>"))
-    lo = float(min(data["old_advantage"].min(), data["new_advantage"].min(), -1.0)) if len(data) else -1.0
-    hi = float(max(data["old_advantage"].max(), data["new_advantage"].max(), 1.0)) if len(data) else 1.0
-    fig.add_trace(go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", line={"dash": "dot", "color": "#999"},
-                             showlegend=False, hoverinfo="skip"))
-    fig.update_layout(title="what-if: advantage under the recorded reward (x) and the new one (y)",
-                      xaxis_title="old advantage", yaxis_title="new advantage", height=420)
-    return fig
