@@ -182,3 +182,25 @@ def test_one_lightning_rl_step_trains_on_branch_groups_of_its_episodes(proxied_s
     assert parent in {t.rollout_id for t in batch if not t.group_id.startswith("branch:")}
     # the replayed first calls are context: trained tokens are the sampled calls' only, of both kinds of group
     assert row["tokens_trained"] == sum(len(t.response_ids) for t in batch if not t.replayed)
+
+
+def test_a_branch_of_an_older_episode_is_not_stale_for_its_replayed_calls():
+    """A branch of yesterday's episode replays calls the old weights sampled; only its sampled calls are trained, so
+    only their weight version decides whether the episode is too stale (max_staleness) and what its staleness is."""
+    from lightning_nb.trainers.batch import build_batch
+    from lightning_nb.trainers.config import TrainerConfig
+    from lightning_nb.types import Triplet
+
+    def turn(rid, k, version, replayed, reward):
+        return Triplet(rollout_id=rid, attempt_id="a-" + rid, group_id="g", turn=k,
+                       prompt_ids=[1, 2] if k == 0 else [1, 2, 3, 4], response_ids=[3] if k == 0 else [5],
+                       logprobs=[-1.0], reward=reward, weight_version=version, replayed=replayed)
+
+    branches = [turn("b1", 0, 0, True, 1.0), turn("b1", 1, 5, False, 1.0),
+                turn("b2", 0, 0, True, 0.0), turn("b2", 1, 5, False, 0.0)]
+    batch = build_batch(TrainerConfig(max_staleness=1), branches, weight_version=5)
+    assert batch.stale == [] and sorted(s.rollout_id for s in batch.seqs) == ["b1", "b2"]
+    assert all(s.staleness == 0 and s.weight_version == 5 for s in batch.seqs)
+    assert all(s.mask == [0, 0, 0, 0, 1] for s in batch.seqs)  # the replayed reply (token 3) is context
+    sampled_then = [turn("c1", 0, 0, False, 1.0), turn("c2", 0, 0, False, 0.0)]  # sampled by the old weights
+    assert sorted(build_batch(TrainerConfig(max_staleness=1), sampled_then, weight_version=5).stale) == ["c1", "c2"]

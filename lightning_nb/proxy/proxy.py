@@ -49,8 +49,8 @@ from lightning_nb.proxy.request import (ChatCompletionRequest, ProxyHTTPError, a
 from lightning_nb.proxy.replay import ReplayPlan, ReplayServing
 from lightning_nb.proxy.response import Choice, dropped_before_reply, openai_response, parse_choices
 from lightning_nb.proxy.spans import choice_attributes, record_call, record_error, requested_attributes
-from lightning_nb.proxy.splice import (ServedCall, can_submit_tokens, remember,
-                                       generations_response, splice_previous_reply, submit_kwargs)
+from lightning_nb.proxy.splice import (ServedCall, can_submit_tokens, generations_response, remember,
+                                       splice_previous_reply, submit_kwargs)
 from lightning_nb.store.base import LightningStore
 from lightning_nb.tracing.tracer import Tracer
 from lightning_nb.types import REPLAY_KEY, SAMPLING_PARAMETERS_KEY, TRAFFIC_KEY, LLMResource
@@ -61,6 +61,8 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the
 
 #: Samples the proxy draws at most per choice to honour ``tool_choice="required"`` or a named tool.
 TOOL_CHOICE_TRIES = 4
+
+
 def _named_tool(tool_choice: Any) -> Optional[str]:
     """The tool a ``{"type": "function", "function": {"name": ...}}`` tool_choice names, else None."""
     if isinstance(tool_choice, dict):
@@ -383,9 +385,9 @@ class LLMProxy(ReplayServing):
             await self._check_response_mask(req, engine, prompt_ids, rendered, attempt, agent_name)
             if prompt_ids is not None and choices and choices[0].token_ids is not None:
                 remember(self._served, attempt, ServedCall(tuple(prompt_ids), tuple(choices[0].token_ids),
-                                                            choices[0].text, tuple(rendered or prompt_ids),
-                                                            cut=choices[0].finish_reason == "length",
-                                                            n_messages=len(req.messages)))
+                                                           choices[0].text, tuple(rendered or prompt_ids),
+                                                           cut=choices[0].finish_reason == "length",
+                                                           n_messages=len(req.messages)))
             requested = requested_attributes(req, messages, applied, not_applied, engine, version,
                                              engine.weight_version, agent_name)
             if hermes and req.tools:

@@ -98,8 +98,10 @@ def build_batch(cfg: TrainerConfig, triplets: Sequence[Triplet], weight_version:
             f"sequence ({len(forks)} such fork(s) in this batch; GRPOConfig.fail_on_fork=True). Find the cause "
             "with lightning_nb.inspect.audit's token-fidelity check (the agent rewrote the history, or the reply "
             "re-tokenizes differently), or set fail_on_fork=False to train forks as separate sequences")
-    staleness = {r: max((weight_version - t.weight_version for t in ts if t.weight_version is not None), default=0)
-                 for r, ts in episodes.items()}
+    # a replayed turn (Triplet.replayed: a branch's calls from its parent's record) is context, never trained: its
+    # age does not make the episode stale
+    staleness = {r: max((weight_version - t.weight_version for t in ts if t.weight_version is not None
+                         and not t.replayed), default=0) for r, ts in episodes.items()}
     stale = [r for r, age in staleness.items() if age > cfg.max_staleness]
     for r in stale:  # too old to correct by importance weighting
         del episodes[r]

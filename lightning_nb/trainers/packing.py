@@ -28,7 +28,8 @@ class PackedSequence:
     sequence. ``fork_at`` is set on a sequence that :func:`pack_episode` started because the
     turn's prompt did not extend the previous sequence: the first differing token position.
 
-    ``weight_version`` is the oldest weight version among its turns (None when no turn recorded one), and
+    ``weight_version`` is the oldest weight version among its turns but replayed ones (None when no such turn recorded
+    one), and
     ``staleness`` how many versions before the update's weights that is (set by
     :func:`~lightning_nb.trainers.batch.build_batch`; 0 for a sequence sampled by the weights the update
     starts from, and for an unknown version).
@@ -109,7 +110,7 @@ def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = Tru
             cur.mask += [0] * len(extra) + [keep] * len(t.response_ids)
             cur.old_logprobs += [0.0] * len(extra) + lp
             cur.has_old = cur.has_old and t.logprobs is not None
-            cur.weight_version = _oldest(cur.weight_version, t.weight_version)
+            cur.weight_version = _oldest(cur.weight_version, None if t.replayed else t.weight_version)
             cur.token_turns += [k] * (len(extra) + len(t.response_ids))
             cur.token_advantages += [advantage] * (len(extra) + len(t.response_ids))
         else:
@@ -119,7 +120,7 @@ def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = Tru
                                  [0] * len(t.prompt_ids) + [keep] * len(t.response_ids),
                                  [0.0] * len(t.prompt_ids) + lp, t.logprobs is not None, advantage, t.temperature,
                                  rollout_id=t.rollout_id, group_id=t.group_id, turn=t.turn, fork_at=fork_at,
-                                 weight_version=t.weight_version,
+                                 weight_version=None if t.replayed else t.weight_version,
                                  token_turns=[k] * (len(t.prompt_ids) + len(t.response_ids)),
                                  token_advantages=[advantage] * (len(t.prompt_ids) + len(t.response_ids))))
     return out
