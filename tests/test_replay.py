@@ -159,6 +159,14 @@ def test_branching_at_call_k_replays_k_calls_then_samples_and_a_branch_group_tra
     assert m["tokens_trained"] == sampled and sampled < sum(len(t.response_ids) for t in triplets)
     assert m["groups_with_signal"] == 1
 
+    # a branch on a resources set of its own: pinned to it, and the set everything else runs with stays the latest
+    latest = store.get_latest_resources()
+    with start_runners(two_call_agent_factory(), store, n=1):
+        (other,) = branch(parent, at_call=1, n=1, resources=dict(latest.resources), store=store)
+    pinned = store.get_rollout_by_id(other.rollout_id).resources_id
+    assert pinned != latest.resources_id and store.get_latest_resources().resources_id == latest.resources_id
+    assert other.status == "succeeded" and other.calls[0].replayed and not other.calls[1].replayed
+
 
 @pytest.mark.slow
 def test_one_lightning_rl_step_trains_on_branch_groups_of_its_episodes(proxied_store, pristine):

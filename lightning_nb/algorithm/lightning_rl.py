@@ -455,7 +455,10 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
         shaping term such as ``reward/calc_uses_all_numbers``: its mean sum per finished rollout of the step,
         0 for a rollout without it; the final reward is not in it), ``val_reward`` when evaluated (with
         ``slice_by``, also ``val_reward/<slice>`` per slice, :meth:`SliceReport.metrics`), and
-        ``config_changes`` (edits of either config applied at this step); with ``group_judge``, ``judge_groups``,
+        ``config_changes`` (edits of either config applied at this step, and a reward function set with
+        :meth:`set_reward`: then ``reward_mean`` is under that function and ``reward_recorded_mean`` the agent's own);
+        with ``branch``, ``branch_groups``, ``branch_groups_with_signal``, ``branch_rollouts`` and
+        ``branch_reward_mean`` (:class:`~lightning_nb.replay.branching.BranchConfig`); with ``group_judge``, ``judge_groups``,
         ``judge_groups_failed`` and ``judge_groups_skipped`` (:meth:`~lightning_nb.rewards.GroupJudge.judge_rollouts`).
 
         While it runs, ``progress`` (:class:`~lightning_nb.algorithm.control.LoopProgress`) says where it is:

@@ -29,7 +29,8 @@ from lightning_nb.store.episode import Episode
 from lightning_nb.types import (BRANCH_CALL_KEY, GROUP_ID_KEY, PARENT_ROLLOUT_KEY, REPLAY_KEY, SAMPLING_PARAMETERS_KEY,
                                 Rollout)
 
-__all__ = ["replay", "branch", "branch_group", "branch_tree", "BranchConfig", "branch_points", "enqueue_branches"]
+__all__ = ["replay", "branch", "branch_group", "branch_tree", "BranchConfig", "branch_points", "enqueue_branches",
+           "draw_branch_points"]
 
 #: The sampling a branch may set (the proxy applies them from call k + 1 on, over the rollout's).
 BRANCH_SAMPLING = ("temperature", "top_p", "max_tokens", "seed", "stop")
