@@ -28,7 +28,7 @@ from lightning_nb.types import (BRANCH_CALL_KEY, GROUP_ID_KEY, PARENT_ROLLOUT_KE
 __all__ = ["Episode", "LLMCall", "ToolUse", "build_episode", "llm_calls"]
 
 
-@dataclass
+@dataclass(repr=False)
 class LLMCall:
     """One LLM call of an episode, as the proxy recorded it (its first choice when the request asked for ``n`` > 1).
 
@@ -64,6 +64,13 @@ class LLMCall:
     replayed: bool = False
     span_id: str = ""
 
+    def __repr__(self) -> str:  # the messages and token IDs are long: the fields one reads first
+        tokens = (f"{len(self.prompt_ids)}+{len(self.completion_ids)} tokens"
+                  if self.prompt_ids is not None and self.completion_ids is not None else "no token IDs")
+        extra = ", replayed" if self.replayed else ""
+        extra += f", error={self.error[:60]!r}" if self.error else ""
+        return f"LLMCall(call={self.call}, reply={self.reply[:80]!r}, finish_reason={self.finish_reason!r}, {tokens}{extra})"
+
 
 @dataclass
 class ToolUse:
@@ -77,7 +84,7 @@ class ToolUse:
     span_id: str = ""
 
 
-@dataclass
+@dataclass(repr=False)
 class Episode:
     """One rollout's latest attempt, as a user reads it (see the module docstring).
 
@@ -113,6 +120,12 @@ class Episode:
     parent_rollout_id: Optional[str] = None
     branch_call: Optional[int] = None
     divergence: Optional[dict[str, Any]] = None
+
+    def __repr__(self) -> str:  # the calls hold the messages and token IDs: ep.calls shows them, one per line
+        extra = f", branch of {self.parent_rollout_id!r} at call {self.branch_call}" if self.parent_rollout_id else ""
+        extra += f", divergence at call {self.divergence.get('call')}" if self.divergence else ""
+        return (f"Episode(rollout_id={self.rollout_id!r}, status={self.status!r}, calls={len(self.calls)}, "
+                f"tools={len(self.tools)}, reward={self.reward!r}, components={self.components!r}{extra})")
 
     @property
     def replies(self) -> list[str]:
