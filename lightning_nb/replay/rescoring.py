@@ -25,7 +25,6 @@ import pandas as pd
 from lightning_nb.errors import ConfigError
 from lightning_nb.slices import slice_labels
 from lightning_nb.store.episode import Episode
-from lightning_nb.trainers.batch import advantages
 from lightning_nb.trainers.config import TrainerConfig
 from lightning_nb.trainers.packing import episodes_of
 from lightning_nb.types import GROUP_ID_KEY, Triplet
@@ -169,6 +168,8 @@ def what_if(reward_fn: RewardFn, episodes: Optional[Sequence[Union[Episode, str]
 
 def _advantages(config: TrainerConfig, triplets: Sequence[Triplet]) -> tuple[dict[str, float], set[str]]:
     """(episode -> advantage, groups with signal) under ``config``'s estimator (the trainer's rule)."""
+    from lightning_nb.trainers.batch import advantages  # on first use: `import lightning_nb` loads no trainer module
+
     if not triplets:
         return {}, set()
     episodes = episodes_of(triplets)
