@@ -36,7 +36,7 @@ def test_demo_writes_metrics_curve_and_summary(tmp_path):
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the demo's defaults against the two-operation plateau, recorded with the run
     assert summary["all_numbers_bonus"] == 0.2 and summary["slice_weights"] == {"ops=2": 3.0} and summary["seed"] == 0
-    assert summary["overlong_filter"] is True  # DAPO's overlong filter, on with GRPOTrainer (docs/performance.md)
+    assert summary["overlong_filter"] is False  # DAPO's overlong filter is opt-in (--overlong-filter)
     # val_ood: other wordings and number ranges, reported beside val before and after
     assert "val_ood reward before training (4 tasks" in proc.stdout and "val_ood after training, reward by ops:" \
         in proc.stdout

@@ -167,10 +167,9 @@ def _add_demo_command(sub: Any) -> None:
                            "use a ~10x higher --lr, e.g. 2e-4)")
     demo.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA scale numerator (default 32)")
     demo.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-initial-weights loss weight (default 0)")
-    demo.add_argument("--overlong-filter", action=argparse.BooleanOptionalAction, default=None,
+    demo.add_argument("--overlong-filter", action=argparse.BooleanOptionalAction, default=False,
                       help="DAPO's overlong filter: replies cut at --max-tokens add no gradient (their episodes "
-                           "still count in the group's statistics); default: on with --trainer grpo, off with verl "
-                           "(verl's actor has no such filter)")
+                           "still count in the group's statistics); grpo trainer only (default off)")
     demo.add_argument("--val-every", type=int, default=0,
                       help="also evaluate on the val tasks every N steps (default 0: only before/after)")
     demo.add_argument("--sample-rounds", type=int, default=3,

@@ -171,7 +171,7 @@ class DemoSettings:
     dtype: str = "float32"
     gradient_checkpointing: bool = False
     micro_batch_size: Optional[int] = None
-    overlong_filter: Optional[bool] = None
+    overlong_filter: bool = False
 
 
 def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict], None]] = None) -> dict:
@@ -200,9 +200,8 @@ def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict
     column in metrics.csv, its own component in ``store.rewards_df()``). ``slice_weights``: training tasks drawn
     with these weights per ``slice_by`` label (:attr:`AlgorithmConfig.slice_weights`; needs ``slice_by``).
     ``overlong_filter``: DAPO's overlong filter (:attr:`TrainerConfig.overlong_filter`: replies cut at
-    ``max_tokens`` add no gradient); None (the default): on with GRPOTrainer, off with VerlTrainer (VerlConfig
-    refuses it). Without it 2 of 5 demo runs after issue 49 drifted to cut replies and stayed near 0.5 held out;
-    with it, 3 of 3 seeds did not drift (docs/performance.md).
+    ``max_tokens`` add no gradient; GRPOTrainer only, VerlConfig refuses it). Off by default: it stops the demo's
+    drift to cut replies, but did not make it rise more often (docs/performance.md).
     ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``) and ``dtype`` (``"float32"``, ``"bfloat16"``) go to the engine
     (``TransformersEngine.from_default(device=, dtype=)``) and, with ``gradient_checkpointing`` and
     ``micro_batch_size`` (rows per forward/backward; None: the config's default), to the trainer's config; the
@@ -218,7 +217,7 @@ def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict
 
     s = settings
     trainer_cls, config_cls = (VerlTrainer, VerlConfig) if s.trainer_kind == "verl" else (GRPOTrainer, GRPOConfig)
-    overlong = (s.trainer_kind != "verl") if s.overlong_filter is None else s.overlong_filter
+    overlong = s.overlong_filter
     t_start = time.time()
     torch.manual_seed(s.seed)
     s.out.mkdir(parents=True, exist_ok=True)
