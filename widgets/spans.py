@@ -20,7 +20,8 @@ import traitlets
 from lightning_nb.inspect import span_tree_html
 from lightning_nb.semconv import REWARD, USAGE_INPUT_TOKENS, USAGE_OUTPUT_TOKENS
 from lightning_nb.store.base import LightningStore
-from lightning_nb.types import BRANCH_CALL_KEY, PARENT_ROLLOUT_KEY, ROLLOUT_TERMINAL, Span
+from lightning_nb.replay.branching import branch_family
+from lightning_nb.types import ROLLOUT_TERMINAL, Span
 from widgets._live import LivePanel
 
 __all__ = ["SpanBrowser", "SpanTable", "SPAN_COLUMNS", "branch_family", "branch_family_html"]
@@ -180,40 +181,8 @@ class SpanBrowser(LivePanel):
                 self.branches.value = html
 
 
-def branch_family(store: LightningStore, rollout_id: str) -> list[dict[str, Any]]:
-    """The replay/branch family of ``rollout_id``: its root (following ``parent_rollout_id`` up) and every rollout
-    below it, depth first. One dict each: rollout_id, depth (0 for the root), branch_call, status, reward (None
-    until finished). Just the root for an ordinary rollout."""
-    rollouts = {r.rollout_id: r for r in store.query_rollouts()}
-    root = rollout_id
-    while rollouts.get(root) is not None and rollouts[root].metadata.get(PARENT_ROLLOUT_KEY) in rollouts:
-        root = rollouts[root].metadata[PARENT_ROLLOUT_KEY]
-    children: dict[str, list[str]] = {}
-    for rid, r in rollouts.items():
-        parent = r.metadata.get(PARENT_ROLLOUT_KEY)
-        if parent:
-            children.setdefault(parent, []).append(rid)
-    out: list[dict[str, Any]] = []
-
-    def walk(rid: str, depth: int) -> None:
-        r = rollouts.get(rid)
-        if r is None or depth > 50:
-            return
-        out.append({"rollout_id": rid, "depth": depth, "status": r.status,
-                    "branch_call": r.metadata.get(BRANCH_CALL_KEY) if depth else None})
-        for child in sorted(children.get(rid, []), key=lambda c: (rollouts[c].metadata.get(BRANCH_CALL_KEY) or 0,
-                                                                    rollouts[c].enqueue_time)):
-            walk(child, depth + 1)
-
-    walk(root, 0)
-    rewards = store.final_rewards([row["rollout_id"] for row in out]) if out else {}
-    for row in out:
-        row["reward"] = rewards.get(row["rollout_id"]) if row["status"] in ROLLOUT_TERMINAL else None
-    return out
-
-
 def branch_family_html(family: list[dict[str, Any]], selected: Optional[str] = None) -> str:
-    """:func:`branch_family` as an indented tree: each branch under its parent with the call it branched at, its
+    """:func:`~lightning_nb.replay.branching.branch_family` as an indented tree: each branch under its parent with the call it branched at, its
     status and its reward; ``selected`` in bold."""
     import html
 

@@ -31,7 +31,8 @@ def what_if_figure(df: pd.DataFrame) -> Any:
         if part.empty:
             continue
         fig.add_trace(go.Scatter(
-            x=part["old_advantage"], y=part["new_advantage"], mode="markers", name=f"{what} ({part[GROUP_ID_KEY].nunique()} groups)",
+            x=part["old_advantage"], y=part["new_advantage"], mode="markers",
+            name=f"{what} ({part[GROUP_ID_KEY].nunique()} groups)",
             marker={"color": colour, "size": 8, "opacity": 0.7},
             customdata=part[["rollout_id", GROUP_ID_KEY, "old_reward", "new_reward"]].to_numpy(),
             hovertemplate="%{customdata[0]}<br>group %{customdata[1]}<br>reward %{customdata[2]:.3g} → "

@@ -199,8 +199,8 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
         self._train_keys: Optional[list[str]] = None
         self._weights: tuple[Any, Optional[list[float]]] = (None, None)
         if branch is not None and not isinstance(branch, BranchConfig):
-            raise ConfigError(f"LightningRL(branch=...) is a {type(branch).__name__}; pass a BranchConfig(parents=2, n=4) "
-                              "or None")
+            raise ConfigError(f"LightningRL(branch=...) is a {type(branch).__name__}; pass a "
+                              "BranchConfig(parents=2, n=4) or None")
         self.branch = branch
         self.last_branch: dict[str, Any] = {}  # the step's branch-group counts (with branch)
         self.reward_fn: Optional[RewardFn] = None  # set_reward(): the reward from the next step on
@@ -326,7 +326,7 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
                 for k, v in self.group_judge.judge_rollouts(self.store, new_ids).items():
                     self.last_judge[k] = self.last_judge.get(k, 0) + v
             new = self.adapter.adapt(self.store, new_ids)
-            if self.reward_fn is not None:  # set_reward(): the step trains on the new reward, the spans stay as recorded
+            if self.reward_fn is not None:  # set_reward(): trains on the new reward; the spans stay as recorded
                 new = self._apply_reward(new, new_ids)
             for k, v in self.adapter.last_skipped.items():
                 skipped[k] = skipped.get(k, 0) + v
@@ -458,7 +458,8 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
         ``config_changes`` (edits of either config applied at this step, and a reward function set with
         :meth:`set_reward`: then ``reward_mean`` is under that function and ``reward_recorded_mean`` the agent's own);
         with ``branch``, ``branch_groups``, ``branch_groups_with_signal``, ``branch_rollouts`` and
-        ``branch_reward_mean`` (:class:`~lightning_nb.replay.branching.BranchConfig`); with ``group_judge``, ``judge_groups``,
+        ``branch_reward_mean`` (:class:`~lightning_nb.replay.branching.BranchConfig`); with ``group_judge``,
+        ``judge_groups``,
         ``judge_groups_failed`` and ``judge_groups_skipped`` (:meth:`~lightning_nb.rewards.GroupJudge.judge_rollouts`).
 
         While it runs, ``progress`` (:class:`~lightning_nb.algorithm.control.LoopProgress`) says where it is:

@@ -217,7 +217,6 @@ def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict
 
     s = settings
     trainer_cls, config_cls = (VerlTrainer, VerlConfig) if s.trainer_kind == "verl" else (GRPOTrainer, GRPOConfig)
-    overlong = s.overlong_filter
     t_start = time.time()
     torch.manual_seed(s.seed)
     s.out.mkdir(parents=True, exist_ok=True)
@@ -225,8 +224,8 @@ def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict
     with _serving(s.runners, s.engine, s.all_numbers_bonus, device=s.device, dtype=s.dtype) as (served, store):
         trainer = trainer_cls(served, config_cls(
             learning_rate=s.learning_rate, kl_coef=s.kl_coef, lora_rank=s.lora_rank, lora_alpha=s.lora_alpha, device=s.device,
-            dtype=s.dtype, gradient_checkpointing=s.gradient_checkpointing, **micro,
-            **({"overlong_filter": True} if overlong else {})))
+            dtype=s.dtype, gradient_checkpointing=s.gradient_checkpointing, overlong_filter=s.overlong_filter,
+            **micro))
         config = AlgorithmConfig(steps=s.steps, tasks_per_step=s.tasks_per_step, group_size=s.group_size, seed=s.seed,
                                  temperature=s.temperature, max_tokens=s.max_tokens, val_every=s.val_every,
                                  dynamic_sampling=s.sample_rounds > 1, max_sample_rounds=s.sample_rounds,
@@ -254,7 +253,7 @@ def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict
                "minutes": (time.time() - t_start) / 60, "out": str(s.out), "checkpoint": str(checkpoint),
                "engine": s.engine, "trainer": s.trainer_kind, "lora_rank": s.lora_rank, "learning_rate": s.learning_rate,
                **{k: getattr(trainer.config, k, None) for k in _PLACEMENT_KEYS}, "runners": s.runners,
-               "tasks_per_step": s.tasks_per_step, "group_size": s.group_size, "overlong_filter": overlong,
+               "tasks_per_step": s.tasks_per_step, "group_size": s.group_size, "overlong_filter": s.overlong_filter,
                "rollout_seconds_per_step": float(df["rollout_seconds"].mean()) if "rollout_seconds" in df else None,
                "step_seconds": float(df["step_seconds"].mean()) if "step_seconds" in df else None,
                "slice_by": s.slice_by, "seed": s.seed, "all_numbers_bonus": s.all_numbers_bonus,

@@ -23,11 +23,12 @@ from typing import Any, Optional, Sequence
 
 from lightning_nb import semconv
 from lightning_nb.engines import Engine
-from lightning_nb.engines.chat_format import sampled_turn_key
+from lightning_nb.engines.chat_format import parse_tool_calls, sampled_turn_key
 from lightning_nb.proxy.request import ChatCompletionRequest, ProxyHTTPError, applied_sampling
 from lightning_nb.proxy.response import Choice, openai_response
 from lightning_nb.proxy.spans import record_call, requested_attributes
 from lightning_nb.proxy.splice import ServedCall, remember
+from lightning_nb.store.episode import attribute_json, call_spans
 from lightning_nb.types import Span
 
 __all__ = ["RecordedCall", "ReplayPlan", "ReplayServing", "recorded_calls", "divergence", "recorded_choices",
@@ -74,22 +75,9 @@ class ReplayPlan:
 
 
 def recorded_calls(spans: Sequence[Span]) -> list[RecordedCall]:
-    """The LLM calls among one attempt's ``spans`` (store order), each with its choices' spans: a span of choice
-    index 0 (or without one) starts a call, a higher index joins the call before it."""
-    calls: list[RecordedCall] = []
-    for s in spans:
-        if s.name != semconv.LLM_SPAN:
-            continue
-        index = int(s.attributes.get(semconv.CHOICE_INDEX, 0) or 0)
-        if index == 0 or not calls:
-            calls.append(RecordedCall(call=len(calls) + 1))
-        calls[-1].spans.append(s)
-    return calls
-
-
-def _recorded_json(attrs: dict[str, Any], key: str) -> Any:
-    value = attrs.get(key)
-    return json.loads(value) if isinstance(value, str) else value
+    """The LLM calls among one attempt's ``spans``, each with its choices' spans
+    (:func:`~lightning_nb.store.episode.call_spans`'s grouping, numbered from 1)."""
+    return [RecordedCall(call=k + 1, spans=group) for k, group in enumerate(call_spans(spans))]
 
 
 def divergence(req: ChatCompletionRequest, messages: list[dict[str, Any]], rec: RecordedCall,
@@ -106,9 +94,9 @@ def divergence(req: ChatCompletionRequest, messages: list[dict[str, Any]], rec: 
     checks: list[tuple[str, Any, Any]] = []
     if compare_model:
         checks.append(("model", a.get(semconv.REQUEST_MODEL), req.model))
-    checks += [("messages", _recorded_json(a, semconv.PROMPT), messages),
-               ("tools", _recorded_json(a, semconv.REQUEST_TOOLS), req.tools or None),
-               ("tool_choice", _recorded_json(a, semconv.REQUEST_TOOL_CHOICE), req.tool_choice)]
+    checks += [("messages", attribute_json(a.get(semconv.PROMPT)), messages),
+               ("tools", attribute_json(a.get(semconv.REQUEST_TOOLS)), req.tools or None),
+               ("tool_choice", attribute_json(a.get(semconv.REQUEST_TOOL_CHOICE)), req.tool_choice)]
     requested = {"temperature": req.temperature, "top_p": req.top_p, "max_tokens": requested_max, "seed": req.seed}
     checks += [(name, a.get(key), requested[name]) for name, key in _SAMPLING]
     checks += [("stop", list(a[semconv.REQUEST_STOP_SEQUENCES]) if a.get(semconv.REQUEST_STOP_SEQUENCES) else None,
@@ -128,26 +116,26 @@ def recorded_choices(rec: RecordedCall) -> tuple[dict[str, Any], list[Choice], O
     choices = []
     for s in rec.spans:
         a = s.attributes
-        calls = _recorded_json(a, semconv.RESPONSE_TOOL_CALLS) or []
+        calls = attribute_json(a.get(semconv.RESPONSE_TOOL_CALLS), [])
         text = str(a.get(semconv.COMPLETION, ""))
         ids = a.get(semconv.COMPLETION_TOKEN_IDS)
         lps = a.get(semconv.LOGPROBS)
         content = text
         if calls:  # the content returned without the call markup the proxy parsed: what the client got then
-            from lightning_nb.engines.chat_format import parse_tool_calls
-
             names = [c.get("function", {}).get("name") for c in calls]
             parsed, again = parse_tool_calls(text, names)
             content = parsed if again else text
         choices.append(Choice(
-            index=int(a.get(semconv.CHOICE_INDEX, 0) or 0), text=text, content=content if content or not calls else None,
+            index=int(a.get(semconv.CHOICE_INDEX, 0) or 0), text=text,
+            content=content if content or not calls else None,
             tool_calls=calls, token_ids=list(ids) if ids is not None else None,
             finish_reason=(a.get(semconv.RESPONSE_FINISH_REASONS) or [None])[0],
             logprobs={"content": [{"token": "", "logprob": float(lp), "bytes": None, "top_logprobs": []} for lp in lps]}
             if lps else None))
     a = rec.attributes
     prompt_ids = list(a[semconv.PROMPT_TOKEN_IDS]) if a.get(semconv.PROMPT_TOKEN_IDS) else None
-    usage = {"prompt_tokens": a.get(semconv.USAGE_INPUT_TOKENS), "completion_tokens": a.get(semconv.USAGE_OUTPUT_TOKENS)}
+    usage = {"prompt_tokens": a.get(semconv.USAGE_INPUT_TOKENS),
+             "completion_tokens": a.get(semconv.USAGE_OUTPUT_TOKENS)}
     if usage["prompt_tokens"] is not None and usage["completion_tokens"] is not None:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     raw = {"id": a.get(semconv.RESPONSE_ID) or None, "usage": usage}
@@ -192,7 +180,8 @@ class ReplayServing:
         Raises:
             ProxyHTTPError: 409 naming the call and the field when the request differs from the record
                 (:func:`~lightning_nb.proxy.replay.divergence`) or the record has no such call; an
-                :data:`~lightning_nb.semconv.ERROR` span with :data:`~lightning_nb.semconv.REPLAY_DIVERGENCE` is written.
+                :data:`~lightning_nb.semconv.ERROR` span with :data:`~lightning_nb.semconv.REPLAY_DIVERGENCE` is
+                written.
         """
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         if call > len(plan.calls):

@@ -24,7 +24,8 @@ from typing import Any, Hashable, Optional, Sequence
 from lightning_nb.engines import Engine, Generation
 from lightning_nb.engines.base import chat_completion_payload
 
-__all__ = ["remember", "REMEMBERED_TURNS", "ServedCall", "splice_previous_reply", "can_submit_tokens", "submit_kwargs", "generations_response"]
+__all__ = ["remember", "REMEMBERED_TURNS", "ServedCall", "splice_previous_reply", "can_submit_tokens", "submit_kwargs",
+           "generations_response"]
 
 #: How many sampled assistant turns (and attempts' served lengths) the proxy remembers, newest kept.
 REMEMBERED_TURNS = 16384
@@ -36,7 +37,6 @@ def remember(table: "OrderedDict[Any, Any]", key: Hashable, value: Any) -> None:
     table.move_to_end(key)
     while len(table) > REMEMBERED_TURNS:
         table.popitem(last=False)
-
 
 
 @dataclass(frozen=True)

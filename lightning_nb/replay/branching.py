@@ -24,13 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_nb.errors import ConfigError, LightningNbError
-from lightning_nb.proxy.replay import recorded_calls
-from lightning_nb.store.episode import Episode
-from lightning_nb.types import (BRANCH_CALL_KEY, GROUP_ID_KEY, PARENT_ROLLOUT_KEY, REPLAY_KEY, SAMPLING_PARAMETERS_KEY,
-                                Rollout)
+from lightning_nb.store.episode import Episode, call_spans
+from lightning_nb.types import (BRANCH_CALL_KEY, GROUP_ID_KEY, PARENT_ROLLOUT_KEY, REPLAY_KEY, ROLLOUT_TERMINAL,
+                                SAMPLING_PARAMETERS_KEY, Rollout)
 
 __all__ = ["replay", "branch", "branch_group", "branch_tree", "BranchConfig", "branch_points", "enqueue_branches",
-           "draw_branch_points"]
+           "draw_branch_points", "branch_family"]
 
 #: The sampling a branch may set (the proxy applies them from call k + 1 on, over the rollout's).
 BRANCH_SAMPLING = ("temperature", "top_p", "max_tokens", "seed", "stop")
@@ -125,7 +124,7 @@ def _parent(store: Any, rollout_id: str) -> tuple[Rollout, str, int]:
         raise ConfigError(f"rollout {rollout_id!r} is {parent.status!r}: only a finished rollout (succeeded or failed) "
                           "has a record to replay; wait for it (store.wait_for_rollouts) first")
     attempt = attempts[-1].attempt_id
-    return parent, attempt, len(recorded_calls(store.query_spans(rollout_id, attempt)))
+    return parent, attempt, len(call_spans(store.query_spans(rollout_id, attempt)))
 
 
 def _enqueue(store: Any, parent: Rollout, attempt_id: str, calls: int, n: int, *, exact: bool,
@@ -239,28 +238,61 @@ def branch(rollout_id: str, at_call: int, n: int = 4, *, sampling: Optional[dict
     return _wait(store, ids, timeout, f"branches of {rollout_id!r} at call {at_call}")
 
 
-def branch_tree(store: Any, rollout_id: str) -> Any:
-    """The branches of ``rollout_id`` (and theirs, recursively) as a DataFrame: rollout_id, parent_rollout_id,
-    branch_call, depth (1 for a direct branch), status, reward, calls; the root rollout first."""
-    import pandas as pd
+def branch_family(store: Any, rollout_id: str) -> list[dict[str, Any]]:
+    """The replay/branch family of ``rollout_id``: its root (following ``parent_rollout_id`` up) and every rollout
+    below it, depth first, a parent's branches by call, then enqueue time. One dict each: rollout_id, depth (0 for
+    the root), branch_call (None for the root), status, reward (None until finished). Just the root for an
+    ordinary rollout. Reads the rollouts and the family's final rewards, no spans (the SpanBrowser polls it)."""
+    rollouts = {r.rollout_id: r for r in store.query_rollouts()}
+    root = rollout_id
+    while rollouts.get(root) is not None and rollouts[root].metadata.get(PARENT_ROLLOUT_KEY) in rollouts:
+        root = rollouts[root].metadata[PARENT_ROLLOUT_KEY]
+    return _below(store, rollouts, root)
 
-    df = store.episodes_df()
+
+def _below(store: Any, rollouts: dict[str, Rollout], start: str) -> list[dict[str, Any]]:
+    """:func:`branch_family`'s rows for ``start`` and every rollout below it (``start`` at depth 0)."""
     children: dict[str, list[str]] = {}
-    for rid, parent in zip(df["rollout_id"], df["parent_rollout_id"]):
-        if isinstance(parent, str):
+    for rid, r in rollouts.items():
+        parent = r.metadata.get(PARENT_ROLLOUT_KEY)
+        if parent:
             children.setdefault(parent, []).append(rid)
-    rows = df.set_index("rollout_id")
     out: list[dict[str, Any]] = []
 
     def walk(rid: str, depth: int) -> None:
-        if rid in rows.index:
-            r = rows.loc[rid]
-            out.append({"rollout_id": rid, "parent_rollout_id": r["parent_rollout_id"] if depth else None,
-                        "branch_call": r["branch_call"] if depth else None, "depth": depth, "status": r["status"],
-                        "reward": r["reward"], "calls": int(r["llm_calls"])})
-        for child in children.get(rid, []):
+        r = rollouts.get(rid)
+        if r is None or depth > 50:
+            return
+        out.append({"rollout_id": rid, "depth": depth, "status": r.status,
+                    "branch_call": r.metadata.get(BRANCH_CALL_KEY) if depth else None})
+        for child in sorted(children.get(rid, []), key=lambda c: (rollouts[c].metadata.get(BRANCH_CALL_KEY) or 0,
+                                                                    rollouts[c].enqueue_time)):
             walk(child, depth + 1)
 
-    walk(rollout_id, 0)
-    return pd.DataFrame(out, columns=["rollout_id", "parent_rollout_id", "branch_call", "depth", "status", "reward",
-                                      "calls"])
+    walk(start, 0)
+    rewards = store.final_rewards([row["rollout_id"] for row in out]) if out else {}
+    for row in out:
+        row["reward"] = rewards.get(row["rollout_id"]) if row["status"] in ROLLOUT_TERMINAL else None
+    return out
+
+
+def branch_tree(store: Any, rollout_id: str) -> Any:
+    """The branches of ``rollout_id`` (and theirs, recursively) as a DataFrame: rollout_id, parent_rollout_id,
+    branch_call, depth (1 for a direct branch), status, reward (NaN until finished), calls (LLM calls of the latest
+    attempt); ``rollout_id`` first, then :func:`branch_family`'s order.
+
+    Raises:
+        NotFoundError: ``rollout_id`` is not in the store.
+    """
+    import pandas as pd
+
+    store.get_rollout_by_id(rollout_id)
+    rollouts = {r.rollout_id: r for r in store.query_rollouts()}
+    rows = _below(store, rollouts, rollout_id)
+    for row in rows:
+        rid = row["rollout_id"]
+        row["parent_rollout_id"] = rollouts[rid].metadata.get(PARENT_ROLLOUT_KEY) if row["depth"] else None
+        row["calls"] = len(call_spans(store.query_spans(rid, "latest")))
+    df = pd.DataFrame(rows, columns=["rollout_id", "parent_rollout_id", "branch_call", "depth", "status", "reward",
+                                     "calls"])
+    return df.astype({"reward": "float64"})

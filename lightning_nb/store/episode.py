@@ -25,7 +25,7 @@ from lightning_nb import semconv
 from lightning_nb.store.rules import component_sums, final_reward
 from lightning_nb.types import (BRANCH_CALL_KEY, GROUP_ID_KEY, PARENT_ROLLOUT_KEY, Attempt, Rollout, Span)
 
-__all__ = ["Episode", "LLMCall", "ToolUse", "build_episode", "llm_calls"]
+__all__ = ["Episode", "LLMCall", "ToolUse", "build_episode", "llm_calls", "call_spans", "attribute_json"]
 
 
 @dataclass(repr=False)
@@ -69,7 +69,8 @@ class LLMCall:
                   if self.prompt_ids is not None and self.completion_ids is not None else "no token IDs")
         extra = ", replayed" if self.replayed else ""
         extra += f", error={self.error[:60]!r}" if self.error else ""
-        return f"LLMCall(call={self.call}, reply={self.reply[:80]!r}, finish_reason={self.finish_reason!r}, {tokens}{extra})"
+        return (f"LLMCall(call={self.call}, reply={self.reply[:80]!r}, finish_reason={self.finish_reason!r}, "
+                f"{tokens}{extra})")
 
 
 @dataclass
@@ -140,7 +141,8 @@ class Episode:
         return pd.DataFrame([{"call": c.call, "reply": c.reply, "finish_reason": c.finish_reason,
                               "prompt_tokens": len(c.prompt_ids) if c.prompt_ids is not None else math.nan,
                               "completion_tokens": len(c.completion_ids) if c.completion_ids is not None else math.nan,
-                              "tool_calls": ", ".join(str((t.get("function") or {}).get("name", "")) for t in c.tool_calls),
+                              "tool_calls": ", ".join(str((t.get("function") or {}).get("name", ""))
+                                                      for t in c.tool_calls),
                               "weight_version": c.weight_version, "replayed": c.replayed, "error": c.error}
                              for c in self.calls],
                             columns=["call", "reply", "finish_reason", "prompt_tokens", "completion_tokens",
@@ -158,7 +160,9 @@ class Episode:
         return f"<div>{head}<br><code>{task}</code>{self.to_frame().to_html(index=False)}</div>"
 
 
-def _json(value: Any, default: Any) -> Any:
+def attribute_json(value: Any, default: Any = None) -> Any:
+    """A span attribute the proxy writes as JSON text (``gen_ai.prompt``, the tool calls, ...) as its value; a value
+    that is not text is returned as it is, None or text that does not parse as ``default``."""
     if value is None:
         return default
     if isinstance(value, str):
@@ -169,6 +173,19 @@ def _json(value: Any, default: Any) -> Any:
     return value
 
 
+def call_spans(spans: Sequence[Span]) -> list[list[Span]]:
+    """The LLM spans among one attempt's ``spans`` (store order), grouped by call: the proxy writes one span per
+    choice, and a span of choice index 0 (or without one) starts a call, a higher index joins the call before it."""
+    calls: list[list[Span]] = []
+    for s in spans:
+        if s.name != semconv.LLM_SPAN:
+            continue
+        if int(s.attributes.get(semconv.CHOICE_INDEX, 0) or 0) == 0 or not calls:
+            calls.append([])
+        calls[-1].append(s)
+    return calls
+
+
 #: The request fields an :class:`LLMCall` keeps (the span key -> the OpenAI request name); those the agent set.
 REQUEST_FIELDS = {semconv.REQUEST_TEMPERATURE: "temperature", semconv.REQUEST_TOP_P: "top_p",
                   semconv.REQUEST_MAX_TOKENS: "max_tokens", semconv.REQUEST_SEED: "seed",
@@ -177,19 +194,19 @@ REQUEST_FIELDS = {semconv.REQUEST_TEMPERATURE: "temperature", semconv.REQUEST_TO
 
 
 def llm_calls(spans: Sequence[Span]) -> list[LLMCall]:
-    """The LLM calls among one attempt's ``spans`` (store order), numbered from 1; a call's other choices
-    (``n`` > 1) are left out."""
+    """The LLM calls among one attempt's ``spans`` (store order, :func:`call_spans`), numbered from 1; a call's other
+    choices (``n`` > 1) are left out."""
     calls: list[LLMCall] = []
-    for s in spans:
-        if s.name != semconv.LLM_SPAN or int(s.attributes.get(semconv.CHOICE_INDEX, 0) or 0) != 0:
-            continue
+    for s in (group[0] for group in call_spans(spans)):
         a = s.attributes
-        request = {name: (_json(a[key], a[key]) if key in (semconv.REQUEST_TOOLS, semconv.REQUEST_TOOL_CHOICE)
-                          else a[key]) for key, name in REQUEST_FIELDS.items() if key in a}
+        request = {name: (attribute_json(a[key], a[key])
+                          if key in (semconv.REQUEST_TOOLS, semconv.REQUEST_TOOL_CHOICE) else a[key])
+                   for key, name in REQUEST_FIELDS.items() if key in a}
         reasons = a.get(semconv.RESPONSE_FINISH_REASONS) or []
         calls.append(LLMCall(
-            call=len(calls) + 1, messages=_json(a.get(semconv.PROMPT), []), reply=str(a.get(semconv.COMPLETION, "")),
-            tool_calls=_json(a.get(semconv.RESPONSE_TOOL_CALLS), []),
+            call=len(calls) + 1, messages=attribute_json(a.get(semconv.PROMPT), []),
+            reply=str(a.get(semconv.COMPLETION, "")),
+            tool_calls=attribute_json(a.get(semconv.RESPONSE_TOOL_CALLS), []),
             finish_reason=reasons[0] if reasons else None,
             prompt_ids=list(a[semconv.PROMPT_TOKEN_IDS]) if semconv.PROMPT_TOKEN_IDS in a else None,
             completion_ids=list(a[semconv.COMPLETION_TOKEN_IDS]) if semconv.COMPLETION_TOKEN_IDS in a else None,
@@ -203,9 +220,10 @@ def llm_calls(spans: Sequence[Span]) -> list[LLMCall]:
 def build_episode(rollout: Rollout, attempt: Optional[Attempt], spans: Sequence[Span]) -> Episode:
     """The :class:`Episode` of ``rollout`` from its ``attempt`` (its latest, or None) and that attempt's ``spans``."""
     calls = llm_calls(spans)
+    starts = {group[0].span_id for group in call_spans(spans)}
     tools, seen = [], 0
     for s in spans:
-        if s.name == semconv.LLM_SPAN and int(s.attributes.get(semconv.CHOICE_INDEX, 0) or 0) == 0:
+        if s.span_id in starts:
             seen += 1
         elif s.name.startswith(semconv.TOOL_SPAN_PREFIX):
             out = s.attributes.get(semconv.TOOL_OUTPUT)
@@ -214,7 +232,7 @@ def build_episode(rollout: Rollout, attempt: Optional[Attempt], spans: Sequence[
                                  after_call=seen, span_id=s.span_id))
     rewards = [s.attributes.get(semconv.REWARD) for s in spans if s.name == semconv.REWARD_SPAN]
     parent = rollout.metadata.get(PARENT_ROLLOUT_KEY)
-    diverged = next((_json(s.attributes[semconv.REPLAY_DIVERGENCE], None) for s in spans
+    diverged = next((attribute_json(s.attributes[semconv.REPLAY_DIVERGENCE], None) for s in spans
                      if s.name == semconv.LLM_SPAN and semconv.REPLAY_DIVERGENCE in s.attributes), None)
     return Episode(
         rollout_id=rollout.rollout_id, attempt_id=attempt.attempt_id if attempt else None, task=rollout.input,
