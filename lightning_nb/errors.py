@@ -13,6 +13,8 @@ __all__ = [
     "NotFoundError",
     "InvalidRewardError",
     "InvalidStatusTransition",
+    "AttemptEnded",
+    "MovedAttributeError",
     "MissingDependencyError",
     "AttemptTimeout",
     "SpanSchemaError",
@@ -41,6 +43,20 @@ class InvalidRewardError(LightningNbError, ValueError):
 
 class InvalidStatusTransition(LightningNbError, ValueError):
     """A rollout or attempt was asked to move to a status its state machine forbids."""
+
+
+class AttemptEnded(InvalidStatusTransition):
+    """A write (a span) for an attempt that already ended ``failed``, ``timeout`` or ``unresponsive``.
+
+    Nothing is stored on an attempt after it ended that way: the late answer of an abandoned agent (a rollout
+    server's ``/rollout`` answer after a timeout) would otherwise add tool, reward and agent spans to a record of
+    something that did not happen as stored. A store server answers it with HTTP 409, as any
+    :class:`InvalidStatusTransition`.
+    """
+
+
+class MovedAttributeError(LightningNbError, AttributeError):
+    """A public name that moved or was renamed; the message names its replacement (kept for one release)."""
 
 
 class MissingDependencyError(LightningNbError, ImportError):

@@ -32,6 +32,7 @@ from lightning_nb.proxy.proxy import LLMProxy
 from lightning_nb.semconv import ERROR, LLM_SPAN, REQUEST_RESPONSE_MASK, TOOL_INPUT, TOOL_OUTPUT, TOOL_SPAN_PREFIX
 from lightning_nb.store import InMemoryStore
 from lightning_nb.trainers.packing import pack_episode
+from lightning_nb.types import LLMResource, RolloutConfig
 
 # Greedy SmolLM2 answers "Add 5 and 3." with <tool_call>{"name": "add", "arguments": {"a": 5, "b": 3}} in the
 # reference server's layout (its four tools, no system message); 40 tokens hold the call.
@@ -260,6 +261,7 @@ def test_episode_through_the_reference_server_is_one_masked_sequence(engine, pro
 # ----- faults: each fails its attempt with an error naming what went wrong; what was stored stays --------------
 def test_a_broken_rollout_server_fails_each_attempt_naming_the_field(proxied_store, fake_server):
     agent = RemoteRolloutAgent(fake_server, reward_fn=lambda task, msgs: 1.0, timeout_s=1.0)
+    agent.calls_model = False  # the fake server never calls the model back ("ok" would be refused otherwise)
     modes = ["error", "finish_error", "hang", "nonsense", "missing", "unknown_finish", "other_id", "no_final", "ok"]
     results = dict(zip(modes, run(agent, proxied_store, modes, n=4)))
     expected = {"error": ("RolloutServerError", "status ERROR): tool backend down"),
@@ -281,12 +283,19 @@ def test_a_broken_rollout_server_fails_each_attempt_naming_the_field(proxied_sto
     assert results["ok"][0].status == "succeeded" and reward_of(proxied_store, results["ok"][0].rollout_id) == [1.0]
 
 
+def _no_model_agent(url, **options):
+    """A RemoteRolloutAgent for the fake server, which never calls the model back: not declared to call it."""
+    agent = RemoteRolloutAgent(url, **options)
+    agent.calls_model = False
+    return agent
+
+
 def test_server_reward_is_used_without_reward_fn_and_warned_about_with_one(proxied_store, fake_server):
-    [(rollout, attempt)] = run(RemoteRolloutAgent(fake_server), proxied_store, ["server_reward"], n=1)
+    [(rollout, attempt)] = run(_no_model_agent(fake_server), proxied_store, ["server_reward"], n=1)
     assert rollout.status == "succeeded" and reward_of(proxied_store, rollout.rollout_id) == [0.25]
-    [(rollout, attempt)] = run(RemoteRolloutAgent(fake_server), proxied_store, ["ok"], n=1)
+    [(rollout, attempt)] = run(_no_model_agent(fake_server), proxied_store, ["ok"], n=1)
     assert rollout.status == "failed" and "sent no 'reward'" in attempt.error
-    agent = RemoteRolloutAgent(fake_server, reward_fn=lambda task, msgs: 1.0)
+    agent = _no_model_agent(fake_server, reward_fn=lambda task, msgs: 1.0)
     ids = [proxied_store.enqueue_rollout("server_reward").rollout_id for _ in range(2)]
     with pytest.warns(RuntimeWarning, match="sent reward=0.25 and reward_fn is set") as record:
         with start_runners(agent, proxied_store, n=1):
@@ -311,7 +320,7 @@ def test_a_callback_after_the_server_answered_is_refused_and_never_stored(proxie
     """A rollout server that calls the model back after it answered /rollout: the attempt has ended, so the proxy
     answers 409 naming it, and the attempt keeps exactly what it had (nothing to train on is added)."""
     store = proxied_store
-    agent = RemoteRolloutAgent(fake_server, reward_fn=lambda task, msgs: 1.0)
+    agent = _no_model_agent(fake_server, reward_fn=lambda task, msgs: 1.0)
     [(rollout, attempt)] = run(agent, store, ["late_callback"], n=1)
     assert rollout.status == "succeeded" and attempt.status == "succeeded"
     before = [s.model_dump() for s in store.query_spans(rollout.rollout_id)]
@@ -384,3 +393,35 @@ def test_tools_are_discovered_once_per_agent_and_process(fake_server):
     assert len(TOOLS_HITS) - before == 1
     copy = pickle.loads(pickle.dumps(agent))  # a Ray actor's copy discovers them again, in its process
     assert len(copy.tools()) == 4 and len(TOOLS_HITS) - before == 2
+
+
+def test_a_completed_answer_without_a_model_call_is_refused(store, fake_server):
+    """Doc 002's COMPLETED answer from a server that never called the model back: RemoteRolloutAgent declares
+    calls_model, so the attempt fails naming why instead of succeeding with a reward and 0 LLM calls."""
+    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})  # never called
+    agent = RemoteRolloutAgent(fake_server, reward_fn=lambda task, msgs: 1.0)
+    [(rollout, attempt)] = run(agent, store, ["ok"], n=1)
+    assert rollout.status == "failed" and "without calling the model" in attempt.error
+    assert store.rollouts_df().set_index("rollout_id").loc[rollout.rollout_id, "llm_calls"] == 0
+
+
+def test_an_answer_after_the_attempt_timed_out_is_refused_and_never_stored(store, fake_server, caplog):
+    """The /rollout answer arrives (4 s) after the rollout's timeout_seconds (1 s) ended the attempt: its
+    tool:rollout_server span, reward and agent span are refused on every backend, and logged."""
+    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
+    agent = RemoteRolloutAgent(fake_server, reward_fn=lambda task, msgs: 1.0, timeout_s=30.0)
+    rid = store.enqueue_rollout("hang", config=RolloutConfig(timeout_seconds=1.0)).rollout_id
+    with caplog.at_level("WARNING", logger="lightning_nb.tracing.tracer"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with start_runners(agent, store, n=1):
+            store.wait_for_rollouts([rid], timeout=30)
+            deadline = time.monotonic() + 15
+            while not any(SERVER_SPAN in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+                time.sleep(0.2)  # the answer comes 4 s after the request
+            time.sleep(0.5)
+    (attempt,) = store.query_attempts(rid)
+    assert attempt.status == "timeout" and store.get_rollout_by_id(rid).status == "failed"
+    assert store.query_spans(rid) == []  # no tool:rollout_server, reward or agent span on the ended attempt
+    refused = [r.getMessage() for r in caplog.records if "already ended 'timeout'" in r.getMessage()]
+    assert any(SERVER_SPAN in m for m in refused), refused
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -169,3 +170,75 @@ def test_agents_that_reseed_the_global_random_mid_episode_lose_no_span(resourced
         assert [s.name for s in spans] == ["tool:env.step"] * 4 + ["reward", "agent"]
         assert len({s.span_id for s in spans}) == 6
         assert store.final_reward(rid) == 1.0
+
+
+def test_a_rollout_without_llm_call_is_flagged_or_refused_where_the_agent_declares_it(resourced):
+    """An agent that never calls the model succeeds, counted in the runner status and flagged in rollouts_df;
+    one that declares calls_model=True has such an attempt refused (failed, naming why)."""
+    from lightning_nb.agents.remote import callback_url
+    from lightning_nb.runners.failures import NO_LLM_CALL_ERROR
+    from lightning_nb.types import Span
+
+    store = resourced
+
+    def agent(task, llm):
+        if task == "calls":  # one LLM call recorded on the attempt, as the LLM proxy records it (no model needed)
+            _, rid, aid = callback_url(llm.endpoint)
+            store.add_span(Span(rollout_id=rid, attempt_id=aid, trace_id="t" * 32, span_id="c" * 16,
+                                name=semconv.LLM_SPAN, start_time=1.0, end_time=2.0))
+        return 1.0
+
+    ids = [store.enqueue_rollout(t).rollout_id for t in ("calls", "silent")]
+    with start_runners(agent, store, n=1) as group:
+        store.wait_for_rollouts(ids, timeout=30)
+        status = group.status()
+    assert [store.get_rollout_by_id(i).status for i in ids] == ["succeeded", "succeeded"]
+    assert status["no_llm_call"].tolist() == [1] and status["succeeded"].tolist() == [2]
+    df = store.rollouts_df().set_index("rollout_id")
+    assert df.loc[ids, "no_llm_call"].tolist() == [False, True] and df.loc[ids, "llm_calls"].tolist() == [1, 0]
+
+    agent.calls_model = True  # declared: every rollout calls the model
+    ids = [store.enqueue_rollout(t).rollout_id for t in ("calls", "silent")]
+    with pytest.warns(RuntimeWarning, match="without calling the model"):
+        with start_runners(agent, store, n=1) as group:
+            store.wait_for_rollouts(ids, timeout=30)
+            status = group.status()
+    assert [store.get_rollout_by_id(i).status for i in ids] == ["succeeded", "failed"]
+    assert store.query_attempts(ids[1])[0].error == NO_LLM_CALL_ERROR and store.final_reward(ids[1]) == 0.0
+    assert status["no_llm_call"].tolist() == [0] and status["failed"].tolist() == [1]
+
+
+def test_what_an_agent_records_after_its_attempt_timed_out_is_refused_and_logged(resourced, caplog):
+    """The agent's late tool span, reward and agent span (a rollout server answering after the timeout) are
+    refused by the store and logged; the timed-out attempt keeps what it had before it ended."""
+    store = resourced
+    released, finished = threading.Event(), threading.Event()
+
+    def agent(task, llm):
+        with tool_span("before", "x") as span:
+            span.set_attribute(semconv.TOOL_OUTPUT, "recorded before the timeout")
+        released.wait(30)
+        try:
+            with tool_span("rollout_server", "late") as span:
+                span.set_attribute(semconv.TOOL_OUTPUT, "the answer, after the timeout")
+            return 1.0
+        finally:
+            finished.set()
+
+    rid = store.enqueue_rollout("t", config=RolloutConfig(timeout_seconds=1.0)).rollout_id
+    with caplog.at_level("WARNING", logger="lightning_nb.tracing.tracer"):
+        with warnings.catch_warnings(), start_runners(agent, store, n=1) as group:
+            warnings.simplefilter("ignore", RuntimeWarning)  # the first timeout warns (tested elsewhere)
+            store.wait_for_rollouts([rid], timeout=30)
+            (attempt,) = store.query_attempts(rid)
+            assert attempt.status == "timeout"
+            released.set()
+            assert finished.wait(10)
+            time.sleep(1.0)  # the agent thread's reward and agent span are written as they end
+            status = group.status()
+    assert status["succeeded"].sum() == 0 and status["timed_out"].sum() + status["abandoned"].sum() == 1
+    assert [s.name for s in store.query_spans(rid)] == ["tool:before"]
+    assert store.get_rollout_by_id(rid).status == "failed" and store.final_reward(rid) == 0.0
+    refused = [r.getMessage() for r in caplog.records if "already ended 'timeout'" in r.getMessage()]
+    assert any("tool:rollout_server" in m for m in refused) and any("'reward'" in m for m in refused), refused
+

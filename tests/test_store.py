@@ -245,9 +245,9 @@ def test_rollouts_df_times_are_datetimes_and_numbers_are_never_none(store):
     store.update_attempt(failed.rollout.rollout_id, failed.attempt.attempt_id, status="failed", error="boom")
     running = store.start_rollout("running")
     df = store.rollouts_df().set_index("rollout_id")
-    assert list(store.rollouts_df().columns) == ["rollout_id", "input", "status", "reward", "mode", "num_attempts",
-                                                 "duration_s", "resources_id", "enqueue_time", "start_time",
-                                                 "end_time"]
+    assert list(store.rollouts_df().columns) == ["rollout_id", "input", "status", "reward", "llm_calls",
+                                                 "no_llm_call", "mode", "num_attempts", "duration_s",
+                                                 "resources_id", "enqueue_time", "start_time", "end_time"]
     for col in ("enqueue_time", "start_time", "end_time"):
         assert str(df[col].dtype).startswith("datetime64"), (col, df[col].dtype)
     assert df["reward"].dtype == "float64" and df["duration_s"].dtype == "float64"

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from lightning_nb import semconv
-from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundError
+from lightning_nb.errors import AttemptEnded, ConfigError, InvalidStatusTransition, NotFoundError
 from lightning_nb.store import InMemoryStore, StoreClient, StoreServer
 from lightning_nb.types import LLMResource, RolloutConfig, Span
 
@@ -199,8 +199,9 @@ def test_late_span_heartbeat_and_status_never_revive_an_unresponsive_attempt(sto
     time.sleep(0.3)
     (ended,) = store.sweep_attempts()
     assert ended.status == "unresponsive" and store.get_rollout_by_id(rid).status == "requeuing"
-    late = store.add_span(_span(rid, old, "reward", **{semconv.REWARD: 1.0}))  # stored, as evidence
-    assert late.sequence_id == 1 and [s.name for s in store.query_spans(rid, old)] == ["reward"]
+    with pytest.raises(AttemptEnded, match="already ended 'unresponsive'"):  # refused: nothing stored on it
+        store.add_span(_span(rid, old, "reward", **{semconv.REWARD: 1.0}))
+    assert store.query_spans(rid, old) == []
     assert store.update_attempt(rid, old, heartbeat=True).status == "unresponsive"
     with pytest.raises(InvalidStatusTransition, match="'unresponsive' to 'succeeded'"):
         store.update_attempt(rid, old, status="succeeded")
@@ -334,3 +335,56 @@ def test_attempt_and_worker_views_have_datetimes_and_useful_columns_first(store)
     workers = store.workers_df()
     for col in ("first_seen_time", "last_heartbeat_time", "last_dequeue_time"):
         assert str(workers[col].dtype) == "datetime64[ns]"
+
+
+@pytest.mark.parametrize("ending", ["failed", "timeout"])
+def test_no_span_is_stored_on_an_attempt_that_ended_without_success(store, ending):
+    """A late answer (an abandoned agent's tool, reward and agent spans) is refused on every path: add_span,
+    add_spans, add_otel_spans; a repeat of a span stored before the end is still the same write."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    rid = store.enqueue_rollout("t", config=RolloutConfig(max_attempts=2)).rollout_id
+    aid = store.dequeue_rollout("w").attempt.attempt_id
+    before_end = store.add_span(_span(rid, aid, "tool:rollout_server", span_id="b" * 16))
+    store.update_attempt(rid, aid, status=ending, error="ran past timeout_seconds")
+    late = [_span(rid, aid, name, **attrs) for name, attrs in
+            (("tool:rollout_server", {}), ("reward", {semconv.REWARD: 1.0}), ("agent", {}))]
+    with pytest.raises(AttemptEnded, match=f"already ended '{ending}'"):
+        store.add_span(late[1])
+    with pytest.raises(AttemptEnded, match=r"spans\[0\]: .*already ended"):
+        store.add_spans(late)
+    with TracerProvider().get_tracer("t").start_as_current_span("agent") as otel:
+        pass
+    with pytest.raises(InvalidStatusTransition):  # AttemptEnded is one: a runner's except clauses still catch it
+        store.add_otel_spans(rid, aid, [otel])
+    assert store.add_span(_span(rid, aid, "tool:rollout_server", span_id="b" * 16)).sequence_id == \
+        before_end.sequence_id  # a retried write of a span stored before the end
+    assert [s.name for s in store.query_spans(rid, aid)] == ["tool:rollout_server"]
+    assert store.get_rollout_by_id(rid).status == "requeuing" and store.final_rewards()[rid] is None
+    retry = store.dequeue_rollout("w2").attempt.attempt_id  # the retry is a new attempt: it takes spans
+    store.add_span(_span(rid, retry, "reward", **{semconv.REWARD: 0.5}))
+    store.update_attempt(rid, retry, status="succeeded")
+    label = store.label(rid, 1.0)  # a succeeded attempt still takes late spans (a label, a judge)
+    assert label.attempt_id == retry and store.final_reward(rid) == 1.0
+
+
+def test_rollouts_df_flags_a_succeeded_rollout_without_llm_call(store):
+    def finish(name, llm_spans, status="succeeded"):
+        item = store.start_rollout(name)
+        rid, aid = item.rollout.rollout_id, item.attempt.attempt_id
+        for _ in range(llm_spans):
+            store.add_span(_span(rid, aid, semconv.LLM_SPAN))
+        store.add_span(_span(rid, aid, semconv.REWARD_SPAN, **{semconv.REWARD: 1.0}))
+        store.update_attempt(rid, aid, status=status)
+        return rid
+
+    called, silent, failed = finish("called", 2), finish("silent", 0), finish("failed", 0, "failed")
+    running = store.start_rollout("running").rollout.rollout_id
+    df = store.rollouts_df().set_index("rollout_id")
+    assert df["llm_calls"].to_dict() == {called: 2, silent: 0, failed: 0, running: 0}
+    assert df["no_llm_call"].to_dict() == {called: False, silent: True, failed: False, running: False}
+    assert df["llm_calls"].dtype == "int64" and df["no_llm_call"].dtype == "bool"
+    assert store.llm_call_counts([silent, called]) == {silent: 0, called: 2}
+    with pytest.raises(NotFoundError, match="nope"):
+        store.llm_call_counts(["nope"])
+

@@ -159,10 +159,19 @@ class RemoteRolloutAgent:
 
     :meth:`preflight` checks the server before any rollout runs.
 
+    The agent declares ``calls_model = True``: a ``COMPLETED`` answer whose server never called the model back (no
+    LLM call reached the attempt) is refused by the runner, and the attempt ends ``failed`` (a reward with nothing to
+    train on). An answer arriving after the attempt ended (the rollout's ``timeout_seconds`` passed, the watchdog
+    ended it) is refused by the store (:class:`~lightning_nb.errors.AttemptEnded`, logged by the tracer): no
+    ``tool:rollout_server``, reward or agent span is stored on the ended attempt.
+
     Raises:
         ConfigError: ``url`` not http(s), a non-loopback ``url`` without ``api_key``, ``timeout_s`` not positive,
             ``max_turns``/``max_tokens_total`` out of range, or ``reward_fn``/``messages_fn`` not callable.
     """
+
+    #: every rollout calls the model (see :func:`~lightning_nb.runners.calling.declares_model_calls`)
+    calls_model = True
 
     def __init__(self, url: str, *, reward_fn: Optional[Callable[[Any, list[dict[str, Any]]], float]] = None,
                  api_key: Optional[str] = None, timeout_s: float = 240.0, max_turns: int = 5,

@@ -17,12 +17,18 @@ import warnings
 from typing import Iterator, Optional
 from urllib.parse import urlsplit
 
-__all__ = ["FailureNotices", "unreachable_endpoint_hint", "first_line", "NO_REWARD_ERROR", "UNREACHABLE"]
+__all__ = ["FailureNotices", "unreachable_endpoint_hint", "first_line", "NO_REWARD_ERROR", "UNREACHABLE",
+           "NO_LLM_CALL", "NO_LLM_CALL_ERROR"]
 
 log = logging.getLogger(__name__)
 UNREACHABLE = "unreachable LLM endpoint"  # the failure kind of an attempt whose LLM endpoint refused the connect
 NO_REWARD_ERROR = ("the agent returned None and emitted no reward span; return a float reward from the agent, "
                    "or call lightning_nb.emit_reward(value) inside it")
+NO_LLM_CALL = "no LLM call"  # the failure kind of an attempt whose agent declares calls_model but never called it
+NO_LLM_CALL_ERROR = ("the agent returned a reward without calling the model (no LLM call reached the attempt's "
+                     "llm.endpoint), and it declares calls_model=True, so the attempt is refused: nothing in it can "
+                     "be trained on. Call the model through llm.endpoint (a rollout server: its server_url) before "
+                     "answering, or set calls_model=False on an agent that may legitimately answer without one")
 
 
 class FailureNotices:

@@ -163,13 +163,14 @@ class RunnerGroup(GroupLifecycle):
 
     def status(self) -> pd.DataFrame:
         """One row per runner: state, current rollout, counts (``judge_errors``: LLM-judge calls that gave no score,
-        recorded on their attempts), seconds since last heartbeat."""
+        recorded on their attempts; ``no_llm_call``: succeeded attempts whose agent never called the model),
+        seconds since last heartbeat."""
         now = time.time()
         return pd.DataFrame([
             {"worker_id": r.worker_id, "state": r.stats.state, "alive": r.alive,
              "current_rollout": r.stats.current_rollout, "succeeded": r.stats.succeeded,
              "failed": r.stats.failed, "timed_out": r.stats.timed_out, "abandoned": r.stats.abandoned,
-             "judge_errors": r.stats.judge_errors,
+             "judge_errors": r.stats.judge_errors, "no_llm_call": r.stats.no_llm_call,
              "heartbeat_age_s": round(now - r.stats.last_heartbeat, 1)}
             for r in self.runners
         ])
@@ -193,8 +194,8 @@ def start_thread_runners(agent: Agent, store: LightningStore, n: int, *, tracer:
                       heartbeat_interval_s=heartbeat_interval_s, notices=notices, gate=gate, hooks=hooks)
                for _ in range(n)]
     for old, new in zip(carry_from or [], runners):
-        new.stats.succeeded, new.stats.failed, new.stats.timed_out, new.stats.judge_errors = (
-            old.stats.succeeded, old.stats.failed, old.stats.timed_out, old.stats.judge_errors)
+        for counter in ("succeeded", "failed", "timed_out", "judge_errors", "no_llm_call"):
+            setattr(new.stats, counter, getattr(old.stats, counter))
     if replace:
         _replace_running(store, n)
     group = RunnerGroup(runners)

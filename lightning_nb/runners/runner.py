@@ -54,6 +54,15 @@ watchdog ends attempts whose heartbeats stop (``unresponsive``) or that run past
 and takes the next rollout. A hung agent never blocks other runners: each agent runs
 in its own daemon thread, and its runner gives up on it at the timeout.
 
+Agents that never call the model
+--------------------------------
+A succeeded attempt whose agent made no LLM call (none reached its ``llm.endpoint``) has a reward
+and nothing to train on. It is counted in ``RunnerStats.no_llm_call`` (a runner group's status) and
+flagged in ``store.rollouts_df()``'s ``no_llm_call`` column. An agent that declares
+``calls_model = True`` (an attribute of the agent object or function;
+:class:`~lightning_nb.agents.remote.RemoteRolloutAgent` does) has such an attempt refused instead: it
+ends ``failed`` with ``NO_LLM_CALL_ERROR``.
+
 Lifecycle hooks
 ---------------
 ``hooks=[...]`` (:class:`~lightning_nb.runners.hooks.Hook` instances) are called in list order around
@@ -78,11 +87,12 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_nb.errors import ConfigError, LightningNbError
-from lightning_nb.runners.failures import (NO_REWARD_ERROR, UNREACHABLE, FailureNotices, first_line,
-                                           unreachable_endpoint_hint)
+from lightning_nb.runners.calling import Agent, accepts_resources, attributed_llm, declares_model_calls
+from lightning_nb.runners.failures import (NO_LLM_CALL, NO_LLM_CALL_ERROR, NO_REWARD_ERROR, UNREACHABLE,
+                                           FailureNotices, first_line, unreachable_endpoint_hint)
 from lightning_nb.runners.gate import EndpointGate
 from lightning_nb.runners.hooks import call_hooks, check_hooks, hook_error_span, hook_error_text, warn_hook_error
 from lightning_nb.runners.live import LIVE
@@ -98,23 +108,7 @@ if TYPE_CHECKING:
 __all__ = ["Agent", "Runner", "RunnerStats", "attributed_llm"]
 
 log = logging.getLogger(__name__)
-Agent = Callable[[Any, LLMResource], Any]
 _RUNNER_IDS = itertools.count()
-
-
-def attributed_llm(resource: LLMResource, rollout_id: str, attempt_id: str, overrides: Optional[dict] = None) -> LLMResource:
-    """The resource with its endpoint pointed at ``/rollout/{id}/attempt/{id}/v1`` on the same proxy.
-
-    Endpoints not ending in ``/v1`` (a third-party server) are left unchanged.
-    ``overrides`` (e.g. ``{"temperature": 0.0}`` for validation) update the sampling parameters.
-    """
-    base = resource.endpoint.rstrip("/")
-    endpoint = base
-    if base.endswith("/v1") and "/rollout/" not in base:
-        endpoint = f"{base[:-3]}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
-    sampling = {**resource.sampling_parameters, **(overrides or {})}
-    return resource.model_copy(update={"endpoint": endpoint, SAMPLING_PARAMETERS_KEY: sampling})
-
 
 
 @dataclass
@@ -126,6 +120,7 @@ class RunnerStats:
     timed_out: int = 0
     abandoned: int = 0  # attempts ended elsewhere (watchdog, cancel) while the agent still ran
     judge_errors: int = 0  # LLM-judge calls of its attempts that gave no score (rewards.Judge, on_error="record")
+    no_llm_call: int = 0  # succeeded attempts whose agent never called the model (rollouts_df's no_llm_call)
     last_heartbeat: float = field(default_factory=time.time)
 
 
@@ -165,7 +160,8 @@ class Runner:
         self._abort_reason = ""
         self.current: Optional[tuple[str, str]] = None  # (rollout_id, attempt_id) while an agent runs
         self._reward_optional: set[str] = set()  # attempt ids of step(..., reward_required=False)
-        self._wants_resources = _accepts_resources(agent)
+        self._wants_resources = accepts_resources(agent)
+        self._calls_model = declares_model_calls(agent)  # an attempt without an LLM call is then refused
         self.agent, self.store, self.tracer = agent, store, tracer
         self.default_timeout_s = default_timeout_s
         self.llm_resource = llm_resource
@@ -364,7 +360,16 @@ class Runner:
             self.current = None
             spans = self.tracer.close_attempt(rid, aid)  # also on the early returns: nothing is left open
             self.stats.judge_errors += spans.judge_errors
+        if spans.lost and (ended := self._heartbeat(rid, aid)) is not None:  # ended elsewhere: its spans refused
+            self.stats.abandoned += 1
+            self.stats.state, self.stats.current_rollout = "idle", None
+            return ended
         status, error, kind, summary = self._verdict(outcome, spans, rid, aid, resource.endpoint)
+        if status == "succeeded" and not self._called_model(rid, aid):
+            if self._calls_model:
+                status, error, kind, summary = "failed", NO_LLM_CALL_ERROR, NO_LLM_CALL, NO_LLM_CALL_ERROR
+            else:
+                self.stats.no_llm_call += 1
         if kind is not None:
             self.notices.notify(kind, self.worker_id, rid, summary)
         status = self._finish(rid, aid, status, error)
@@ -413,13 +418,13 @@ class Runner:
             if not worker.is_alive():
                 break
             if self._abort.is_set():
-                return self._finish(rid, aid, "failed", f"aborted: {self._abort_reason}")
+                return self._finish(rid, aid, "failed", f"aborted: {self._abort_reason}", flush=True)
             if deadline is not None and time.monotonic() >= deadline:
                 # Threads cannot be killed: the agent thread is abandoned (daemon) and whatever it
                 # records later stays attached to this timed-out attempt.
                 error = f"agent ran past timeout_seconds={timeout}"
                 self.notices.notify("timeout", self.worker_id, rid, error)
-                return self._finish(rid, aid, "timeout", error)
+                return self._finish(rid, aid, "timeout", error, flush=True)
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + beat
                 ended = self._heartbeat(rid, aid)
@@ -450,6 +455,14 @@ class Runner:
                 and not self._reward_in_store(rid, aid)):
             return "failed", NO_REWARD_ERROR, "no reward", NO_REWARD_ERROR
         return "succeeded", None, None, ""
+
+    def _called_model(self, rid: str, aid: str) -> bool:
+        """Whether the attempt (its rollout's latest) has an LLM span in the store; True when the store cannot say."""
+        try:
+            return self.store.llm_call_counts([rid])[rid] > 0
+        except Exception as exc:
+            log.warning("%s: could not count the LLM calls of %s: %s", self.worker_id, aid, exc)
+            return True
 
     def _reward_in_store(self, rid: str, aid: str) -> bool:
         """Whether the store has a reward span of the attempt written by other means than this runner's tracer."""
@@ -509,23 +522,17 @@ class Runner:
             return None
         return attempt.status if attempt.status in ATTEMPT_TERMINAL else None
 
-    def _finish(self, rid: str, aid: str, status: str, error: Optional[str]) -> str:
+    def _finish(self, rid: str, aid: str, status: str, error: Optional[str], *, flush: bool = False) -> str:
+        """Record the attempt's end; ``flush``: first write the spans the tracer buffers for it (an attempt ended
+        while its agent still runs), since the store refuses spans of an attempt that ended without success."""
         # counted first: whoever sees the attempt final in the store (wait_for_rollouts) then sees it in status()
         counter = {"succeeded": "succeeded", "failed": "failed", "timeout": "timed_out"}[status]
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+        if flush:
+            self.tracer.processor.close(rid, aid)  # later spans of the abandoned agent are written, and refused
         try:
             self.store.update_attempt(rid, aid, status=status, error=error)
         except Exception as exc:  # e.g. the watchdog ended it or the rollout was cancelled meanwhile
             log.warning("%s: could not record %s for %s: %s", self.worker_id, status, aid, exc)
         self.stats.state, self.stats.current_rollout = "idle", None
         return status
-
-
-def _accepts_resources(agent: Any) -> bool:
-    """Whether ``agent`` takes a ``resources`` keyword (``agent(task, llm, *, resources)``)."""
-    try:
-        params = inspect.signature(agent).parameters
-    except (TypeError, ValueError):  # a builtin or C callable: the plain two-argument call
-        return False
-    param = params.get("resources")
-    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)

@@ -33,9 +33,13 @@ Late updates to an ended attempt (the rule for ``unresponsive`` and ``timeout``)
 an attempt the watchdog ended is terminal like any other and is never revived. A
 late status change raises :class:`~lightning_nb.errors.InvalidStatusTransition`; a
 late heartbeat changes nothing and returns the attempt, whose ``status`` tells the
-runner to stop; a late span is stored (it is evidence of what the agent did) but
-moves nothing, and counts for no reward unless its attempt is still the rollout's
-latest one of a finished rollout (a ``failed`` rollout's reward is 0 anyway). The
+runner to stop. A late span for an attempt that ended ``failed``, ``timeout`` or
+``unresponsive`` is refused with :class:`~lightning_nb.errors.AttemptEnded` (an
+``InvalidStatusTransition``, HTTP 409) and nothing is stored
+(``rules.check_span_writable``): the late answer of an abandoned agent, e.g. a rollout
+server's ``/rollout`` answer after a timeout, would otherwise add tool, reward and
+agent spans to a record of something that did not happen as stored. A late span for a
+``succeeded`` attempt (a label, a judge's reward) is stored and moves nothing. The
 rollout has meanwhile been requeued or failed per its retry policy, so reviving the
 attempt could run the task twice at once.
 
@@ -71,7 +75,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Iterable, Optional, Sequence
 
 from lightning_nb.errors import ConfigError, InvalidRewardError, NotFoundError
-from lightning_nb.semconv import REWARD, REWARD_NOTE, REWARD_SOURCE, REWARD_SPAN
+from lightning_nb.semconv import LLM_SPAN, REWARD, REWARD_NOTE, REWARD_SOURCE, REWARD_SPAN
 from lightning_nb.store.frames import FrameViews
 from lightning_nb.store.otel import otel_spans
 from lightning_nb.store.rules import component_sums, final_reward
@@ -280,6 +284,8 @@ class LightningStore(FrameViews, ABC):
             NotFoundError: the rollout or attempt is unknown.
             ConfigError: a different span with this ``span_id`` is stored for the attempt,
                 or an explicit ``sequence_id`` is negative or taken.
+            AttemptEnded: a new span for an attempt that ended ``failed``, ``timeout`` or
+                ``unresponsive`` (module docstring); a repeat of a stored span is still returned.
         """
 
     def add_spans(self, spans: Sequence[Span]) -> list[Span]:
@@ -294,7 +300,7 @@ class LightningStore(FrameViews, ABC):
             The stored spans, ``len(spans)`` of them, each with its ``sequence_id``.
 
         Raises:
-            NotFoundError, ConfigError: as :meth:`add_span`; the message names the span's
+            NotFoundError, ConfigError, AttemptEnded: as :meth:`add_span`; the message names the span's
                 index in ``spans``.
 
         The three backends here are all-or-nothing; this default (for a backend of your own)
@@ -387,6 +393,23 @@ class LightningStore(FrameViews, ABC):
         for rid in rollout_ids:
             out[rid] = [s.attributes.get(REWARD) for s in self.query_spans(rid, "latest") if s.name == REWARD_SPAN]
         return out
+
+    def llm_call_counts(self, rollout_ids: Optional[Sequence[str]] = None) -> dict[str, int]:
+        """rollout_id -> how many LLM calls (:data:`~lightning_nb.semconv.LLM_SPAN` spans) its latest attempt made,
+        for every rollout or for ``rollout_ids``.
+
+        A ``succeeded`` rollout with 0 is one whose agent never called the model (``rollouts_df``'s ``no_llm_call``):
+        nothing in it can be trained on. Raises NotFoundError for an unknown id.
+        """
+        rollouts = self.query_rollouts(rollout_ids=None if rollout_ids is None else list(rollout_ids))
+        if rollout_ids is not None and len(rollouts) != len(set(rollout_ids)):
+            missing = sorted(set(rollout_ids) - {r.rollout_id for r in rollouts})
+            raise NotFoundError(f"rollout_id {missing[0]!r} is not in the store; list ids with store.rollouts_df()")
+        return self._latest_attempt_llm_calls([r.rollout_id for r in rollouts])
+
+    def _latest_attempt_llm_calls(self, rollout_ids: Sequence[str]) -> dict[str, int]:
+        """rollout_id -> LLM spans of its latest attempt (0 without attempts); backends may override this for speed."""
+        return {rid: sum(s.name == LLM_SPAN for s in self.query_spans(rid, "latest")) for rid in rollout_ids}
 
     def final_reward(self, rollout_id: str) -> Optional[float]:
         """Final reward of one rollout (see :meth:`final_rewards`). Raises NotFoundError for an unknown id."""

@@ -37,13 +37,17 @@ class FrameViews:
 
         Columns, most useful first: rollout_id, input (short text), status, reward (its
         final reward, :meth:`final_rewards`; NaN when None, so always for a rollout not
-        yet finished), mode, num_attempts, duration_s (float seconds from start to end;
+        yet finished), llm_calls (LLM calls of its latest attempt, :meth:`llm_call_counts`), no_llm_call
+        (True for a ``succeeded`` rollout whose latest attempt never called the model: a reward
+        with nothing to train on, e.g. a rollout server that answered without calling back),
+        mode, num_attempts, duration_s (float seconds from start to end;
         NaN until it ended), resources_id (the set it is pinned to), enqueue_time,
         start_time, end_time (pandas datetimes in UTC, timezone-naive like
         :meth:`spans_df`; NaT when not reached yet).
         """
         rollouts = self.query_rollouts()
         rewards = self.final_rewards()  # after the rollouts: every finished one above has its reward
+        calls = self.llm_call_counts([r.rollout_id for r in rollouts])
         rows = []
         for r in rollouts:
             row = r.model_dump(exclude={"config", "metadata", "input"})
@@ -51,11 +55,14 @@ class FrameViews:
             reward = rewards.get(r.rollout_id) if r.status in ROLLOUT_TERMINAL else None
             row["reward"] = math.nan if reward is None else reward
             row["duration_s"] = _duration(r)
+            row["llm_calls"] = calls[r.rollout_id]
+            row["no_llm_call"] = r.status == "succeeded" and calls[r.rollout_id] == 0
             rows.append(row)
         df = pd.DataFrame(rows, columns=_ROLLOUT_COLUMNS)
         for col in ("enqueue_time", "start_time", "end_time"):
             df[col] = _epoch_to_datetime(df[col])
-        df["num_attempts"] = df["num_attempts"].astype("int64")
+        for col, dtype in (("num_attempts", "int64"), ("llm_calls", "int64"), ("no_llm_call", "bool")):
+            df[col] = df[col].astype(dtype)
         for col in ("reward", "duration_s"):
             df[col] = df[col].astype("float64")
         return df
@@ -324,7 +331,8 @@ def _short(value: Any, limit: int = 120) -> str:
 
 
 _ROLLOUT_COLUMNS = [  # what a reader looks for first: the task, how it ended, its reward
-    "rollout_id", "input", "status", "reward", "mode", "num_attempts", "duration_s", "resources_id",
+    "rollout_id", "input", "status", "reward", "llm_calls", "no_llm_call", "mode", "num_attempts", "duration_s",
+    "resources_id",
     "enqueue_time", "start_time", "end_time",
 ]
 _ATTEMPT_COLUMNS = [

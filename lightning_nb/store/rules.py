@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any, Optional, Sequence
 
-from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundError
+from lightning_nb.errors import AttemptEnded, ConfigError, InvalidStatusTransition, NotFoundError
 from lightning_nb.semconv import INTERMEDIATE_REWARD_SPAN, JUDGE_SPAN, REWARD, REWARD_NAME, REWARD_SOURCE, REWARD_SPAN
 from lightning_nb.store.copies import construct, deep_copy, put
 from lightning_nb.types import (
@@ -23,7 +23,7 @@ __all__ = ["ATTEMPT_NEXT", "ACTIVE", "new_rollout", "start_attempt", "apply_atte
            "coerce_resources", "overdue", "SweepClock", "worker_update", "worker_on_dequeue",
            "worker_on_attempt", "DEFAULT_WATCHDOG_INTERVAL_S", "final_reward", "reward_or_zero",
            "updated_rollout", "check_manual_attempt", "span_beats", "span_sequence_id", "same_span",
-           "resources_not_found",
+           "resources_not_found", "check_span_writable", "SPANS_REFUSED",
            "next_resources", "SPAN_BEAT_MIN_S", "reward_component", "counted_reward_spans", "AGENT_REWARD",
            "component_sums"]
 
@@ -221,13 +221,31 @@ def span_beats(status: str, last_heartbeat_time: Optional[float], now: float) ->
 
     True for an attempt still ``preparing`` (the span moves it to ``running``) and for a
     ``running`` one whose ``last_heartbeat_time`` is older than :data:`SPAN_BEAT_MIN_S`;
-    never for a terminal attempt (a late span is stored but revives nothing).
+    never for a terminal attempt (a late span revives nothing; one for an attempt that did not succeed is
+    refused, :func:`check_span_writable`).
     """
     if status == "preparing":
         return True
     if status != "running":
         return False
     return last_heartbeat_time is None or now - last_heartbeat_time >= SPAN_BEAT_MIN_S
+
+
+#: attempt statuses whose attempt takes no new span: it ended without succeeding (a late span would be the record
+#: of an abandoned agent's work). A ``succeeded`` attempt still takes late spans: a label, a judge's reward.
+SPANS_REFUSED = ("failed", "timeout", "unresponsive")
+
+
+def check_span_writable(status: str, rollout_id: str, attempt_id: str) -> None:
+    """Refuse a new span for an attempt in ``status`` when that is one of :data:`SPANS_REFUSED`.
+
+    Raises:
+        AttemptEnded: naming the attempt and its status (the store is unchanged).
+    """
+    if status in SPANS_REFUSED:
+        raise AttemptEnded(f"attempt {attempt_id} of rollout {rollout_id} already ended {status!r}: a span written "
+                           f"after that (e.g. a late answer of an abandoned agent or rollout server) is refused, "
+                           f"never stored on it; the rollout's retry (if any) is a new attempt")
 
 
 def resources_not_found(resources_id: str) -> NotFoundError:

@@ -42,7 +42,8 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.trace import Span as OtelSpan
 
 from lightning_nb import semconv
-from lightning_nb.errors import ConfigError, InvalidRewardError, LightningNbError, NotFoundError
+from lightning_nb.errors import (ConfigError, InvalidRewardError, InvalidStatusTransition, LightningNbError,
+                                 NotFoundError)
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.otel import span_from_otel
 from lightning_nb.tracing.ids import PrivateIdGenerator
@@ -125,7 +126,7 @@ class SpanLedger:
 
 
 # Errors a retry cannot heal: the attempt is gone, or the span itself is invalid.
-_PERMANENT = (NotFoundError, ConfigError)
+_PERMANENT = (NotFoundError, ConfigError, InvalidStatusTransition)  # AttemptEnded: a late span is refused
 
 # (id(store), rollout_id, attempt_id) -> the processor buffering that open attempt's spans. A span another processor
 # of this process ends for the attempt (the LLM proxy's, whose Tracer is its own) joins that buffer, so the store

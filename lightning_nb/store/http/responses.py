@@ -79,7 +79,7 @@ def exception_response(exc: Exception) -> StoreJSONResponse:
     if isinstance(exc, NotFoundError):
         return error_response(404, "NotFoundError", str(exc), _field_of(str(exc)))
     if isinstance(exc, InvalidStatusTransition):
-        return error_response(409, "InvalidStatusTransition", str(exc), "status")
+        return error_response(409, type(exc).__name__, str(exc), "status")  # AttemptEnded too
     if isinstance(exc, ValidationError):  # raised by the store while building a model
         return validation_response(exc.errors(include_url=False), strip_source=False)
     if isinstance(exc, LightningNbError):

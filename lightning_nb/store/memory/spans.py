@@ -23,11 +23,12 @@ from typing import Any, Optional, Sequence
 
 import pandas as pd
 
-from lightning_nb.errors import ConfigError, NotFoundError
-from lightning_nb.semconv import REWARD, REWARD_SPAN
+from lightning_nb.errors import AttemptEnded, ConfigError, NotFoundError
+from lightning_nb.semconv import LLM_SPAN, REWARD, REWARD_SPAN
 from lightning_nb.store.copies import span_with_sequence_id
 from lightning_nb.store.otel import check_ids, otel_rows, span_of_row
-from lightning_nb.store.rules import check_span_types, same_span, span_beats, span_sequence_id
+from lightning_nb.store.rules import (SPANS_REFUSED, check_span_types, check_span_writable, same_span, span_beats,
+                                      span_sequence_id)
 from lightning_nb.store.spanframe import Flatten, check_flatten, frame_from_spans, spans_frame
 from lightning_nb.store.memory.spantable import SpanTable, cells_of, row_of, spans_from_raws
 from lightning_nb.types import ROLLOUT_TERMINAL, Attempt, Rollout, Span
@@ -141,6 +142,7 @@ class InMemorySpans:
                 if span_id in ids:
                     plan.append((attempt, ids[span_id], self._repeated_span(span, attempt, ids[span_id])))
                     continue
+                check_span_writable(attempt.status, attempt.rollout_id, aid)  # a new span: the attempt must be open
                 last = last_of.get(aid, self._span_counts[aid])
                 want = fields["sequence_id"]
                 if want == 0:  # the common case: the store assigns the next id
@@ -152,7 +154,7 @@ class InMemorySpans:
                 last_of[aid] = max(last, seq)
                 batch[(aid, span_id)] = (seq, span)
                 plan.append((attempt, seq, None))
-            except (NotFoundError, ConfigError) as exc:
+            except (NotFoundError, ConfigError, AttemptEnded) as exc:
                 if one:
                     raise
                 raise type(exc)(f"spans[{i}]: {exc}") from None
@@ -175,10 +177,11 @@ class InMemorySpans:
 
     def _attempt_for_new_spans(self, rollout_id: str, attempt_id: str, span_ids: list[str]) -> Optional[Attempt]:
         """The attempt when it is known and ``span_ids`` are distinct and new to it (lock held): a batch the fast
-        paths store as one run; None otherwise (the general plan raises or handles repeats)."""
+        paths store as one run; None otherwise (the general plan raises or handles repeats: an attempt that took no
+        new span, rules.check_span_writable, included)."""
         attempts = self._attempts.get(rollout_id)
         attempt = next((a for a in reversed(attempts) if a.attempt_id == attempt_id), None) if attempts else None
-        if attempt is None or len(set(span_ids)) < len(span_ids) or \
+        if attempt is None or attempt.status in SPANS_REFUSED or len(set(span_ids)) < len(span_ids) or \
                 not self._span_ids[attempt_id].keys().isdisjoint(span_ids):
             return None
         return attempt
@@ -197,7 +200,8 @@ class InMemorySpans:
     def _shed(self) -> None:
         """Spill or evict spans of rollouts that may leave memory, oldest first, down to 80 % of max_spans (lock held).
 
-        The reward values of each shed rollout's latest attempt are kept (``_shed_rewards``).
+        The reward values and the LLM call count of each shed rollout's latest attempt are kept (``_shed_rewards``,
+        ``_shed_llm_calls``).
         """
         target = len(self._table) - int(self.max_spans * 0.8)  # type: ignore[operator]
         now = time.time()
@@ -219,6 +223,8 @@ class InMemorySpans:
         for _, _, span in sorted(dropped, key=lambda item: (item[0], item[1], item[2].sequence_id)):
             if span.name == REWARD_SPAN and latest[span.rollout_id] == span.attempt_id:
                 self._shed_rewards.setdefault(span.rollout_id, []).append(span.attributes.get(REWARD))
+            elif span.name == LLM_SPAN and latest[span.rollout_id] == span.attempt_id:
+                self._shed_llm_calls[span.rollout_id] = self._shed_llm_calls.get(span.rollout_id, 0) + 1
         if self._spill is not None:
             self._spill.write(dropped)
             self._spilled_rollouts |= chosen
@@ -311,4 +317,22 @@ class InMemorySpans:
         for _, rid, aid, value in found:
             if rid in wanted and latest.get(rid) == aid:
                 out[rid].append(value)  # after the shed ones: a span added later has a higher sequence id
+        return out
+
+    def _latest_attempt_llm_calls(self, rollout_ids: Sequence[str]) -> dict[str, int]:
+        """Columnar fast path of :meth:`LightningStore._latest_attempt_llm_calls` (shed rollouts' counts kept):
+        the latest attempts' rows for a few rollouts (a runner's check), the LLM rows for many (``rollouts_df``)."""
+        wanted = set(rollout_ids)
+        with self._lock:
+            latest = {rid: self._attempts[rid][-1].attempt_id for rid in wanted if self._attempts.get(rid)}
+            table, value = self._table, self._table.value
+            out = {rid: self._shed_llm_calls.get(rid, 0) for rid in rollout_ids}
+            if len(latest) <= 64:
+                for rid, aid in latest.items():
+                    out[rid] += sum(value("name", r) == LLM_SPAN for r in table.by_attempt.get(aid, ()))
+                return out
+            for r in table.rows_named(LLM_SPAN):
+                rid = value("rollout_id", r)
+                if rid in wanted and latest.get(rid) == value("attempt_id", r):
+                    out[rid] += 1
         return out

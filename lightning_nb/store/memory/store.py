@@ -123,6 +123,7 @@ class InMemoryStore(InMemorySpans, LightningStore):
         self._spilled_rollouts: set[str] = set()
         self._read_finished: set[str] = set()  # finished rollouts whose spans query_spans(rollout_id) handed out
         self._shed_rewards: dict[str, list[Any]] = {}  # rollout_id -> latest attempt's rewards of shed spans
+        self._shed_llm_calls: dict[str, int] = {}  # rollout_id -> latest attempt's LLM calls among shed spans
         self._active: dict[str, Attempt] = {}  # attempt_id -> attempt still preparing/running
         self._workers: OrderedDict[str, Worker] = OrderedDict()
         # one lock, two conditions: runners waiting in dequeue_rollout are woken only when a rollout

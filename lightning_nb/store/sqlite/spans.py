@@ -20,10 +20,10 @@ import numpy as np
 import pandas as pd
 from pydantic_core import from_json
 
-from lightning_nb.errors import ConfigError, NotFoundError
-from lightning_nb.semconv import REWARD, REWARD_SPAN
+from lightning_nb.errors import AttemptEnded, ConfigError, NotFoundError
+from lightning_nb.semconv import LLM_SPAN, REWARD, REWARD_SPAN
 from lightning_nb.store.copies import span_with_sequence_id
-from lightning_nb.store.rules import check_span_types, same_span, span_beats, span_sequence_id
+from lightning_nb.store.rules import check_span_types, check_span_writable, same_span, span_beats, span_sequence_id
 from lightning_nb.store.spanframe import CATEGORY_COLUMNS, Flatten, check_flatten, spans_frame
 from lightning_nb.store.sqlite.file import to_json
 from lightning_nb.types import Span
@@ -53,7 +53,7 @@ class SqliteSpans:
             for i, span in enumerate(spans):
                 try:
                     out.append(self._add_span(span, spans, attempts))
-                except (NotFoundError, ConfigError) as exc:
+                except (NotFoundError, ConfigError, AttemptEnded) as exc:
                     raise type(exc)(f"spans[{i}]: {exc}") from None
             return out
 
@@ -82,6 +82,7 @@ class SqliteSpans:
         same = stored.get(span.span_id)
         if same is not None:
             return same_span(span, Span.model_validate_json(same) if isinstance(same, str) else same)
+        check_span_writable(status, *key)  # a new span: the attempt must not have ended without success
         taken = span.sequence_id > 0 and bool(self._rows(
             "SELECT 1 FROM spans WHERE attempt_id = ? AND sequence_id = ?", span.attempt_id, span.sequence_id))
         new = span_with_sequence_id(span, span_sequence_id(span, last, taken))
@@ -156,4 +157,28 @@ class SqliteSpans:
         for rid, data in rows:
             if rid in out:
                 out[rid].append(json.loads(data)["attributes"].get(REWARD))
+        return out
+
+    def _latest_attempt_llm_calls(self, rollout_ids: Sequence[str]) -> dict[str, int]:
+        """Counted in SQL, 500 rollouts a query (:meth:`LightningStore._latest_attempt_llm_calls`, same result)."""
+        out = dict.fromkeys(rollout_ids, 0)
+        ids = list(out)
+        with self._locked():
+            for start in range(0, len(ids), 500):  # below SQLite's bound-parameter limit
+                chunk = ids[start:start + 500]
+                out.update((rid, int(n)) for rid, n in self._rows(
+                    "SELECT a.rollout_id, (SELECT COUNT(*) FROM spans s WHERE s.attempt_id = a.attempt_id AND "
+                    f"s.name = ?) FROM attempts a WHERE a.rollout_id IN ({', '.join('?' * len(chunk))}) AND "
+                    "a.sequence_id = (SELECT MAX(sequence_id) FROM attempts WHERE rollout_id = a.rollout_id)",
+                    LLM_SPAN, *chunk))
+        return out
+        with self._locked():
+            rows = self._rows(
+                "SELECT s.rollout_id, COUNT(*) FROM spans s JOIN attempts a ON a.attempt_id = s.attempt_id "
+                "WHERE s.name = ? AND a.sequence_id = "
+                "(SELECT MAX(sequence_id) FROM attempts WHERE rollout_id = a.rollout_id) GROUP BY s.rollout_id",
+                LLM_SPAN)
+        for rid, n in rows:
+            if rid in out:
+                out[rid] = int(n)
         return out
