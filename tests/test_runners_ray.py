@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import secrets
+import signal
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -12,7 +15,7 @@ from lightning_nb import InMemoryStore, emit_reward, semconv, start_runners, too
 from lightning_nb.errors import ConfigError, MissingDependencyError
 from lightning_nb.runners.ray import init_local_ray
 from lightning_nb.store import StoreClient, StoreServer
-from lightning_nb.types import LLMResource
+from lightning_nb.types import LLMResource, RolloutConfig
 
 
 def square_agent(task, llm):
@@ -81,6 +84,55 @@ def test_ray_actors_use_a_store_client_and_its_token(ray_cluster):
         assert all(r.status == "succeeded" for r in inner.query_rollouts())
         assert len(inner.query_spans()) == 16
         client.close()
+
+
+def slow_agent(task, llm):
+    """Long enough to be killed mid-rollout (seconds), then a reward."""
+    time.sleep(task)
+    return 1.0
+
+
+def _kill_the_runner_of(store, group, rid):
+    """SIGKILL the actor running ``rid``'s attempt once it runs; its worker id."""
+    deadline = time.monotonic() + 60
+    while store.get_rollout_by_id(rid).status != "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    wid = store.query_attempts(rid)[-1].worker_id
+    pid = int(group.status().set_index("worker_id").loc[wid, "pid"])
+    os.kill(pid, signal.SIGKILL)
+    return wid
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_restarts", [1, 0])
+def test_a_killed_actor_ends_its_attempt_at_once_and_the_rollout_is_retried(ray_cluster, max_restarts):
+    """SIGKILL one of two actors mid-rollout: its attempt ends unresponsive within seconds (not at the rollout's
+    60 s timeout) and the retry succeeds on a live runner; Ray restarts the actor, or the group warns it runs one
+    short."""
+    store = _resourced(InMemoryStore())
+    rid = store.enqueue_rollout(2.0, config=RolloutConfig(max_attempts=2, timeout_seconds=60)).rollout_id
+    with start_runners(slow_agent, store, n=2, backend="ray", num_cpus=0.5, max_restarts=max_restarts) as group:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            wid = _kill_the_runner_of(store, group, rid)
+            killed = time.monotonic()
+            (done,) = store.wait_for_rollouts([rid], timeout=50)
+            took = time.monotonic() - killed
+            deadline = time.monotonic() + 30  # the restarted actor (or the warning) follows within seconds
+            back = (lambda row: row["restarts"] == 1 and row["state"] in ("idle", "running")) if max_restarts else (
+                lambda row: row["state"] == "dead" and wid in group.watch.dead)
+            while time.monotonic() < deadline and not back(group.status().set_index("worker_id").loc[wid]):
+                time.sleep(0.2)
+            status = group.status().set_index("worker_id")
+    first, retry = store.query_attempts(rid)
+    assert done.status == "succeeded" and took < 20, took  # the rollout's timeout is 60 s
+    assert first.status == "unresponsive" and f"Ray runner actor {wid} died" in first.error
+    assert retry.status == "succeeded" and store.final_reward(rid) == 1.0
+    short = [w for w in caught if "runs one short" in str(w.message)]
+    if max_restarts:
+        assert status.loc[wid, "restarts"] == 1 and status.loc[wid, "state"] in ("idle", "running") and not short
+    else:
+        assert status.loc[wid, "state"] == "dead" and len(short) == 1 and "1 of 2 runners" in str(short[0].message)
 
 
 @pytest.mark.slow

@@ -139,6 +139,7 @@ def test_a_file_from_before_span_ids_were_indexed_keeps_its_spans_and_gets_the_s
     with SqliteStore(path) as s:
         rid = s.enqueue_rollout("old").rollout_id
         aid = s.dequeue_rollout("w").attempt.attempt_id
+        s.update_attempt(rid, aid, status="succeeded")  # else reopening ends it unresponsive: it takes no new span
     monkeypatch.undo()
     old = _span(rid, aid, "llm")
     db = sqlite3.connect(str(path))  # a span as the older code wrote it (no span_id column)
@@ -162,6 +163,7 @@ def test_a_file_with_the_old_without_rowid_span_table_keeps_its_spans_and_their_
         aid = s.dequeue_rollout("w").attempt.attempt_id
         first = s.add_span(_span(rid, aid, "llm"))
         s.add_span(_span(rid, aid, "tool"))
+        s.update_attempt(rid, aid, status="succeeded")  # else reopening ends it unresponsive: it takes no new span
     monkeypatch.undo()
     table_sql = lambda: sqlite3.connect(str(path)).execute(  # noqa: E731
         "SELECT sql FROM sqlite_master WHERE name = 'spans'").fetchone()[0]

@@ -49,6 +49,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -60,6 +61,7 @@ from lightning_nb._net import is_loopback
 from lightning_nb.errors import ConfigError, LightningNbError, MissingDependencyError
 from lightning_nb.runners.group import GroupLifecycle, RunnerGroup
 from lightning_nb.runners.hooks import check_hooks
+from lightning_nb.runners.ray_watch import ActorWatch
 from lightning_nb.runners.runner import Runner
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.http.client import StoreClient
@@ -72,7 +74,7 @@ __all__ = ["RayRunnerGroup", "start_ray_runners", "import_ray", "init_local_ray"
 log = logging.getLogger(__name__)
 _LOCAL_OBJECT_STORE_BYTES = 200 * 1024 * 1024
 _STATUS_COLUMNS = ["worker_id", "state", "alive", "current_rollout", "succeeded", "failed", "timed_out", "abandoned",
-                   "judge_errors", "heartbeat_age_s", "node_ip", "pid"]
+                   "judge_errors", "no_llm_call", "restarts", "heartbeat_age_s", "node_ip", "pid"]
 
 
 def import_ray() -> Any:
@@ -106,10 +108,19 @@ class _RunnerActor:
         self.runner = Runner(agent, self.store, Tracer(self.store), **runner_kwargs)
         self.runner.worker_id = worker_id
         self.group = RunnerGroup([self.runner])  # the thread backend's stop/abort semantics, in this process
+        self._started = threading.Event()  # a restarted actor (max_restarts) is started again by the group's watch
 
     def start(self) -> dict[str, Any]:
-        self.runner.start()
+        if not self._started.is_set():
+            self.runner.start()
+            self._started.set()
         return self.status()
+
+    def watch(self) -> str:
+        """Block while the runner thread runs; returns its worker id once it stopped (fails if the actor dies)."""
+        self._started.wait()
+        self.runner.join()
+        return self.runner.worker_id
 
     def status(self) -> dict[str, Any]:
         import ray
@@ -117,7 +128,8 @@ class _RunnerActor:
         s, current = self.runner.stats, getattr(self.runner, "current", None)
         return {"worker_id": self.runner.worker_id, "state": s.state, "alive": self.runner.alive,
                 "current_rollout": s.current_rollout, "succeeded": s.succeeded, "failed": s.failed,
-                "timed_out": s.timed_out, "abandoned": getattr(s, "abandoned", 0), "judge_errors": s.judge_errors,
+                "timed_out": s.timed_out, "abandoned": s.abandoned, "judge_errors": s.judge_errors,
+                "no_llm_call": s.no_llm_call,
                 "last_heartbeat": s.last_heartbeat,
                 "current_attempt": list(current) if current else None,
                 "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
@@ -137,19 +149,25 @@ class RayRunnerGroup(GroupLifecycle):
     ``stop()``, ``abort()`` and the ``with`` block behave as for threads (see
     :mod:`lightning_nb.runners.group`), inside each actor; on top of that an actor that does not
     answer in time is killed (``ray.kill``) and its in-flight attempt is ended ``failed``
-    from here. Stopped actors are killed too, freeing their Ray resources.
+    from here. Stopped actors are killed too, freeing their Ray resources. While the group runs, an
+    :class:`~lightning_nb.runners.ray_watch.ActorWatch` ends a dead actor's attempt at once (its rollout is
+    retried on a live runner per its retry policy) and follows Ray's restart of the actor
+    (``max_restarts``), or warns that the group runs one short.
 
     Attributes:
         actors: the Ray actor handles.
         worker_ids: the runners' worker ids, as recorded on their attempts.
         url: the store server URL the actors use.
         server: the StoreServer started for an in-process store, else None.
+        watch: the :class:`~lightning_nb.runners.ray_watch.ActorWatch` over the actors once they started
+            (its ``restarts`` and ``dead``), else None.
     """
 
     def __init__(self, ray: Any, actors: list[Any], worker_ids: list[str], store: LightningStore, url: str,
                  server: Optional[StoreServer]) -> None:
         self._ray, self.actors, self.worker_ids = ray, actors, worker_ids
         self.store, self.url, self.server = store, url, server
+        self.watch: Optional[ActorWatch] = None
         self._final: Optional[list[dict[str, Any]]] = None
 
     def stop(self, timeout: float = 30.0, *, grace_s: float = 3.0) -> list[str]:
@@ -169,6 +187,8 @@ class RayRunnerGroup(GroupLifecycle):
     def _end(self, method: str, args: tuple, wait_s: float, reason: str) -> list[str]:
         if self._final is not None:
             return []
+        if self.watch is not None:
+            self.watch.stop()  # the actors are stopped and killed on purpose from here
         ray = self._ray
         last = {row["worker_id"]: row for row in self._rows(2.0)}  # in-flight attempts, should an actor hang
         refs = [getattr(a, method).remote(*args) for a in self.actors]
@@ -227,13 +247,16 @@ class RayRunnerGroup(GroupLifecycle):
         """One row per runner actor: state, current rollout, counts, heartbeat age (s), node and pid.
 
         ``state`` is the runner's (``idle``, ``running``, ``stopping``, ...), ``pending`` when
-        the actor did not answer within ``timeout`` seconds, ``dead`` when Ray lost it, and
-        ``stopped``/``abandoned``/``killed`` after :meth:`stop` or :meth:`abort`.
+        the actor did not answer within ``timeout`` seconds (e.g. while Ray restarts it), ``dead`` when
+        Ray lost it (with no restart left, the group runs one short), and
+        ``stopped``/``abandoned``/``killed`` after :meth:`stop` or :meth:`abort`. ``restarts``: how
+        many times the actor died and was restarted; ``no_llm_call``: succeeded attempts without an LLM call.
         """
         now = time.time()
         out = []
         for row in self._rows(timeout):
             row = dict(row)
+            row["restarts"] = self.watch.restarts.get(row["worker_id"], 0) if self.watch is not None else 0
             beat = row.pop("last_heartbeat", None)
             row["heartbeat_age_s"] = round(now - beat, 1) if beat else math.nan
             out.append(row)
@@ -247,7 +270,8 @@ def start_ray_runners(agent: Any, store: LightningStore, n: int = 2, *, default_
                       llm_resource: str = MAIN_LLM, heartbeat_interval_s: float = 5.0,
                       num_cpus: float = 1.0, address: Optional[str] = None,
                       actor_options: Optional[dict[str, Any]] = None,
-                      start_timeout_s: float = 120.0, hooks: Optional[list[Any]] = None) -> RayRunnerGroup:
+                      start_timeout_s: float = 120.0, hooks: Optional[list[Any]] = None,
+                      max_restarts: int = 1) -> RayRunnerGroup:
     """Start ``n`` runner actors on Ray against the store server; returns once they run.
 
     Usually called as ``start_runners(agent, store, n=n, backend="ray", ...)``.
@@ -267,23 +291,19 @@ def start_ray_runners(agent: Any, store: LightningStore, n: int = 2, *, default_
         start_timeout_s: seconds to wait for all actors to be placed and started.
         hooks: :class:`~lightning_nb.runners.hooks.Hook` instances, cloudpickled like the agent; each actor's
             runner calls its own copy.
+        max_restarts: times Ray restarts each actor that dies (Ray's ``max_restarts``; 0: never). A dead actor's
+            attempt is ended ``unresponsive`` at once either way
+            (:class:`~lightning_nb.runners.ray_watch.ActorWatch`); with no restart left the group warns that it
+            runs one short.
 
     Raises:
         MissingDependencyError: Ray is not installed.
-        ConfigError: ``n`` < 1, ``num_cpus`` < 0, ``agent`` not callable, a ``hooks`` item not a Hook or
-            not picklable, or a loopback store on a multi-node cluster.
+        ConfigError: ``n`` < 1, ``num_cpus`` < 0, ``max_restarts`` not an int >= 0, ``agent`` not callable, a
+            ``hooks`` item not a Hook or not picklable, or a loopback store on a multi-node cluster.
         LightningNbError: an actor failed to start (its error is included) or was not placed within
             ``start_timeout_s`` (e.g. the cluster lacks ``n * num_cpus`` CPUs); started actors are killed.
     """
-    if not callable(agent):
-        raise ConfigError(f"agent must be callable (task, llm) -> reward, got {type(agent).__name__}")
-    if not isinstance(n, int) or n < 1:
-        raise ConfigError(f"n must be an int >= 1 runner actor, got {n!r}")
-    if not (isinstance(num_cpus, (int, float)) and num_cpus >= 0):
-        raise ConfigError(f"num_cpus must be a number >= 0 (CPUs per actor), got {num_cpus!r}")
-    if not isinstance(store, LightningStore):
-        raise ConfigError(f"store must be a LightningStore (InMemoryStore, SqliteStore, StoreClient), "
-                          f"got {type(store).__name__}")
+    _check_arguments(agent, store, n, num_cpus, max_restarts)
     hooks = list(check_hooks(hooks))
     ray = import_ray()
     _ensure_ray(ray, address, math.ceil(n * num_cpus))
@@ -299,7 +319,7 @@ def start_ray_runners(agent: Any, store: LightningStore, n: int = 2, *, default_
     try:
         _check_reachable(ray, url)
         remote_cls = ray.remote(_RunnerActor)
-        options = {"num_cpus": num_cpus, "max_concurrency": 4, **(actor_options or {})}
+        options = {"num_cpus": num_cpus, "max_concurrency": 4, "max_restarts": max_restarts, **(actor_options or {})}
         stamp = f"{os.getpid()}-{int(time.time() * 1000) % 10**6}"
         worker_ids = [f"ray-runner-{stamp}-{i}" for i in range(n)]
         runner_kwargs = {"default_timeout_s": default_timeout_s, "llm_resource": llm_resource,
@@ -327,10 +347,26 @@ def start_ray_runners(agent: Any, store: LightningStore, n: int = 2, *, default_
     except LightningNbError:
         group.abort("a Ray runner actor failed to start", grace_s=1.0)
         raise
+    group.watch = ActorWatch(ray, actors, worker_ids, store, max_restarts=int(options["max_restarts"]))
     return group
 
 
 # ----- helpers ----------------------------------------------------------------------------
+def _check_arguments(agent: Any, store: Any, n: Any, num_cpus: Any, max_restarts: Any) -> None:
+    """ConfigError naming the first of :func:`start_ray_runners`' arguments that is invalid."""
+    if not callable(agent):
+        raise ConfigError(f"agent must be callable (task, llm) -> reward, got {type(agent).__name__}")
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"n must be an int >= 1 runner actor, got {n!r}")
+    if not (isinstance(num_cpus, (int, float)) and num_cpus >= 0):
+        raise ConfigError(f"num_cpus must be a number >= 0 (CPUs per actor), got {num_cpus!r}")
+    if isinstance(max_restarts, bool) or not (isinstance(max_restarts, int) and max_restarts >= 0):
+        raise ConfigError(f"max_restarts must be an int >= 0 (restarts of each dead actor), got {max_restarts!r}")
+    if not isinstance(store, LightningStore):
+        raise ConfigError(f"store must be a LightningStore (InMemoryStore, SqliteStore, StoreClient), "
+                          f"got {type(store).__name__}")
+
+
 def _ensure_ray(ray: Any, address: Optional[str], cpus_needed: int) -> None:
     """Connect to ``address`` / ``RAY_ADDRESS``, or start a local cluster, unless Ray is initialized."""
     if ray.is_initialized():
