@@ -38,11 +38,15 @@ import math
 import os
 import random
 import time
+import warnings
 from typing import Any, Callable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from lightning_nb.semconv import RENAMED_KEYS
+
 __all__ = [
+    "SpanAttributes",
     "register_html_view",
     "html_view",
     "RolloutStatus",
@@ -203,11 +207,50 @@ class AttemptedRollout(_Model):
     attempt: Attempt
 
 
+#: every renamed attribute key: the old key -> the key that replaced it (:data:`lightning_nb.semconv.RENAMED_KEYS`
+#: over all span names; no old key was renamed two ways)
+_RENAMED = {old: new for renames in RENAMED_KEYS.values() for old, new in renames.items()}
+
+
+class SpanAttributes(dict):
+    """A span's attribute dict that still answers the keys of earlier versions, for one release.
+
+    Reading a key renamed by :data:`lightning_nb.semconv.RENAMED_KEYS` (``attributes["prompt_token_ids"]``,
+    ``attributes.get("prompt_token_ids")``) returns the value stored under its new key
+    (``lightning_nb.prompt.token_ids``) with a ``DeprecationWarning`` naming it. Only a key that is missing is
+    looked up there, so reading a present key costs what it costs a dict; ``in``, iteration, ``keys()`` and
+    the JSON show the stored keys only.
+    """
+
+    __slots__ = ()
+
+    def __missing__(self, key: str) -> Any:
+        return self._renamed(key, KeyError(key))
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        if dict.__contains__(self, key):
+            return dict.__getitem__(self, key)
+        return self._renamed(key, default)
+
+    def _renamed(self, key: str, missing: Any) -> Any:
+        """The value of ``key``'s new key, with a DeprecationWarning; ``missing`` (raised if an exception) without."""
+        new = _RENAMED.get(key)
+        if new is None or not dict.__contains__(self, new):
+            if isinstance(missing, KeyError):
+                raise missing
+            return missing
+        warnings.warn(f"span attribute {key!r} is renamed {new!r} (lightning_nb.semconv); read the new key, the "
+                      f"old one stops working in the next release", DeprecationWarning, stacklevel=3)
+        return dict.__getitem__(self, new)
+
+
 class Span(_Model):
     """One finished span (an LLM call, a tool call, a reward, the agent itself).
 
     ``attributes`` holds OpenTelemetry attribute values (str, bool, int, float or
-    lists of them). ``sequence_id`` is assigned by the store, increasing per attempt.
+    lists of them), as a :class:`SpanAttributes` dict on a validated span (a span built or read back by a
+    store): an attribute key of earlier versions still reads, with a ``DeprecationWarning`` naming its new
+    key. ``sequence_id`` is assigned by the store, increasing per attempt.
     """
 
     rollout_id: str
@@ -220,7 +263,12 @@ class Span(_Model):
     start_time: float
     end_time: float
     status: Literal["ok", "error", "unset"] = "unset"
-    attributes: dict[str, Any] = Field(default_factory=dict)
+    attributes: dict[str, Any] = Field(default_factory=SpanAttributes)
+
+    @field_validator("attributes")
+    @classmethod
+    def _aliased(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return v if type(v) is SpanAttributes else SpanAttributes(v)
 
 
 class LLMResource(_Model):

@@ -98,7 +98,7 @@ def test_a_step_from_a_cell_records_one_row_numbered_by_the_algorithm(run):
     assert row is not None and row["step"] == 1 == algo.global_step
     assert algo.metrics == [row] and algo.metrics_df()["step"].tolist() == [1]
     if algo.trainer is not None:
-        assert algo.trainer.step == 1  # its own count of updates applied
+        assert algo.trainer.updates_applied == 1  # its own count of updates applied
 
 
 def test_start_pause_resume_wait_and_stop_drive_the_loop_at_step_boundaries(run):
@@ -131,7 +131,7 @@ def test_save_and_load_carry_the_step_counter_and_the_rows_into_a_new_algorithm(
     assert again.global_step == 1 and again.metrics_df()["step"].tolist() == [1]
     assert again.metrics[0].keys() == algo.metrics[0].keys()
     if again.trainer is not None:
-        assert again.trainer.step == 1 and again.trainer is not algo.trainer
+        assert again.trainer.updates_applied == 1 and again.trainer is not algo.trainer
     run.feed()
     row = again.step()  # the run goes on from where the checkpoint was
     assert row["step"] == 2 == again.global_step and len(again.metrics) == 2

@@ -99,7 +99,7 @@ def test_device_dtype_and_checkpointing_are_set_at_construction_not_edited_later
     trainer.config.gradient_checkpointing = True
     with pytest.raises(ConfigError, match=r"GRPOConfig\.gradient_checkpointing"):
         trainer.update(batch)
-    assert trainer.step == 0 and model_dtype(own_engine.model) == torch.float32
+    assert trainer.updates_applied == 0 and model_dtype(own_engine.model) == torch.float32
 
 
 # ----- any local Hugging Face directory -------------------------------------------------
@@ -285,7 +285,7 @@ def test_grpo_update_on_cuda_bfloat16_through_the_transformers_engine(tmp_path):
         try:
             cpu_trainer = GRPOTrainer(cpu_engine, GRPOConfig(dtype="bfloat16"))
             LightningRL(InMemoryStore(), cpu_trainer, [{"id": "t"}]).load(path)
-            assert cpu_trainer.step == trainer.step == 3
+            assert cpu_trainer.updates_applied == trainer.updates_applied == 3
             for (name, a), b in zip(engine.model.state_dict().items(), cpu_engine.model.state_dict().values()):
                 assert b.device.type == "cpu" and torch.equal(a.cpu(), b), name
         finally:

@@ -71,7 +71,7 @@ def test_a_lone_survivor_of_a_group_is_dropped_not_trained_on_its_raw_reward(eng
     assert m["groups_dropped"] == 1 and m["episodes_dropped"] == 1 and m["episodes"] == 0
     assert m["sequences_trained"] == 0 and math.isnan(m["loss"])
     assert all(torch.equal(before[k], v) for k, v in _weights(engine.model).items())
-    assert engine.weight_version == version and trainer.step == 1
+    assert engine.weight_version == version and trainer.updates_applied == 1
 
 
 # ----- direction of learning ----------------------------------------------------------
@@ -150,7 +150,7 @@ def test_top_p_below_one_is_refused_for_training(engine, distinct_generations):
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
     with pytest.raises(ConfigError, match="top_p"):
         trainer.update([_triplet(g, "x", "g", 1.0, top_p=0.9), _triplet(g, "y", "g", 0.0)])
-    assert trainer.step == 0
+    assert trainer.updates_applied == 0
 
 
 # ----- config edits ---------------------------------------------------------------------
@@ -165,7 +165,7 @@ def test_config_edits_take_effect_at_the_next_update_and_are_recorded(engine, pr
     m = trainer.update(batch)
     assert m["lr"] == 1e-5 and trainer.optimizer.param_groups[0]["lr"] == 1e-5
     assert "learning_rate 2e-05 → 1e-05" in m["config_changes"]
-    assert trainer.last_config_changes == [{"field": "learning_rate", "old": 2e-5, "new": 1e-5}] and trainer.step == 2
+    assert trainer.last_config_changes == [{"field": "learning_rate", "old": 2e-5, "new": 1e-5}] and trainer.updates_applied == 2
     # an edit the trainer cannot honour is refused on resume() and on update(), never ignored
     trainer.config.kl_coef = 0.1
     with pytest.raises(ConfigError, match="kl_coef.*reference"):
@@ -176,7 +176,7 @@ def test_config_edits_take_effect_at_the_next_update_and_are_recorded(engine, pr
     trainer.config.learning_rate = -1.0
     with pytest.raises(ConfigError, match="learning_rate"):
         algo.resume()
-    assert trainer.step == 2
+    assert trainer.updates_applied == 2
 
 
 def test_samples_older_than_max_staleness_are_dropped_and_counted(engine, pristine, distinct_generations):

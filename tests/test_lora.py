@@ -140,7 +140,7 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora_engine, one
         resumed_algo = LightningRL(InMemoryStore(), resumed, [{"id": "t"}])
         resumed_algo.load(path)
         assert resumed.config.learning_rate == 2e-4  # the run continues with the config it was saved with
-        assert resumed.step == trainer.step
+        assert resumed.updates_applied == trainer.updates_applied
         assert [(m["step"], m["loss"]) for m in resumed_algo.metrics] == [(m["step"], m["loss"]) for m in algo.metrics]
         assert all(torch.equal(v, adapter_state_dict(eng.model)[k]) for k, v in adapter_state_dict(fresh.model).items())
         batch = one_group(eng, seed=2)

@@ -144,3 +144,31 @@ def test_fresh_keys_per_span_keep_the_frame_narrow(store):
     assert sum(len(a) for a in df["attributes"]) == n_rollouts * per_rollout * keys
     assert seconds < 5.0, f"spans_df() over 2,000 spans took {seconds:.1f} s"
     assert math.isnan(df["reward"].iloc[0])
+
+
+def test_a_renamed_attribute_key_still_reads_for_one_release_with_a_deprecation_warning(store):
+    """Code written against the keys before lightning_nb.semconv (prompt_token_ids, reward...) reads the values
+    through Span.attributes and as a spans_df column, warned, on every backend; the new keys read unwarned."""
+    import warnings
+
+    item = store.start_rollout("t")
+    rid, aid = item.rollout.rollout_id, item.attempt.attempt_id
+    store.add_span(Span(rollout_id=rid, attempt_id=aid, trace_id="t" * 32, span_id="a" * 16, name=semconv.LLM_SPAN,
+                        start_time=1.0, end_time=2.0, attributes={semconv.PROMPT_TOKEN_IDS: [1, 2]}))
+    (span,) = store.query_spans(rid)
+    new = "'lightning_nb.prompt.token_ids'"
+    with pytest.warns(DeprecationWarning, match=f"'prompt_token_ids' is renamed {new}"):
+        assert span.attributes["prompt_token_ids"] == [1, 2]
+    with pytest.warns(DeprecationWarning, match=f"'prompt_token_ids' is renamed {new}"):
+        assert span.attributes.get("prompt_token_ids") == [1, 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning for anything else
+        assert span.attributes[semconv.PROMPT_TOKEN_IDS] == [1, 2] and span.attributes.get("logprobs") is None
+        assert span.attributes.get("nope", 0) == 0 and "prompt_token_ids" not in span.attributes
+        with pytest.raises(KeyError):
+            span.attributes["completion_token_ids"]  # renamed, but this span has neither key
+        assert "prompt_token_ids" not in span.model_dump_json()
+        plain = store.spans_df(rid, flatten=[semconv.PROMPT_TOKEN_IDS])
+    with pytest.warns(DeprecationWarning, match=f"flatten=\\['prompt_token_ids'\\].* renamed {new}"):
+        df = store.spans_df(rid, flatten=["prompt_token_ids"])
+    assert df["prompt_token_ids"].tolist() == plain[semconv.PROMPT_TOKEN_IDS].tolist() == [[1, 2]]

@@ -106,13 +106,13 @@ def test_a_traffic_session_updates_on_exactly_the_labelled_rollouts_and_undo_res
         name = next(iter(engine.model.state_dict()))  # the embedding, a parameter every update moves
         before = engine.model.state_dict()[name].detach().clone()
         algo.start()  # polls in the background until stopped, while users keep working
-        assert algo.pause(timeout=30) and algo.state == "paused" and trainer.step == 0
+        assert algo.pause(timeout=30) and algo.state == "paused" and trainer.updates_applied == 0
         # a human labels a few replies in a cell: one task seen twice, two singletons
         for rid, reward in zip([*same, *sent[:2]], (1.0, 0.0, 1.0, 0.0)):
             store.label(rid, reward)
         algo.resume()
         assert algo.wait(timeout=120, until_step=1)
-        assert algo.stop(timeout=60) and algo.state == "stopped" and trainer.step == 1
+        assert algo.stop(timeout=60) and algo.state == "stopped" and trainer.updates_applied == 1
         after = engine.model.state_dict()[name].detach().clone()
         assert not after.equal(before)
 

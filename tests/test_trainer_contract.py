@@ -86,7 +86,7 @@ def test_same_triplets_in_metrics_out_and_the_engine_serves_the_new_weights(make
     m = trainer.update(triplets, on_progress=lambda done, total, unit: progress.append((done, total, unit)))
     missing = [k for k in Trainer.METRIC_KEYS if k not in m]
     assert not missing, missing
-    assert m["step"] == trainer.step == 1 and trainer.last_metrics is m
+    assert m["step"] == trainer.updates_applied == 1 and trainer.last_metrics is m
     assert (m["episodes"], m["groups"], m["groups_with_signal"], m["transitions"]) == (4, 1, 1, 4)
     assert m["reward_mean"] == 0.25 and m["sequences_trained"] == 4 and m["optimizer_steps"] >= 1
     assert m["grad_norm"] > 0 and m["tokens_trained"] == sum(len(t.response_ids) for t in triplets)
@@ -210,7 +210,7 @@ def test_a_trainer_only_updates_weights(make_trainer):
     for name in ("start", "pause", "resume", "stop", "wait", "progress", "state", "running", "save", "load",
                  "metrics", "metrics_df", "add_metrics", "config_changes", "algorithm", "attach"):
         assert not hasattr(trainer, name), name
-    assert trainer.step == 0 and trainer.last_metrics == {} and trainer.last_config_changes == []
+    assert trainer.updates_applied == 0 and trainer.last_metrics == {} and trainer.last_config_changes == []
     trainer.config.learning_rate = -1.0  # check_config (what the algorithm's resume() calls) refuses a bad edit
     with pytest.raises(ValueError, match="learning_rate"):
         trainer.check_config()
@@ -233,3 +233,40 @@ def test_the_trainer_packages_import_without_verl():
             "print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+class _Minimal(Trainer):
+    """The contract's base alone (no engine): what earlier versions' names do on any trainer."""
+
+    def __init__(self):
+        self._init_trainer(engine=None, config=None)
+
+    def update(self, triplets, *, on_progress=None):
+        self.updates_applied += 1
+        return {}
+
+    signal_groups = check_config = state_dict = load_state_dict = save_pretrained = None
+
+
+def test_the_run_verbs_of_earlier_versions_name_their_replacement_and_step_is_renamed():
+    from lightning_nb.errors import MovedAttributeError
+
+    trainer = _Minimal()
+    for verb, replacement in (("start", "algo.start()"), ("pause", "algo.pause()"), ("resume", "algo.resume()"),
+                              ("wait", "algo.wait()"), ("save", "algo.save(path)"), ("load", "algo.load(path)")):
+        with pytest.raises(MovedAttributeError, match=f"_Minimal.{verb} moved to the algorithm: use "
+                                                       f"{replacement.replace('(', '[(]').replace(')', '[)]')}"):
+            getattr(trainer, verb)
+    with pytest.raises(AttributeError):  # MovedAttributeError is one: hasattr() and getattr(..., default) hold
+        trainer.start(None)
+    assert not hasattr(trainer, "pause") and getattr(trainer, "metrics_df", None) is None
+    with pytest.raises(AttributeError, match="'_Minimal' object has no attribute 'nope'") as info:
+        trainer.nope
+    assert not isinstance(info.value, MovedAttributeError)
+    trainer.update([])
+    assert trainer.updates_applied == 1
+    with pytest.warns(DeprecationWarning, match="trainer.step is renamed trainer.updates_applied"):
+        assert trainer.step == 1
+    with pytest.warns(DeprecationWarning, match="renamed trainer.updates_applied"):
+        trainer.step = 5
+    assert trainer.updates_applied == 5

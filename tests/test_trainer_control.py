@@ -44,10 +44,10 @@ def test_pause_returns_only_at_a_step_boundary_under_load(engine, pristine):
             assert not trainer._updating.locked()
             assert engine.lock.acquire(timeout=0)
             engine.lock.release()
-            n, step, weights = len(store.query_rollouts()), trainer.step, _checksum(engine.model)
+            n, step, weights = len(store.query_rollouts()), trainer.updates_applied, _checksum(engine.model)
             assert engine.chat("What is 3 + 4?", max_tokens=8)
             time.sleep(3)  # a loop that was not really parked would enqueue or update by now
-            assert (len(store.query_rollouts()), trainer.step, _checksum(engine.model)) == (n, step, weights)
+            assert (len(store.query_rollouts()), trainer.updates_applied, _checksum(engine.model)) == (n, step, weights)
             assert algo.state == "paused"
             algo.resume()
             assert algo.state in ("running", "finished")
@@ -234,7 +234,7 @@ def test_a_new_reward_function_set_while_paused_takes_effect_on_resume(engine, p
     try:
         algo.start(steps=3)  # the pause may park after step 2's rollouts ran: step 3 is after it
         deadline = time.monotonic() + 300
-        while trainer.step < 1:
+        while trainer.updates_applied < 1:
             assert time.monotonic() < deadline and algo.state != "failed", algo.error
             time.sleep(0.2)
         assert algo.pause(timeout=300)
@@ -243,7 +243,7 @@ def test_a_new_reward_function_set_while_paused_takes_effect_on_resume(engine, p
             runners = start_runners(agent_with_reward([0.25, 0.75]), store, n=2)
         trainer.config.learning_rate = 1e-5
         algo.resume()
-        assert algo.wait(timeout=300) and trainer.step == 3
+        assert algo.wait(timeout=300) and trainer.updates_applied == 3
     finally:
         algo.stop(timeout=60)
         runners.stop()
@@ -343,7 +343,7 @@ def test_the_algorithm_and_the_update_report_progress_and_wait_returns_at_until_
     try:
         algo.start(steps=3)
         assert algo.wait(until_step=1, progress=True, timeout=300) is True
-        assert trainer.step == 1 and algo.running  # returned at step 1; the loop goes on
+        assert trainer.updates_applied == 1 and algo.running  # returned at step 1; the loop goes on
         frames = _frames(capsys.readouterr().err)
         _until(lambda: len(store.query_rollouts()) == 8)  # step 2 collects (its LLM calls take a second or more)
         assert algo.pause(timeout=300) and algo.paused_at == "before update"

@@ -93,7 +93,7 @@ def test_save_then_load_continues_from_the_same_step(loop, tmp_path):
     saved_step, saved = algo.global_step, _weights(trainer.model)
     saved_rng = algo.state_dict()["rng"]
     algo.step()  # move on, then come back
-    assert trainer.step == saved_step + 1
+    assert trainer.updates_applied == saved_step + 1
     fresh = GRPOTrainer(trainer.engine, trainer.config)  # its reference is the trained model: rebuilt on load
     algo2 = LightningRL(store, fresh, load_tasks("train"), config=algo.config)
     algo2.load(path)  # gets the saved sampler state
@@ -122,7 +122,7 @@ def test_checkpoints_of_another_model_or_format_are_refused(engine, tmp_path):
     torch.save({"model": object()}, bad)  # not loadable with weights_only=True
     with pytest.raises(ConfigError, match="weights_only"):
         algo.load(bad)
-    assert trainer.step == 0
+    assert trainer.updates_applied == 0
 
 
 def test_config_errors_name_the_field(engine):

@@ -165,7 +165,7 @@ def test_an_update_is_verls_ppo_step_on_our_batch_and_the_engine_serves_it(engin
     for _ in range(2):  # refused again: the edit was not taken as applied
         with pytest.raises(ConfigError, match="no_such_key"):
             trainer.update(batch)
-    assert all(torch.equal(weights[k], v) for k, v in engine.model.state_dict().items()) and trainer.step == 2
+    assert all(torch.equal(weights[k], v) for k, v in engine.model.state_dict().items()) and trainer.updates_applied == 2
 
 
 @pytest.mark.slow

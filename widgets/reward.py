@@ -14,7 +14,7 @@ Named intermediate rewards (shaping terms such as ``calc_uses_all_numbers``,
 :func:`lightning_nb.emit_intermediate_reward`) get one dashed line each in the left panel,
 ``train <component>``: their mean sum per training rollout of each step (0 for a rollout
 without it), apart from the final reward, which they never change. Given the ``trainer``, the
-left panel plots a training step only once its update is done (``step <= trainer.step``): a
+left panel plots a training step only once its update is done (``step <= trainer.updates_applied``): a
 step still collecting, or paused inside (``before update``, ``between sample rounds``), has
 rollouts still to come, so its mean is not final yet.
 """
@@ -83,7 +83,7 @@ class RewardCurve(LivePanel):
             the slice lines, not of ``val mean``.
         trainer: the trainer whose steps the training rollouts belong to (anything with a
             ``step`` attribute, the count of updates done): the left panel's training lines
-            then stop at ``trainer.step``, so a step whose update has not run is not drawn (the
+            then stop at ``trainer.updates_applied``, so a step whose update has not run is not drawn (the
             right panel still counts its rollouts). None: every step with finished rollouts is
             drawn, the last one possibly before all its rollouts (later sample rounds) finished.
     """
@@ -148,14 +148,14 @@ class RewardCurve(LivePanel):
             return None
 
     def _last_step(self) -> Optional[int]:
-        """The last training step the left panel may draw: ``trainer.step`` (None without a trainer)."""
-        return None if self.trainer is None else int(self.trainer.step)
+        """The last training step the left panel may draw: ``trainer.updates_applied`` (None without a trainer)."""
+        return None if self.trainer is None else int(self.trainer.updates_applied)
 
     def series(self) -> dict[str, dict[str, list]]:
         """The plotted values: ``{"train"|"val"|"batch": {"x", "mean", "min", "max", "n"}}``, with
         ``slice_by`` one ``"val <label>"`` entry per slice (in the slices' sorted order), and one
         ``"train <component>"`` entry per named intermediate reward seen (sorted by name). With a
-        ``trainer``, the ``train`` entries hold the steps up to ``trainer.step`` only."""
+        ``trainer``, the ``train`` entries hold the steps up to ``trainer.updates_applied`` only."""
         last = self._last_step()
         train = {x: v for x, v in self.train.items() if last is None or x <= last}
         components = {x: rows for x, rows in self.train_components.items() if last is None or x <= last}

@@ -115,7 +115,7 @@ class RunCheckpoint:
         set_rng_state(run["rng"])
         self.checkpoint_resources_id = run["resources_id"]
         # a checkpoint of an earlier version kept the run's rows with the trainer, and its step counter
-        legacy = {"global_step": self.trainer.step, "metrics": run.get("metrics") or [],
+        legacy = {"global_step": self.trainer.updates_applied, "metrics": run.get("metrics") or [],
                   "config_changes": run.get("config_changes") or []}
         if run.get("algorithm") is None:  # saved with no algorithm's state: the run's record only
             self.load_run_record(legacy)

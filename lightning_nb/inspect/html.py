@@ -127,7 +127,7 @@ def runner_group_html(group: Any) -> str:
 def trainer_summary(trainer: "Trainer") -> list[tuple[str, Any]]:
     """(label, value) pairs of a trainer alone: updates applied, weight version, its last update's row."""
     last = trainer.last_metrics
-    return [("updates", trainer.step), ("weight version", trainer.engine.weight_version),
+    return [("updates", trainer.updates_applied), ("weight version", trainer.engine.weight_version),
             ("loss (last update)", last.get("loss")), ("KL to initial weights", last.get("kl")),
             ("train tokens/s (last update)", last.get("tokens_per_s"))]
 

@@ -20,6 +20,7 @@ non-number reward or token count counts as missing), so ``isna()`` finds them al
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -27,7 +28,7 @@ import pandas as pd
 
 from lightning_nb.errors import ConfigError
 from lightning_nb.semconv import (
-    AGENT_NAME, COMPLETION, PROMPT, REQUEST_MODEL, RESPONSE_FINISH_REASONS, RESPONSE_ID, REWARD, USAGE_INPUT_TOKENS,
+    RENAMED_KEYS, AGENT_NAME, COMPLETION, PROMPT, REQUEST_MODEL, RESPONSE_FINISH_REASONS, RESPONSE_ID, REWARD, USAGE_INPUT_TOKENS,
     USAGE_OUTPUT_TOKENS,
 )
 from lightning_nb.types import Span
@@ -151,7 +152,9 @@ def spans_frame(ids: dict[str, Any], span_id: list, sequence_id: np.ndarray, sta
         span_id: the span ids.
         sequence_id, start, end: int64 / float64 (epoch seconds) arrays.
         attributes: each span's attribute dict.
-        flatten: see :func:`check_flatten`.
+        flatten: see :func:`check_flatten`; a key renamed since earlier versions
+            (:data:`~lightning_nb.semconv.RENAMED_KEYS`) asked for by its old name gets its new key's values, with a
+            ``DeprecationWarning``.
         copy: copy the dicts into the ``attributes`` column (False when the caller owns them).
         known: the :data:`KNOWN_ATTRIBUTES` columns when the caller keeps them
             (:func:`known_columns`); None: made from ``attributes``.
@@ -179,7 +182,7 @@ def spans_frame(ids: dict[str, Any], span_id: list, sequence_id: np.ndarray, sta
                  "attributes": _object_column(_objects(attributes))})
     data = {col: cols[col] for col in SPAN_COLUMNS[:-1]}
     for key in flat:
-        data[key] = _attribute_column(attributes, key)
+        data[key] = _attribute_column(attributes, key if keys is True else _read_key(key, attributes))
     data["attributes"] = cols["attributes"]
     return pd.DataFrame(data, copy=False)
 
@@ -195,6 +198,23 @@ def frame_from_spans(spans: Sequence[Span], *, flatten: Flatten = None, copy: bo
 
 
 # ----- helpers ----------------------------------------------------------------------------
+_RENAMED = {old: new for renames in RENAMED_KEYS.values() for old, new in renames.items()}
+
+
+def _read_key(key: str, attributes: list[dict[str, Any]]) -> str:
+    """The key whose values fill ``flatten``'s column ``key``: ``key``, or for a key of earlier versions
+    (:data:`~lightning_nb.semconv.RENAMED_KEYS`) that no span holds, its new key, with a DeprecationWarning
+    (the column keeps the name asked for). Only looked at for keys asked for by name, so ``spans_df`` costs the
+    same without them."""
+    new = _RENAMED.get(key)
+    if new is None or any(dict.__contains__(a, key) for a in attributes):
+        return key
+    warnings.warn(f"spans_df(flatten=[{key!r}]): span attribute {key!r} is renamed {new!r} "
+                  f"(lightning_nb.semconv); the column {key!r} shows {new!r}'s values. Ask for {new!r}: the old name "
+                  f"stops working in the next release", DeprecationWarning, stacklevel=4)
+    return new
+
+
 def _all_keys(attributes: list[dict[str, Any]]) -> list[str]:
     """Every attribute key, first seen first, except the fixed column names; ConfigError over the cap."""
     seen: dict[str, None] = {}

@@ -12,7 +12,10 @@ in torch) and :class:`~lightning_nb.trainers.verl.trainer.VerlTrainer` (verl's o
 
 The notebook verbs (``start``, ``pause``, ``resume``, ``stop``, ``wait``, ``progress``, ``state``,
 ``save``, ``load``, ``metrics_df``) are the algorithm's: ``trainer.start(algo)`` of earlier versions is
-``algo.start()``.
+``algo.start()``. For one release, reading one of them on a trainer raises
+:class:`~lightning_nb.errors.MovedAttributeError` (an ``AttributeError``) naming the replacement, and
+``trainer.step`` (renamed :attr:`Trainer.updates_applied`: it counts the trainer's updates, not the run's
+steps) still works with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
@@ -20,16 +23,17 @@ from __future__ import annotations
 import abc
 import contextlib
 import threading
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
-from lightning_nb.errors import ConfigError
+from lightning_nb.errors import ConfigError, MovedAttributeError
 from lightning_nb.types import Triplet, html_view
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["Trainer", "ProgressCallback", "progress_ticker", "config_edits"]
+__all__ = ["Trainer", "ProgressCallback", "progress_ticker", "config_edits", "MOVED_TO_ALGORITHM"]
 
 #: ``on_progress(done, total, unit)``: what :meth:`Trainer.update` calls as its work advances
 #: (``unit``: ``"micro-batches"`` for GRPOTrainer, ``"stages"`` for VerlTrainer).
@@ -59,6 +63,16 @@ def config_edits(applied: dict[str, Any], now: dict[str, Any]) -> list[tuple[str
     return [(k, applied.get(k), v, f"{k} {applied.get(k)!r} → {v!r}") for k, v in now.items() if v != applied.get(k)]
 
 
+#: the run's verbs that moved from the trainer to the algorithm (``LightningRL``, ``TrafficLearner``, ``APO``):
+#: old name -> what to write now. Reading one on a trainer raises MovedAttributeError saying so (for one release).
+MOVED_TO_ALGORITHM = {
+    "start": "algo.start()", "pause": "algo.pause()", "resume": "algo.resume()", "stop": "algo.stop()",
+    "wait": "algo.wait()", "progress": "algo.progress", "state": "algo.state", "metrics_df": "algo.metrics_df()",
+    "save": "algo.save(path) (the run's checkpoint; trainer.state_dict() is the trainer's part)",
+    "load": "algo.load(path) (the run's checkpoint; trainer.load_state_dict(state) restores the trainer's part)",
+}
+
+
 class Trainer(abc.ABC):
     """The contract every trainer implements: update the engine's weights from triplets.
 
@@ -82,8 +96,8 @@ class Trainer(abc.ABC):
     states) is the algorithm's: ``LightningRL.save`` / ``load``.
 
     **What others may read** (the algorithm, the widgets, :mod:`lightning_nb.inspect`): ``engine``,
-    ``model``, ``config`` (a dataclass, edited while paused and applied at the next update), ``step``
-    (updates applied: the LR schedule's position), ``last_metrics`` (the last update's row),
+    ``model``, ``config`` (a dataclass, edited while paused and applied at the next update),
+    ``updates_applied`` (updates applied: the LR schedule's position; ``step`` before, deprecated), ``last_metrics`` (the last update's row),
     ``last_config_changes`` (``{"field", "old", "new"}`` per config edit the last update applied),
     ``last_triplets``, ``last_advantages`` (rollout id -> advantage), ``last_turn_advantages``
     (``(rollout_id, turn)`` -> advantage) and ``last_batch`` (one dict per trained sequence, see
@@ -107,7 +121,7 @@ class Trainer(abc.ABC):
         """Set the attributes of the contract (see the class docstring)."""
         self.engine = engine
         self.config = config
-        self.step = 0  # updates applied: the position of the LR schedule (the run's step is the algorithm's)
+        self.updates_applied = 0  # the position of the LR schedule (the run's step is the algorithm's)
         self.last_metrics: dict[str, Any] = {}  # the last update's row (the run's rows are the algorithm's)
         self.last_config_changes: list[dict[str, Any]] = []  # {"field", "old", "new"} applied at the last update
         self.last_triplets: list[Triplet] = []
@@ -116,11 +130,42 @@ class Trainer(abc.ABC):
         self.last_batch: list[dict[str, Any]] = []  # the optimizer's-eye view of the last update
         self._updating = threading.Lock()  # held by update(), load_state_dict(), save_pretrained() and frozen()
 
+    # ----- names of earlier versions (kept for one release) --------------------------------
+    @property
+    def step(self) -> int:
+        """Deprecated name of :attr:`updates_applied` (DeprecationWarning): it counts this trainer's updates, which
+        is not the run's step (``algo.progress.step``, the metrics rows' ``step``) once a run was resumed or
+        skipped updates."""
+        warnings.warn("trainer.step is renamed trainer.updates_applied (the trainer's updates applied, not the "
+                      "run's step: that is algo.progress.step); trainer.step goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return self.updates_applied
+
+    @step.setter
+    def step(self, value: int) -> None:
+        warnings.warn("trainer.step is renamed trainer.updates_applied; trainer.step goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        self.updates_applied = value
+
+    def __getattr__(self, name: str) -> Any:
+        """Only for names not found otherwise: a run verb that moved to the algorithm raises
+        :class:`~lightning_nb.errors.MovedAttributeError` naming its replacement (:data:`MOVED_TO_ALGORITHM`).
+
+        Raises:
+            MovedAttributeError: ``name`` is one of the run's verbs (an AttributeError, so ``hasattr`` is False).
+            AttributeError: any other unknown name.
+        """
+        if name in MOVED_TO_ALGORITHM:
+            raise MovedAttributeError(
+                f"{type(self).__name__}.{name} moved to the algorithm: use {MOVED_TO_ALGORITHM[name]}, e.g. "
+                f"algo = LightningRL(store, trainer, ...); the trainer only updates weights")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # ----- the contract -------------------------------------------------------------------
     @abc.abstractmethod
     def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None) -> dict[str, Any]:
         """One update on ``triplets``; returns its metrics row (also kept as :attr:`last_metrics`), with
-        :data:`METRIC_KEYS` among its keys, and advances :attr:`step` by one.
+        :data:`METRIC_KEYS` among its keys, and advances :attr:`updates_applied` by one.
 
         ``on_progress(done, total, unit)`` is called as the update advances (0 of the total first).
 

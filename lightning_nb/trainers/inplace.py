@@ -111,7 +111,7 @@ class InPlaceTrainer(Trainer):
         edits = config_edits(self._applied_config, now)
         self.last_config_changes = [{"field": k, "old": old, "new": new} for k, old, new, _ in edits]
         for *_, text in edits:
-            log.info("config changed at update %d: %s", self.step + 1, text)
+            log.info("config changed at update %d: %s", self.updates_applied + 1, text)
         self._applied_config = now
         return [text for *_, text in edits]
 
@@ -148,7 +148,7 @@ class InPlaceTrainer(Trainer):
         cfg = self.config
         if cfg.kl_coef > 0:
             return True
-        return cfg.track_reference_kl and (self.step + 1) % cfg.kl_every == 0
+        return cfg.track_reference_kl and (self.updates_applied + 1) % cfg.kl_every == 0
 
     # ----- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -164,7 +164,7 @@ class InPlaceTrainer(Trainer):
             "model_signature": model_signature(self.model),
             "model": self.model.state_dict() if self.peft_model is None else adapter_state_dict(self.model),
             "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-            "step": self.step, "config": asdict(self.config),
+            "step": self.updates_applied, "config": asdict(self.config),
             "weight_version": self.engine.weight_version,
             "reference": None if self.reference is None else {
                 "fingerprint": weights_fingerprint(self.reference),
@@ -199,11 +199,11 @@ class InPlaceTrainer(Trainer):
             self._restore_reference(state.get("reference"), source)
             self._restore_weights(state, source)
             self.optimizer.load_state_dict(state["optimizer"])
-            self.step = int(state["step"])
+            self.updates_applied = int(state["step"])
             if state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
             else:  # a checkpoint from before LR schedules: the schedule counts updates
-                self.scheduler.last_epoch = self.step
+                self.scheduler.last_epoch = self.updates_applied
             self.engine.load_weights(self.model, version=int(state["weight_version"]))
             self._restore_config(saved_config, keep_config)
 

@@ -28,7 +28,7 @@ from lightning_nb.errors import LightningNbError
 from lightning_nb.store.copies import span_construct
 from lightning_nb.store.spanframe import CATEGORY_COLUMNS as _CODED
 from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES, NUMBER_COLUMNS, copy_lists, holds_list, known_cells
-from lightning_nb.types import Span
+from lightning_nb.types import Span, SpanAttributes
 
 __all__ = ["SpanTable", "SpanSpill", "span_from_raw", "spans_from_raws", "cells_of", "row_of"]
 _KNOWN_KEYS = frozenset(KNOWN_ATTRIBUTES.values())
@@ -38,13 +38,20 @@ _NO_CELLS = known_cells({})  # the KNOWN_ATTRIBUTES cells of a span that has non
 def span_from_raw(raw: tuple[Any, ...]) -> Span:
     """A :class:`Span` from :meth:`SpanTable.raw`, with its own copy of the attributes."""
     *fields, attrs, has_list = raw
-    return span_construct(*fields, copy_lists(dict(attrs), has_list))
+    return span_construct(*fields, copy_lists(SpanAttributes(attrs), has_list))
+
+
+def _spilled_span(data: str) -> Span:
+    """The :class:`Span` of a spilled span's JSON (stored by this table: valid), its attributes a SpanAttributes."""
+    fields = json.loads(data)
+    fields["attributes"] = SpanAttributes(fields["attributes"])
+    return Span.model_construct(**fields)
 
 
 def spans_from_raws(raws: list[tuple[Any, ...]]) -> list[Span]:
     """:func:`span_from_raw` of each of ``raws`` (:meth:`SpanTable.raws`)."""
     return [span_construct(rid, aid, seq, trace, span_id, parent, name, start, end, status,
-                           copy_lists(attrs.copy(), True) if has_list else attrs.copy())
+                           copy_lists(SpanAttributes(attrs), True) if has_list else SpanAttributes(attrs))
             for rid, aid, seq, trace, span_id, parent, name, start, end, status, attrs, has_list in raws]
 
 
@@ -371,7 +378,7 @@ class SpanSpill:
             where.append("name = ?")
             params.append(name)
         sql = "SELECT rank, aseq, data FROM spans" + (" WHERE " + " AND ".join(where) if where else "")
-        return [(rank, aseq, Span.model_construct(**json.loads(data)))
+        return [(rank, aseq, _spilled_span(data))
                 for rank, aseq, data in db.execute(sql + " ORDER BY rank, aseq, seq", params)]
 
     def close(self) -> None:

@@ -236,7 +236,7 @@ class GRPOTrainer(InPlaceTrainer):
                 if stats["optimizer_steps"]:
                     self.engine.load_weights(self.model)  # in place, or pushed to a server (VLLMEngine)
                 self._advance_schedule()
-                self.step += 1
+                self.updates_applied += 1
             metrics = self._step_metrics(triplets, batch, stats, time.perf_counter() - t0, lr, changes)
             self.last_triplets, self.last_advantages = list(triplets), batch.advantages
             self.last_turn_advantages = per_triplet_turn(triplets, batch.turn_advantages)
@@ -332,7 +332,7 @@ class GRPOTrainer(InPlaceTrainer):
         groups = batch.groups
         signal = {groups[r] for r, advs in batch.turn_advantages.items() if any(a != 0.0 for a in advs.values())}
         head, tail = batch_metrics(triplets, batch, signal, changes)
-        return {"step": self.step, **stats, **agreement_metrics(batch.seqs), **head,
+        return {"step": self.updates_applied, **stats, **agreement_metrics(batch.seqs), **head,
                 "sequences_trained": len(trained), "tokens_trained": sum(sum(s.mask) for s in trained),
                 "grad_norm": grad_norm / steps if steps else 0.0, "update_seconds": seconds,
                 "tokens_per_s": sum(len(s.input_ids) for s in trained) / seconds if seconds > 0 else 0.0,

@@ -155,7 +155,7 @@ class VerlTrainer(InPlaceTrainer):
                 else:
                     data, stats = None, {}
                     self._advance_schedule()  # the schedule counts updates
-                self.step += 1
+                self.updates_applied += 1
             seconds = time.perf_counter() - t0
             rows = _batch_rows(data) if data is not None else []
             metrics = self._verl_metrics(triplets, batch, stats, rows, seconds, lr, changes)
@@ -285,7 +285,7 @@ class VerlTrainer(InPlaceTrainer):
         tokens = sum(len(r["input_ids"]) for r in rows)
         head, tail = batch_metrics(triplets, batch, signal, changes)
         metrics: dict[str, Any] = {
-            "step": self.step, "trainer": "verl",
+            "step": self.updates_applied, "trainer": "verl",
             "loss": stats.get("loss", math.nan), "pg_loss": stats.get("actor/pg_loss", math.nan),
             "kl": stats.get("kl", math.nan), "ppo_kl": stats.get("actor/ppo_kl", math.nan),
             "pg_clipfrac": stats.get("actor/pg_clipfrac", math.nan),
@@ -335,11 +335,11 @@ class VerlTrainer(InPlaceTrainer):
         if root.suffix == ".pt":
             raise ConfigError(f"save() with a VerlTrainer takes a folder (verl's trainer.default_local_dir), got {root}; "
                               "e.g. algo.save('runs/verl/checkpoints')")
-        folder = root / f"global_step_{self.step}"
+        folder = root / f"global_step_{self.updates_applied}"
         write_file(folder / "trainer.pt", state)
         tracker = root / "latest_checkpointed_iteration.txt"
         tmp = tracker.with_suffix(".tmp")
-        tmp.write_text(str(self.step))
+        tmp.write_text(str(self.updates_applied))
         os.replace(tmp, tracker)
         return folder
 
