@@ -98,6 +98,8 @@ if TYPE_CHECKING:
 __all__ = ["Agent", "Runner", "RunnerStats", "attributed_llm"]
 
 log = logging.getLogger(__name__)
+#: An agent: ``agent(task, llm) -> reward`` (a float, or None when it emitted its reward as a span); it may also
+#: take ``resources=`` (the rollout's resources set).
 Agent = Callable[[Any, LLMResource], Any]
 _RUNNER_IDS = itertools.count()
 
