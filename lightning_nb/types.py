@@ -75,7 +75,9 @@ __all__ = [
 ]
 
 RolloutStatus = Literal["queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled"]
+#: An attempt's status; ``timeout`` and ``unresponsive`` are the watchdog's verdicts (see :data:`ATTEMPT_TERMINAL`).
 AttemptStatus = Literal["preparing", "running", "succeeded", "failed", "timeout", "unresponsive"]
+#: What a rollout is for: ``train`` (trained on), ``val`` or ``test`` (held out, never trained on).
 RolloutMode = Literal["train", "val", "test"]
 #: Rollout metadata key marking traffic a user started (``LLMProxy``'s ``/traffic`` route: ``"proxy"``;
 #: ``Runner.step``: ``"runner"``), which :class:`~lightning_nb.algorithm.traffic.TrafficLearner` may train on.
@@ -95,9 +97,12 @@ BRANCH_CALL_KEY = "branch_call"
 REPLAY_KEY = "replay"
 #: The name of the LLM resource agents are given (``store.add_resources({MAIN_LLM: proxy.as_resource()})``).
 MAIN_LLM = "main_llm"
+#: A worker's (runner's) status in :class:`Worker`; ``unresponsive``: its heartbeats stopped.
 WorkerStatus = Literal["idle", "busy", "stopped", "unresponsive"]
 
+#: The rollout statuses that never change again.
 ROLLOUT_TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+#: The attempt statuses that never change again.
 ATTEMPT_TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "timeout", "unresponsive"})
 
 

@@ -6,12 +6,16 @@
 * every relative link (and image) in README.md and docs/**/*.md names a file that exists, and an ``#anchor`` on a
   Markdown page names one of its headings;
 * each API page renders its module, and the README's module table reaches docs/modules.md;
+* in the built site (the same build): no Sphinx role shows raw (docs/_griffe_ext.py makes them links), every name
+  of each public package's ``__all__`` and every notebook verb has an entry in the search index, config fields
+  show their help, and the trainers page its shapes;
 * an ``Args:`` entry that documents several parameters at once (``a, b: ...``) names real parameters: the strict
   build lets griffe's warnings on that form through (docs/_hooks.py), so this test checks what griffe cannot.
 """
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import subprocess
@@ -26,6 +30,12 @@ README_MAX_LINES = 250
 # the public modules whose docstrings make the API reference (docs/api/<name>.md holds `::: lightning_nb.<name>`)
 API_MODULES = ("store", "tracing", "runners", "proxy", "engines", "trainers", "algorithm", "adapter", "agents",
                "rewards", "types", "errors", "semconv")
+# the packages whose __all__ is the public API: the site has an entry for every name in them
+PUBLIC_PACKAGES = ("lightning_nb", *(f"lightning_nb.{name}" for name in API_MODULES), "lightning_nb.replay")
+# the notebook verbs and the calls a step makes, every algorithm's (listed under Algorithm on the site)
+ALGORITHM_VERBS = ("start", "run", "step", "pause", "resume", "wait", "stop", "progress", "state", "at_boundary",
+                   "report_progress", "wait_for", "record", "metrics_df", "save", "load")
+RAW_ROLE = re.compile(r":(meth|class|func|attr|exc|mod|data|obj):")
 
 
 def _pages() -> list[Path]:
@@ -88,20 +98,76 @@ def test_api_pages_render_the_public_modules():
         assert re.search(rf"^::: lightning_nb\.{name}\s*$", page.read_text(), re.M), f"{page.name} lacks ::: lightning_nb.{name}"
 
 
-def test_mkdocs_build_is_strict_and_passes(tmp_path):
-    """`make docs`' build (mkdocs build --strict), into a temporary folder: warnings are errors."""
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """`make docs`' build (mkdocs build --strict) into a temporary folder, once for the tests below that read it."""
+    out_dir = tmp_path_factory.mktemp("docs") / "site"
     t0 = time.perf_counter()
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out_dir)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     seconds = time.perf_counter() - t0
     print(f"\n[test_docs] mkdocs build --strict: {seconds:.1f} s")
     assert out.returncode == 0, f"mkdocs build --strict failed (rc {out.returncode}):\n{out.stdout}\n{out.stderr}"
-    modules = (tmp_path / "site" / "modules" / "index.html").read_text()
+    return out_dir
+
+
+def test_mkdocs_build_is_strict_and_passes(site):
+    """Warnings are errors; the module table and every API page rendered."""
+    modules = (site / "modules" / "index.html").read_text()
     assert "lightning_nb/cli/" in modules, "docs/modules.md did not include README.md's module table"
     for name in API_MODULES:
-        html = (tmp_path / "site" / "api" / name / "index.html").read_text()
+        html = (site / "api" / name / "index.html").read_text()
         assert f'id="lightning_nb.{name}"' in html, f"the API page of lightning_nb.{name} rendered no module"
+
+
+def test_no_raw_sphinx_role_in_the_built_site(site):
+    """docs/_griffe_ext.py turns every ``:meth:`x``` of a docstring into a link (or plain code): none shows raw."""
+    raw = []
+    for page in sorted(site.rglob("*.html")):
+        for m in RAW_ROLE.finditer(page.read_text()):
+            raw.append(f"{page.relative_to(site)}: ...{m.string[max(0, m.start() - 60):m.end() + 40]!r}")
+    assert not raw, f"{len(raw)} raw Sphinx roles in the built HTML:\n" + "\n".join(raw[:20])
+    algorithm = (site / "api" / "algorithm" / "index.html").read_text()
+    links = re.findall(r'<a class="autorefs autorefs-internal"[^>]*href="([^"]*)"', algorithm)
+    assert "#lightning_nb.algorithm.base.Algorithm.at_boundary" in links, "Algorithm's :meth:`at_boundary` is no link"
+    assert len(links) > 100, f"only {len(links)} cross-reference links on the algorithm page"
+
+
+def test_every_public_name_is_in_the_search_index(site):
+    """Each name of each public package's ``__all__`` has an entry (a heading the search finds) on the site, and so
+    do the notebook verbs of the Algorithm contract and LightningRL's save / load."""
+    import importlib
+    import json
+
+    index = json.loads((site / "search" / "search_index.json").read_text())
+    anchors = {d["location"].split("#", 1)[1] for d in index["docs"] if "#" in d["location"]}
+    names = {a.rsplit(".", 1)[-1] for a in anchors}
+    missing = []
+    for package in PUBLIC_PACKAGES:
+        module = importlib.import_module(package)
+        missing += [f"{package}.{n}" for n in getattr(module, "__all__", ()) if n not in names]
+    for verb in ALGORITHM_VERBS:
+        if f"lightning_nb.algorithm.base.Algorithm.{verb}" not in anchors:
+            missing.append(f"Algorithm.{verb}")
+    for verb in ("save", "load"):
+        if f"lightning_nb.algorithm.LightningRL.{verb}" not in anchors:
+            missing.append(f"LightningRL.{verb}")
+    assert not missing, "public names with no entry on the site (add them to a docs/api page, or give them a " \
+                        "docstring or a #: comment):\n" + "\n".join(missing)
+
+
+def test_config_help_defaults_and_shapes_render(site):
+    """Config fields show their ``metadata["help"]``; a grouped ``critic, editor`` entry its default, not
+    "required"; the trainers page explains the shape suffixes and lists shape-named parameters."""
+    trainers = re.sub(r"<[^>]+>", " ", (site / "api" / "trainers" / "index.html").read_text())
+    trainers = re.sub(r"\s+", " ", html.unescape(trainers))
+    assert "learning_rate : float = 2e-05 AdamW learning rate" in trainers, "TrainerConfig's field help is missing"
+    assert "Shapes" in trainers and "ids_B_T" in trainers and "mask_B_L" in trainers
+    algorithm = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", (site / "api" / "algorithm" / "index.html").read_text()))
+    row = re.search(r"critic, editor (.{0,900}?) resources_id", algorithm)
+    assert row and "required" not in row.group(1) and row.group(1).rstrip().endswith("None"), \
+        "APO's critic, editor row: " + (row.group(1) if row else "not found")
 
 
 def test_grouped_parameter_entries_name_real_parameters():

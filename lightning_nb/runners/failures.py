@@ -22,6 +22,7 @@ __all__ = ["FailureNotices", "unreachable_endpoint_hint", "first_line", "NO_REWA
 
 log = logging.getLogger(__name__)
 UNREACHABLE = "unreachable LLM endpoint"  # the failure kind of an attempt whose LLM endpoint refused the connect
+#: The error of an attempt whose agent returned None and emitted no reward span.
 NO_REWARD_ERROR = ("the agent returned None and emitted no reward span; return a float reward from the agent, "
                    "or call lightning_nb.emit_reward(value) inside it")
 NO_LLM_CALL = "no LLM call"  # the failure kind of an attempt whose agent declares calls_model but never called it

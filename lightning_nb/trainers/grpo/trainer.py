@@ -104,7 +104,8 @@ class GRPOTrainer(InPlaceTrainer):
 
     # ----- the RL step ----------------------------------------------------------------
     def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None) -> dict[str, Any]:
-        """One GRPO step on ``triplets``; returns its metrics (also appended to :attr:`metrics`).
+        """One GRPO step on ``triplets``; returns its metrics row (also kept as ``last_metrics``; the algorithm
+        appends it to its own ``metrics``).
 
         Steps, top to bottom:
           1. :func:`~lightning_nb.trainers.batch.build_batch`: drop episodes sampled more than

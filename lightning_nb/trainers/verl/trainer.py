@@ -23,8 +23,8 @@ The verl pieces run in this process without Ray (:class:`~lightning_nb.trainers.
 :mod:`lightning_nb.trainers.verl.patches` lists the six patches). Everything else is shared with
 ``GRPOTrainer`` through :class:`~lightning_nb.trainers.inplace.InPlaceTrainer` (the model placement,
 LoRA through peft, the reference, the optimizer, config edits while paused, ``state_dict``) and
-:class:`~lightning_nb.trainers.base.Trainer` (``start`` / ``pause`` / ``resume`` / ``stop`` delegated
-to the algorithm, ``metrics_df``, ``last_batch_df``, the widgets); VerlTrainer does not subclass
+:class:`~lightning_nb.trainers.base.Trainer` (``last_metrics``, ``last_batch_df``, the widgets); the run's verbs
+(``algo.start()``, ``algo.pause()``, ``algo.metrics_df()``, ...) are the algorithm's. VerlTrainer does not subclass
 GRPOTrainer. Importing this module needs no verl; building a VerlTrainer does. Checkpoints use verl's
 layout: ``<folder>/global_step_N/`` and ``<folder>/latest_checkpointed_iteration.txt``, with verl's
 ``resume_mode`` (``auto``, ``resume_path``, ``disable``).
@@ -63,10 +63,11 @@ def _no_progress(done: int, total: int, unit: str) -> None:
 class VerlTrainer(InPlaceTrainer):
     """GRPO with verl's actor update, with the same notebook surface as :class:`~lightning_nb.GRPOTrainer`.
 
-    ``start(algorithm)`` runs in the background; ``pause()`` returns at a step boundary (no update
-    running, no rollout being enqueued); ``resume()`` validates config edits (and verl's checks)
-    first; ``stop()``, ``metrics_df()``, ``last_batch_df()``, ``last_batch_html()`` and the widgets
-    work as for ``GRPOTrainer``. See the module docstring for what one :meth:`update` does.
+    The run is the algorithm's: ``algo.start(steps=...)`` runs its loop in the background; ``algo.pause()``
+    returns at a step boundary (no update running, no rollout being enqueued); ``algo.resume()`` validates
+    config edits (and verl's checks) first; ``algo.stop()`` and ``algo.metrics_df()`` are the algorithm's, and
+    ``last_batch_df()``, ``last_batch_html()`` and the widgets work as for ``GRPOTrainer``. See the module
+    docstring for what one :meth:`update` does.
 
     Args:
         engine: serves the policy (``TransformersEngine``, or ``VLLMEngine`` whose server gets each
@@ -101,7 +102,8 @@ class VerlTrainer(InPlaceTrainer):
 
     # ----- the RL step ----------------------------------------------------------------
     def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None) -> dict[str, Any]:
-        """One GRPO step by verl on ``triplets``; returns its metrics (also appended to :attr:`metrics`).
+        """One GRPO step by verl on ``triplets``; returns its metrics row (also kept as ``last_metrics``; the algorithm
+        appends it to its own ``metrics``).
 
         Episodes are kept as :meth:`GRPOTrainer.update` keeps them (``max_staleness``, ``min_group_size``,
         forks counted or refused with ``fail_on_fork``), converted by
