@@ -39,9 +39,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 #   CLI's cuda defaults), with the TransformersEngine (ENGINE defaults to transformers there); DTYPE=float32 overrides
 # make demo DEVICE=cuda ARGS='--trainer verl' trains with verl's actor update instead
 # (the venvs install side by side, -j2: about 105 s for both here instead of 160 s one after the other)
+# The demo runs without make's variables (MAKEFLAGS, MAKELEVEL, MFLAGS) in its environment, as when typed by hand:
+# 0 of 5 runs with them rose, 11 of 11 without (docs/performance.md, "make demo ... run after run"); why is not known.
 demo:
 	$(MAKE) -j2 setup $(if $(filter vllm,$(ENGINE)),setup-vllm)
-	$(BIN)/python -m lightning_nb demo --steps $(STEPS) --seed $(SEED) --out $(OUT) --engine $(ENGINE) --device $(DEVICE) $(if $(DTYPE),--dtype $(DTYPE)) $(ARGS)
+	env -u MAKEFLAGS -u MAKELEVEL -u MFLAGS $(BIN)/python -m lightning_nb demo --steps $(STEPS) --seed $(SEED) --out $(OUT) --engine $(ENGINE) --device $(DEVICE) $(if $(DTYPE),--dtype $(DTYPE)) $(ARGS)
 
 # the vLLM engine is an extra that CI installs and tests too.
 # One pytest-xdist worker per core (TEST_WORKERS=0: one process); --dist loadgroup keeps the memory-heavy modules

@@ -8,6 +8,14 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `make test` runs one pytest-xdist worker per core. torch (OpenMP) would start one thread per core in each worker and
+# in each process a worker starts (notebook kernels, vLLM servers, demo subprocesses: they inherit this), so two
+# workers on 2 cores ran 4 spinning threads: measured here, two processes each doing the same forward/backward of
+# the default model took 165 s with 2 threads each and 61 s with 1 thread each (1 process alone, 2 threads: 66 s).
+# So each worker takes its share of the cores. Set OMP_NUM_THREADS yourself to override.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS)))
 
 from lightning_nb.store import InMemoryStore, SqliteStore  # noqa: E402
 
