@@ -38,7 +38,7 @@ _NO_CELLS = known_cells({})  # the KNOWN_ATTRIBUTES cells of a span that has non
 def span_from_raw(raw: tuple[Any, ...]) -> Span:
     """A :class:`Span` from :meth:`SpanTable.raw`, with its own copy of the attributes."""
     *fields, attrs, has_list = raw
-    return span_construct(*fields, copy_lists(dict(attrs), has_list))
+    return span_construct(*fields, copy_lists(dict(attrs), has_list))  # type: ignore[call-arg]  # the 10 raw fields
 
 
 def spans_from_raws(raws: list[tuple[Any, ...]]) -> list[Span]:
@@ -176,7 +176,7 @@ class SpanTable:
             self.codes[col].extend([-1 if values[0] is None else self._code_of(col, values[0])] * len(values))
             return
         lookup, cats = self._lookup[col], self.cats[col]
-        found = list(map(lookup.get, values))  # (a None value finds None: handled below)
+        found = [lookup.get(v) for v in values]  # type: ignore[arg-type]  # (a None value finds None: handled below)
         if None in found:  # a new value (span ids as parent ids are new) or a None
             for i, c in enumerate(found):
                 if c is None:
