@@ -215,8 +215,8 @@ def attribute_intermediate_rewards(spans: Sequence[Span]) -> dict[str, list[floa
 def triplets_df(triplets: Sequence[Triplet], advantages: Optional[dict[Any, float]] = None) -> pd.DataFrame:
     """One row per triplet: ids, turn, reward, step_reward, agent_name, advantage (if given), token counts, text.
 
-    ``advantages`` is keyed by rollout id (one advantage per episode, ``trainer.last_advantages``)
-    or by ``(rollout_id, turn)`` (one per transition, ``trainer.last_turn_advantages``); a
+    ``advantages`` is keyed by rollout id (one advantage per episode, ``algo.last_update.advantages``)
+    or by ``(rollout_id, turn)`` (one per transition, ``algo.last_update.turn_advantages``); a
     ``(rollout_id, turn)`` key wins over the rollout id.
     """
     columns = ["rollout_id", GROUP_ID_KEY, "turn", "reward", "step_reward", "agent_name", "advantage",

@@ -135,3 +135,82 @@ def test_save_and_load_carry_the_step_counter_and_the_rows_into_a_new_algorithm(
     run.feed()
     row = again.step()  # the run goes on from where the checkpoint was
     assert row["step"] == 2 == again.global_step and len(again.metrics) == 2
+
+
+class _Counter(Algorithm):
+    """The smallest algorithm: a step records an empty row (no store, no trainer)."""
+
+    def __init__(self, config):
+        super().__init__(None, None, config)
+
+    def step(self):
+        self.at_boundary("before step")
+        return self.record({})
+
+    def run(self, steps=None):
+        for _ in range(steps or 0):
+            self.step()
+
+    def state_dict(self):
+        return self.run_record()
+
+    def load_state_dict(self, state):
+        self.load_run_record(state)
+
+    def save(self, path):
+        raise NotImplementedError
+
+    def load(self, path, **options):
+        raise NotImplementedError
+
+
+def test_one_channel_the_update_and_one_rule_for_both_configs_edits():
+    """What the trainer's update returns is what the algorithm records (no trainer attributes read), and the edits of
+    either config are found by one rule (ConfigWatch) and logged the same way (issue 51, item 3)."""
+    from dataclasses import dataclass
+
+    from lightning_nb.trainers.base import Update
+    from lightning_nb.trainers.edits import ConfigWatch
+
+    @dataclass
+    class Config:
+        steps: int = 1
+
+        def validate(self):
+            assert self.steps >= 1
+
+    algo = _Counter(Config())
+    watch = ConfigWatch(algo.config)
+    algo.config.steps = 3  # an edit made while paused
+    trainer_edit = ConfigWatch(GRPOConfig())
+    grpo = GRPOConfig(learning_rate=1e-5)
+    update = Update({"loss": 0.5}, trainer_edit.take(grpo))
+    assert update["loss"] == 0.5 and dict(update) == {"loss": 0.5}  # indexing reads the metrics row
+    row = algo.record(dict(update.metrics), update, watch.take(algo.config))
+    assert row == {"loss": 0.5, "step": 1} and algo.last_update is update
+    assert algo.config_changes == [
+        {"step": 1, "config": "trainer", "field": "learning_rate", "old": 2e-5, "new": 1e-5},
+        {"step": 1, "config": "algorithm", "field": "steps", "old": 1, "new": 3}]
+    assert [c.text for c in update.config_changes] == ["learning_rate 2e-05 → 1e-05"]
+    assert watch.take(algo.config) == [] and not watch.edited(algo.config)  # applied: nothing left
+
+
+def test_the_contract_is_declared_and_the_loop_is_a_component():
+    """Everything the loop, the checkpoint and the widgets read is declared on Algorithm with a type, and the loop is
+    a component (``algo.loop``), not a mixin that probes its host."""
+    from lightning_nb.algorithm.control import LoopControl, LoopStopped, TrainerStopped
+
+    hints = Algorithm.__annotations__  # (the TYPE_CHECKING names stay strings: mypy reads them)
+    for name in ("store", "trainer", "config", "global_step", "metrics", "config_changes", "last_update",
+                 "checkpoint_resources_id", "loop"):
+        assert name in hints, name
+    assert TrainerStopped is LoopStopped and LoopControl not in Algorithm.__mro__
+
+    class Config:
+        def validate(self):
+            pass
+
+    algo = _Counter(Config())
+    assert isinstance(algo.loop, LoopControl) and algo.state == "idle" and algo.global_step == 0
+    algo.start(steps=3)
+    assert algo.wait(timeout=30) and algo.global_step == 3 and algo.state == "finished"

@@ -176,7 +176,8 @@ def test_a_winner_is_published_only_if_it_beats_the_start_on_held_out_by_more_th
     assert target.resources["system_prompt"] == best.start and target.version == 2  # rewritten: the latest again
     assert store.get_latest_resources().resources_id == "margin" and apo.published[-1]["candidate_id"] == "c0"
     apo.config.publish_margin = 0.05  # the same measured gain, the default margin: run() now publishes the winner
-    apo.run(rounds=0)
+    with pytest.warns(DeprecationWarning, match=r"run\(steps=\.\.\.\)"):  # the contract's name; rounds= warns
+        apo.run(rounds=0)
     target = store.get_resources_by_id("margin")
     assert target.resources["system_prompt"] == best.winner and target.version == 3
     assert apo.published[-1]["candidate_id"] == "c1" and "APO keeps the winner" in str(apo.best())
@@ -283,6 +284,8 @@ def test_a_pause_parks_at_a_round_boundary_and_save_load_round_trips(finished_ru
     (tmp_path / "other.json").write_text("{}")
     with pytest.raises(ConfigError, match="not an APO save file"):
         copy.load(tmp_path / "other.json")
+    with pytest.raises(ConfigError, match=r"APO.load\(\) takes no options.*resume_mode"):  # the contract's **options
+        copy.load(path, resume_mode="auto")
 
 
 def test_bad_input_is_refused_with_the_field_named(calc_store, engine):

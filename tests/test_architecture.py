@@ -3,6 +3,8 @@
 These are the properties of issue 28 that a later change could silently undo, so CI checks them:
 
 * the layers of ``.importlinter`` hold (``lint-imports``: no module imports a layer above its own, no circle);
+* mypy finds no error in the contracts' packages (``lightning_nb/algorithm``, ``trainers``, ``store``:
+  ``[tool.mypy]`` of pyproject.toml);
 * no module over 600 lines and no function over 60 lines of code in ``lightning_nb/`` and ``widgets/``;
 * no module but ``semconv.py`` writes a span attribute key (any of them), a distinctive span name, or a key's
   name from before the naming rule as a string literal;
@@ -66,6 +68,15 @@ def test_the_import_layers_hold():
     assert lint.exists(), f"import-linter is not installed next to {sys.executable} (pip install -e '.[dev]')"
     run = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"lint-imports found broken contracts:\n{run.stdout}\n{run.stderr}"
+
+
+def test_mypy_finds_no_error_in_the_contracts(tmp_path):
+    """``python -m mypy`` over ``[tool.mypy] files`` (the algorithm, trainers and store packages): 0 errors, so an
+    attribute a contract reads and nobody declares fails here (issue 51)."""
+    run = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "mypy")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert "No module named mypy" not in run.stderr, "mypy is not installed (pip install -e '.[dev]')"
+    assert run.returncode == 0, f"mypy found errors:\n{run.stdout}\n{run.stderr}"
 
 
 def test_no_module_or_function_is_too_long():

@@ -210,7 +210,9 @@ def test_a_trainer_only_updates_weights(make_trainer):
     for name in ("start", "pause", "resume", "stop", "wait", "progress", "state", "running", "save", "load",
                  "metrics", "metrics_df", "add_metrics", "config_changes", "algorithm", "attach"):
         assert not hasattr(trainer, name), name
-    assert trainer.updates_applied == 0 and trainer.last_metrics == {} and trainer.last_config_changes == []
+    assert trainer.updates_applied == 0
+    with pytest.warns(DeprecationWarning, match=r"algo\.last_update"):  # the record of updates is the algorithm's
+        assert trainer.last_metrics == {} and trainer.last_config_changes == []
     trainer.config.learning_rate = -1.0  # check_config (what the algorithm's resume() calls) refuses a bad edit
     with pytest.raises(ValueError, match="learning_rate"):
         trainer.check_config()
@@ -239,7 +241,7 @@ class _Minimal(Trainer):
     """The contract's base alone (no engine): what earlier versions' names do on any trainer."""
 
     def __init__(self):
-        self._init_trainer(engine=None, config=None)
+        super().__init__(engine=None, config=None)
 
     def update(self, triplets, *, on_progress=None):
         self.updates_applied += 1

@@ -10,7 +10,7 @@ import pytest
 
 from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy, start_runners
 from lightning_nb.tasks.calc import calc_agent, load_tasks
-from lightning_nb.algorithm.checkpoint import RunCheckpoint
+from lightning_nb.algorithm.checkpoint import load_run, save_run
 from lightning_nb.algorithm.base import Algorithm
 from lightning_nb.algorithm.control import LoopProgress
 from lightning_nb.errors import ConfigError, LightningNbError, WaitWarning
@@ -60,7 +60,14 @@ def test_pause_returns_only_at_a_step_boundary_under_load(engine, pristine):
         proxy.stop()
 
 
-class _Sleeper(RunCheckpoint, Algorithm):
+class _NoConfig:
+    """A config with nothing to check."""
+
+    def validate(self):
+        pass
+
+
+class _Sleeper(Algorithm):
     """An algorithm whose steps only reach one boundary and sleep: the control surface alone (the loop, the step
     counter and the run's checkpoint belong to the algorithm, as in LightningRL).
 
@@ -69,11 +76,21 @@ class _Sleeper(RunCheckpoint, Algorithm):
     then records its row (``global_step += 1``).
     """
 
-    config = None
-
     def __init__(self, trainer, boundary: str, sleep_s: float, units: int = 0):
+        super().__init__(None, trainer, _NoConfig())
         self.boundary, self.sleep_s, self.units = boundary, sleep_s, units
-        self._init_algorithm(None, trainer)
+
+    def state_dict(self):
+        return self.run_record()
+
+    def load_state_dict(self, state):
+        self.load_run_record(state)
+
+    def save(self, path):
+        return save_run(self, path)
+
+    def load(self, path, **options):
+        load_run(self, path, **options)
 
     def run(self, steps):
         for _ in range(steps):
@@ -162,10 +179,12 @@ from lightning_nb import GRPOConfig, GRPOTrainer, TransformersEngine
 from lightning_nb.algorithm import Algorithm
 engine = TransformersEngine.from_default()
 trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+class NoConfig:
+    def validate(self):
+        pass
 class Sleeper(Algorithm):
-    config = None
     def __init__(self):
-        self._init_algorithm(None, trainer)
+        super().__init__(None, trainer, NoConfig())
     def run(self, steps):
         for _ in range(steps):
             self.step()

@@ -43,6 +43,7 @@ import logging
 import math
 import random
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -51,8 +52,8 @@ from lightning_nb import semconv
 from lightning_nb.algorithm.apo_config import APOConfig, BestPrompt, Candidate, proposer_endpoint
 from lightning_nb.algorithm.apo_prompts import candidate_text, failures_text, not_a_prompt, variables_text
 from lightning_nb.algorithm.base import Algorithm
-from lightning_nb.algorithm.control import TrainerStopped
-from lightning_nb.algorithm.lightning_rl import task_key
+from lightning_nb.algorithm.control import LoopStopped
+from lightning_nb.algorithm.rl_config import task_key
 from lightning_nb.errors import ConfigError, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import reward_or_zero
@@ -98,8 +99,8 @@ class APO(Algorithm):
                  id_key: str = "id") -> None:
         if not train_tasks:
             raise ConfigError("train_tasks is empty; load some with lightning_nb.tasks.calc.load_tasks('train')")
-        self._init_algorithm(store, None)  # no trainer: APO tunes a prompt, not weights; a step is a round
-        self.config, self.id_key = config or APOConfig(), id_key
+        super().__init__(store, None, config or APOConfig())  # no trainer: APO tunes a prompt; a step is a round
+        self.id_key = id_key
         self.train_tasks, self.val_tasks = list(train_tasks), list(val_tasks)
         if self.config.publish and not self.val_tasks:
             raise ConfigError("APOConfig.publish=True needs val_tasks: the winner is published only if it beats the "
@@ -143,38 +144,46 @@ class APO(Algorithm):
         return latest
 
     # ----- the loop's verbs (a round is a step) ----------------------------------------------
-    def start(self, steps: Optional[int] = None) -> "APO":
-        """Run :meth:`run` (``steps`` rounds, default ``config.rounds``) in a background thread; returns at once.
+    store: LightningStore
+    config: APOConfig
 
-        Raises:
-            LightningNbError: this APO's loop is still running.
-        """
-        super().start(self.config.rounds if steps is None else steps)
-        return self
+    def default_steps(self) -> int:
+        """``config.rounds``: the rounds :meth:`start` and :meth:`run` take by default."""
+        return self.config.rounds
 
-    def _rollout_share(self) -> float:
+    def rollout_share(self) -> float:
+        """0.5: a round's rollouts and its critic and editor calls weigh the same on ``wait()``'s bar."""
         return 0.5
-
-    def _check_before_resume(self) -> None:
-        self.config.validate()
 
     def stall_advice(self) -> str:
         """What ``wait()`` says after a stall: while proposing, the critic's and the editor's LLM calls; else the
-        default (rollouts no runner takes, a pause: :meth:`BackgroundLoop.stall_advice`)."""
+        default (rollouts no runner takes, a pause: :meth:`~lightning_nb.algorithm.base.Algorithm.stall_advice`)."""
         if self.progress.phase == "propose":
             return ("The critic and the editor LLM calls run (a minute or more each for a small model on a CPU); "
                     "apo.calls_df() lists those done, with their errors.")
         return super().stall_advice()
 
-    def run(self, rounds: Optional[int] = None) -> None:
-        """Run ``rounds`` rounds (default ``config.rounds``), then, with ``val_tasks``, evaluate the start and the
+    def run(self, steps: Optional[int] = None, *, rounds: Optional[int] = None) -> None:
+        """Run ``steps`` rounds (default ``config.rounds``), then, with ``val_tasks``, evaluate the start and the
         winner on them (:meth:`best`, logged) and, with ``config.publish``, publish the winner only if it beat the
         start by more than ``config.publish_margin``; else the start stays (:meth:`publish` writes the target set
         again unchanged, only so that it is the store's latest set again). Ends early when stopped.
+
+        ``rounds=`` is the name of earlier versions (a DeprecationWarning; use ``steps``).
+
+        Raises:
+            LoopStopped: :meth:`stop` was called.
+            TypeError: both ``steps`` and ``rounds`` are given.
         """
-        for _ in range(self.config.rounds if rounds is None else rounds):
+        if rounds is not None:
+            if steps is not None:
+                raise TypeError("APO.run() takes steps or rounds (its old name), not both")
+            warnings.warn("APO.run(rounds=...) is deprecated: use APO.run(steps=...) (a step is a round)",
+                          DeprecationWarning, stacklevel=2)
+            steps = rounds
+        for _ in range(self.config.rounds if steps is None else steps):
             if self.stop_requested:
-                raise TrainerStopped(f"stopped after round {self.round}")
+                raise LoopStopped(f"stopped after round {self.round}")
             self.step()
         self.at_boundary("before held-out evaluation")
         if not self.val_tasks:
@@ -267,7 +276,7 @@ class APO(Algorithm):
         """Wait until every rollout of ``ids`` is terminal, reporting ``phase`` progress.
 
         Raises:
-            TrainerStopped: :meth:`stop` was called (the rollouts are cancelled).
+            LoopStopped: :meth:`stop` was called (the rollouts are cancelled).
             LightningNbError: none left the queue within ``config.start_timeout_s`` (no runners; cancelled).
         """
         def report(done: int, total: int) -> None:
@@ -280,7 +289,7 @@ class APO(Algorithm):
     # ----- the proposer ----------------------------------------------------------------------
     def _failures(self, cand: Candidate, keys: list[str]) -> list[dict[str, Any]]:
         """``cand``'s failed episodes on ``keys`` (at most ``config.max_failures``), read from the store."""
-        out = []
+        out: list[dict[str, Any]] = []
         for key in keys:
             if len(out) >= self.config.max_failures:
                 break
@@ -375,7 +384,8 @@ class APO(Algorithm):
         client = openai.OpenAI(base_url=llm.endpoint, api_key=llm.api_key, max_retries=0,
                                timeout=self.config.proposer_timeout_s)
         try:
-            reply = client.chat.completions.create(model=llm.model, messages=messages, n=n, **sampling)
+            reply = client.chat.completions.create(model=llm.model, n=n, **sampling,
+                                                   messages=messages)  # type: ignore[arg-type]  # role/content dicts
             texts = [c.message.content or "" for c in sorted(reply.choices, key=lambda c: c.index)]
         except openai.OpenAIError as exc:
             self._record(r, role, parent, llm, messages, time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}")
@@ -408,7 +418,7 @@ class APO(Algorithm):
 
         Raises:
             ConfigError: no tasks (no ``val_tasks`` and none given); ``prompt`` is an unknown candidate id.
-            TrainerStopped: the loop was stopped meanwhile (the rollouts are cancelled).
+            LoopStopped: the loop was stopped meanwhile (the rollouts are cancelled).
         """
         tasks = list(self.val_tasks if tasks is None else tasks)
         if not tasks:
@@ -446,7 +456,7 @@ class APO(Algorithm):
 
         Raises:
             ConfigError: APO was built without ``val_tasks``; ``prompt`` is an unknown candidate id.
-            TrainerStopped: the loop was stopped meanwhile (the rollouts are cancelled).
+            LoopStopped: the loop was stopped meanwhile (the rollouts are cancelled).
         """
         if not self.val_tasks:
             raise ConfigError("best() scores the start and the winner on val_tasks, and this APO has none: "
@@ -479,7 +489,8 @@ class APO(Algorithm):
         """
         cand = self._as_candidate(prompt) if prompt is not None else self.candidates[self.best().candidate_id]
         target, latest = self.store.get_resources_by_id(self.resources_id), self.store.get_latest_resources()
-        if target.resources.get(self.config.prompt_name) == cand.template and latest.resources_id == self.resources_id:
+        if target.resources.get(self.config.prompt_name) == cand.template and latest is not None \
+                and latest.resources_id == self.resources_id:
             return target  # already published and the latest: nothing to write
         current = target.resources
         update = self.store.add_resources({**current, self.config.prompt_name: cand.template},
@@ -524,16 +535,20 @@ class APO(Algorithm):
         tmp.replace(path)
         return path
 
-    def load(self, path: str | Path) -> None:
+    def load(self, path: str | Path, **options: Any) -> None:
         """Restore a :meth:`save` file: the beam, every candidate with its rewards, the history and the task
         sampler. The config is this APO's (edits are yours); ``resources_id`` stays this APO's target. Loaded
         into another store, candidates get their resources sets again when next run, and episodes of the old
-        store are not shown to the critic (their rewards still count).
+        store are not shown to the critic (their rewards still count). ``options``: the contract's
+        (``Algorithm.load``); APO's JSON file takes none.
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
-            ConfigError: not an APO save file; the loop is running.
+            ConfigError: not an APO save file; the loop is running; ``options`` were given.
         """
+        if options:
+            raise ConfigError(f"APO.load() takes no options (APO has no trainer whose layout would read them), got "
+                              f"{sorted(options)}")
         if self.running:
             raise ConfigError("APO.load(): the loop is running; stop() or wait() first")
         state = json.loads(Path(path).read_text())

@@ -7,112 +7,41 @@ times (one group id, under the adapter's ``group_key``), waits for the runners,
 adapts the spans with :class:`~lightning_nb.adapter.TripletAdapter` and calls the
 trainer's ``update`` (:class:`~lightning_nb.trainers.base.Trainer`). It owns the run
 (:class:`~lightning_nb.algorithm.base.Algorithm`): the background thread and its step boundaries
-(:class:`~lightning_nb.algorithm.control.BackgroundLoop`), the step counter and metrics rows, and the
-run's checkpoint (:class:`~lightning_nb.algorithm.checkpoint.RunCheckpoint`).
+(:class:`~lightning_nb.algorithm.control.LoopControl`), the step counter and metrics rows, and the
+run's checkpoint (:func:`~lightning_nb.algorithm.checkpoint.save_run`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import random
 import time
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union, overload
 
 from lightning_nb.adapter import TripletAdapter
-from lightning_nb.algorithm.base import Algorithm
-from lightning_nb.algorithm.checkpoint import RunCheckpoint
-from lightning_nb.algorithm.control import TrainerStopped, config_edits
+from lightning_nb.algorithm.checkpoint import load_run, save_run
+from lightning_nb.algorithm.control import LoopStopped
+from lightning_nb.algorithm.rewards_branches import RewardAndBranches, reward_name
+from lightning_nb.algorithm.rl_config import AlgorithmConfig, task_key
 from lightning_nb.algorithm.slice_report import SliceReport
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.loggers import MetricLogger, make_loggers
-from lightning_nb.algorithm.rewards_branches import RewardAndBranches, reward_name
 from lightning_nb.replay.branching import BranchConfig
 from lightning_nb.replay.rescoring import RewardFn
 from lightning_nb.slices import Slicer, ordered_labels, slice_keys, slice_labels, slicer_name
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import reward_or_zero
 from lightning_nb.trainers.base import Trainer
+from lightning_nb.trainers.edits import ConfigChange, ConfigWatch
 from lightning_nb.trainers.checkpoint import rng_state
 from lightning_nb.types import SAMPLING_PARAMETERS_KEY, RolloutConfig
 
 __all__ = ["AlgorithmConfig", "LightningRL", "SliceReport", "task_key"]
 
 
-def task_key(task: Any, id_key: str = "id") -> str:
-    """The key that names ``task``'s GRPO group: ``str(task[id_key])`` when the task is a mapping with that
-    field, else a hash of its content.
-
-    The hash is the first 12 hex digits of the SHA-1 of ``json.dumps(task, sort_keys=True, default=repr)``:
-    equal tasks get the same key in every process and run (two dicts with the same fields, whatever their
-    key order), different ones different keys. Values JSON cannot encode are hashed by their ``repr()``,
-    so a task object whose ``repr`` shows its memory address (no ``__repr__`` of its own) gets a key
-    that changes between runs: give such tasks an ``id`` field.
-    """
-    if isinstance(task, Mapping) and id_key in task:
-        return str(task[id_key])
-    body = dict(task) if isinstance(task, Mapping) else task
-    return hashlib.sha1(json.dumps(body, sort_keys=True, default=repr).encode()).hexdigest()[:12]
-
-
-@dataclass
-class AlgorithmConfig:
-    """Sampling and scheduling of the RL loop. Validated on construction."""
-
-    steps: int = field(default=10, metadata={"help": "Training steps run() performs by default."})
-    tasks_per_step: int = field(default=4, metadata={
-        "help": "Distinct training tasks per step, drawn without replacement (tasks with one task_key are one task, "
-                "one GRPO group); a dynamic-sampling round draws tasks the step has not run yet first, earlier "
-                "ones again (a new group each) only once every task ran. At most the number of distinct training "
-                "tasks: a step with more is a ConfigError before it enqueues."})
-    group_size: int = field(default=4, metadata={"help": "Rollouts per task (the GRPO group)."})
-    temperature: float = field(default=0.7, metadata={
-        "help": "Sampling temperature of training rollouts (SmolLM2-135M at 1.0 solves ~6% of train tasks, "
-                "at 0.7 ~20%, greedy ~40%: 0.7 keeps both signal and exploration)."})
-    max_tokens: int = field(default=48, metadata={"help": "Completion token limit per LLM call."})
-    val_every: int = field(default=0, metadata={"help": "Evaluate on val every N steps (0: only when asked)."})
-    rollout_timeout_s: float = field(default=300.0, metadata={"help": "Per-attempt timeout in seconds."})
-    max_attempts: int = field(default=1, metadata={"help": "Attempts per rollout before it is marked failed."})
-    seed: int = field(default=0, metadata={"help": "Seed of the task sampler."})
-    dynamic_sampling: bool = field(default=True, metadata={
-        "help": "DAPO dynamic sampling: when a group's rewards are all equal (no GRPO signal), sample more "
-                "tasks until tasks_per_step groups carry signal or max_sample_rounds is reached."})
-    max_sample_rounds: int = field(default=3, metadata={
-        "help": "Upper bound on collection rounds per step with dynamic_sampling (DAPO's max_num_gen_batches)."})
-    slice_weights: Optional[dict[str, float]] = field(default=None, metadata={
-        "help": "Sampling weight of training tasks per slice, {label: weight} with the labels of LightningRL's "
-                "slice_by (e.g. {'ops=2': 3.0}: a two-operation task is drawn 3x as often as another); slices not "
-                "listed weigh 1. None: every task equally likely. Needs slice_by; a label no training task has "
-                "is refused."})
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ConfigError naming the first field out of range (also run by ``algo.resume()``)."""
-        for name in ("steps", "tasks_per_step", "group_size", "max_tokens", "max_attempts", "max_sample_rounds"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"AlgorithmConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.group_size < 2:
-            raise ConfigError("AlgorithmConfig.group_size must be >= 2: GRPO compares rollouts within a group")
-        if not 0 < self.temperature <= 5:
-            raise ConfigError(f"AlgorithmConfig.temperature must be in (0, 5], got {self.temperature}")
-        if self.val_every < 0 or self.rollout_timeout_s <= 0:
-            raise ConfigError("AlgorithmConfig.val_every must be >= 0 and rollout_timeout_s > 0")
-        if self.slice_weights is not None:
-            if not isinstance(self.slice_weights, dict):
-                raise ConfigError("AlgorithmConfig.slice_weights must be a dict {slice label: weight} such as "
-                                  f"{{'ops=2': 3.0}}, or None; got {type(self.slice_weights).__name__}")
-            for label, w in self.slice_weights.items():
-                if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
-                    raise ConfigError(f"AlgorithmConfig.slice_weights[{label!r}] must be a finite number >= 0, "
-                                      f"got {w!r}")
-
-
-class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
+class LightningRL(RewardAndBranches):
     """Drive GRPO training of ``trainer`` on ``train_tasks`` through ``store``; own the loop and its checkpoints.
 
     ``start(steps)`` runs :meth:`run` in a background thread that ``pause()`` parks at a step
@@ -173,14 +102,14 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
         if slice_by is not None:
             slice_keys(list(val_tasks), slice_by)  # a bad field or function fails here, not after a step
         self.slice_by = slice_by
+        super().__init__(store, trainer, config or AlgorithmConfig())
         self.last_report: Optional[SliceReport] = None  # the latest evaluate(by=...) result
-        self._init_algorithm(store, trainer)
         self.train_tasks, self.val_tasks = list(train_tasks), list(val_tasks)
-        self.config = config or AlgorithmConfig()
         self.adapter = adapter or TripletAdapter()
         self.id_key = id_key
         self.on_step = on_step
-        self.group_judge, self.last_judge = group_judge, {}  # last_judge: the step's judge counts
+        self.group_judge = group_judge
+        self.last_judge: dict[str, int] = {}  # the step's judge counts
         judge_key = getattr(group_judge, "group_key", self.adapter.group_key)
         if judge_key != self.adapter.group_key:
             raise ConfigError(f"group_judge reads the GRPO group from rollout metadata key {judge_key!r} but the "
@@ -194,7 +123,7 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
         self.last_sample_rounds = 0
         self.last_groups_with_signal = 0
         self.last_skipped: dict[str, int] = {}
-        self._applied_config = asdict(self.config)
+        self.config_watch = ConfigWatch(self.config)  # what the last step applied of the config
         self._train_labels: Optional[list[str]] = None
         self._train_keys: Optional[list[str]] = None
         self._weights: tuple[Any, Optional[list[float]]] = (None, None)
@@ -202,17 +131,23 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
             raise ConfigError(f"LightningRL(branch=...) is a {type(branch).__name__}; pass a "
                               "BranchConfig(parents=2, n=4) or None")
         self.branch = branch
-        self.last_branch: dict[str, Any] = {}  # the step's branch-group counts (with branch)
-        self.reward_fn: Optional[RewardFn] = None  # set_reward(): the reward from the next step on
-        self._reward_applied: Optional[str] = None  # the name of the reward function the last step used
-        self._rescored: dict[str, float] = {}  # the step's rollouts' rewards under reward_fn
+        self.last_branch = {}  # the step's branch-group counts (with branch)
+        self.reward_fn = None  # set_reward(): the reward from the next step on
+        self._reward_applied = None  # the name of the reward function the last step used
+        self._rescored = {}  # the step's rollouts' rewards under reward_fn
         self._task_weights()  # a bad slice_weights fails here
         self.loggers = make_loggers(loggers, config=self._logged_config()) if loggers else []
 
-    def _check_before_resume(self) -> None:
+    config: AlgorithmConfig
+    trainer: Trainer
+
+    def default_steps(self) -> int:
+        """``config.steps``: what :meth:`start` and :meth:`run` take by default."""
+        return self.config.steps
+
+    def check_before_resume(self) -> None:
         """``resume()`` first checks the edits of both configs made while paused (ConfigError if invalid)."""
-        self.trainer.check_config()
-        self.config.validate()
+        super().check_before_resume()
         self._check_tasks_per_step()
 
     def _check_tasks_per_step(self) -> None:
@@ -266,7 +201,7 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
         Fewer only where the weights leave too few tasks."""
         keys = self._task_keys()
         seen: set[str] = set()
-        distinct = [i for i, k in enumerate(keys) if not (k in seen or seen.add(k))]
+        distinct = [i for i, k in enumerate(keys) if not (k in seen or seen.add(k))]  # type: ignore[func-returns-value]
         picked = self._draw_from([i for i in distinct if keys[i] not in taken], n)
         if len(picked) < n:  # every task already ran in this step (a dynamic-sampling round): draw them again
             chosen = set(picked)
@@ -305,7 +240,7 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
         ``max_sample_rounds`` rounds, until ``tasks_per_step`` groups carry signal. Unlike
         DAPO the groups without signal are still returned: the trainer skips them, but they
         count in the step's mean train reward. Between rounds the loop passes a step
-        boundary (:meth:`BackgroundLoop.at_boundary`), where a pause parks it. Adapter skips of
+        boundary (:meth:`~lightning_nb.algorithm.base.Algorithm.at_boundary`), where a pause parks it. Adapter skips of
         every round are summed in :attr:`last_skipped`.
         """
         cfg = self.config
@@ -344,7 +279,7 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
 
     def _reporter(self, phase: str, step: int, n: int, before: int = 0) -> Callable[[int, int], None]:
         """The ``on_progress`` of :meth:`wait_for` that reports ``phase`` of ``step`` to the loop
-        (:meth:`BackgroundLoop.report_progress`), ``before`` finished rollouts counted ahead of the ``n`` waited
+        (:meth:`~lightning_nb.algorithm.base.Algorithm.report_progress`), ``before`` finished rollouts counted ahead of the ``n`` waited
         for (earlier sample rounds of the step); reports 0 of ``n`` at once."""
         def report(finished: int, total: int) -> None:
             self.report_progress(phase, before + finished, before + total, unit="rollouts", step=step)
@@ -397,7 +332,7 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
                 field, the first such task's index and its keys); ``by`` raised on a task (the
                 error names the task's index and the exception); ``by`` is neither a str nor
                 callable. Nothing is enqueued then.
-            TrainerStopped: the loop was stopped while waiting (the rollouts are cancelled).
+            LoopStopped: the loop was stopped while waiting (the rollouts are cancelled).
         """
         tasks = list(self.val_tasks if tasks is None else tasks)
         if not tasks:
@@ -411,7 +346,7 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
         finished = self._finished_rewards(ids)
         rewards = list(finished.values())
         mean = sum(rewards) / len(rewards) if rewards else math.nan
-        if keys is None:
+        if keys is None or by is None:
             return mean
         per: dict[str, list[float]] = {label: [] for label in ordered_labels(keys)}
         for rid, (_, label) in zip(ids, keys):
@@ -423,22 +358,21 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
                                        solved=sum(1 for x in rewards if x == 1.0), slices=slices)
         return self.last_report
 
-    def _config_edits(self) -> list[tuple[str, Any, Any, str]]:
-        """Edits of :attr:`config` since the last step, ``(field, old, new, text)`` (validated first)."""
+    def _config_edits(self) -> list[ConfigChange]:
+        """Edits of :attr:`config` since the last step (validated first), and of the reward function
+        (:meth:`set_reward`: field ``"reward"``)."""
         self.config.validate()
         self._task_weights()
-        now = asdict(self.config)
-        edits = config_edits(self._applied_config, now)
-        self._applied_config = now
+        edits = self.config_watch.take(self.config)
         name = reward_name(self.reward_fn)
         if name != self._reward_applied:
-            edits.append(("reward", self._reward_applied, name,
-                          f"reward {self._reward_applied or 'the agent'!s} → {name or 'the agent'!s}"))
+            edits.append(ConfigChange("reward", self._reward_applied, name))
             self._reward_applied = name
         return edits
 
     def step(self, progress: bool = True) -> dict[str, Any]:
-        """One full step: collect → update (→ evaluate when due). Returns the metrics row.
+        """One full step: collect → update (→ evaluate when due). Returns the metrics row (the trainer's
+        :class:`~lightning_nb.trainers.base.Update` is kept as :attr:`last_update`).
 
         ``progress`` (default True): a tqdm.auto bar of the step's phase while it runs (its rollouts, then
         the update's micro-batches, then the evaluation when due), for a step run from a cell; :meth:`run`
@@ -487,11 +421,10 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
                 "inspect store.attempts_df() for agent errors")
         self.at_boundary("before update")
         self._step_start = None  # from here on the weights change: a checkpoint is of this step
-        metrics = self.trainer.update(triplets, on_progress=self._update_reporter())
-        row = self.record(dict(metrics))  # global_step + 1: the step's row, completed below
+        update = self.trainer.update(triplets, on_progress=self._update_reporter())
+        metrics = update.metrics
+        row = self.record(dict(metrics), update, edits)  # global_step + 1: the step's row, completed below
         step = row["step"]
-        self.config_changes.extend({"step": step, "config": "algorithm", "field": k, "old": old, "new": new}
-                                   for k, old, new, _ in edits)
         rollouts = self.store.query_rollouts(rollout_ids=ids)
         finished = self._finished_rewards(ids)
         rewards = [self._rescored.get(rid, r) for rid, r in finished.items()]  # set_reward's, else the agent's
@@ -509,7 +442,7 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
             extra["reward_recorded_mean"] = sum(recorded) / len(recorded) if recorded else math.nan
         if edits:
             extra["config_changes"] = "; ".join(filter(None, [metrics.get("config_changes", ""),
-                                                              *(text for *_, text in edits)]))
+                                                              *(_edit_text(c) for c in edits)]))
         if self.config.val_every and step % self.config.val_every == 0 and self.val_tasks:
             self.at_boundary("before evaluate")
             if self.slice_by is None:
@@ -548,7 +481,7 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
     # ----- experiment loggers ------------------------------------------------------------
     def _logged_config(self) -> dict[str, Any]:
         """Both configs, flat (``algorithm.<field>``, ``trainer.<field>``): the loggers' run config."""
-        trainer_config = getattr(self.trainer, "config", None)
+        trainer_config = self.trainer.config
         trainer_fields = asdict(trainer_config) if is_dataclass(trainer_config) else {}
         return {**{f"algorithm.{k}": v for k, v in asdict(self.config).items()},
                 **{f"trainer.{k}": v for k, v in trainer_fields.items()}}
@@ -573,10 +506,10 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
         try:
             for _ in range(n):
                 if self.stop_requested:
-                    raise TrainerStopped(f"stopped at step {self.global_step}")
+                    raise LoopStopped(f"stopped at step {self.global_step}")
                 self.step(progress=False)
         except BaseException as exc:
-            self.close_loggers("stopped" if isinstance(exc, TrainerStopped) else "failed")
+            self.close_loggers("stopped" if isinstance(exc, LoopStopped) else "failed")
             raise
         for logger in self.loggers:
             logger.flush()
@@ -592,3 +525,61 @@ class LightningRL(RewardAndBranches, RunCheckpoint, Algorithm):
         from lightning_nb.algorithm.preflight import preflight  # on use: it imports the runner modules
 
         return preflight(self, n_tasks, **options)
+
+    # ----- the run's checkpoint --------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs from the algorithm: the step counter, metrics rows and config log
+        (``run_record()``), the task sampler's RNG state, ``val_history``, the config and the name of the reward
+        function the last step trained on (``"reward_fn"``; None: the agent's reward)."""
+        return {**self.run_record(), "rng": self._rng.getstate(), "val_history": [list(v) for v in self.val_history],
+                "config": asdict(self.config), "reward_fn": self._reward_applied}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the config is not changed: edits since are yours); warns when the saved run
+        trained on a reward function other than the one set now (:meth:`set_reward`)."""
+        self.load_run_record(state)
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        self.val_history = [(int(s), float(v)) for s, v in state["val_history"]]
+        self._step_start = None
+        self.restore_reward_name(state.get("reward_fn"))
+
+    def checkpoint_state(self) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+        """``(state_dict, global RNG states or None)`` for a checkpoint of the last step whose update ran.
+
+        Inside a step that has not begun its update (the loop paused ``between sample rounds`` or
+        ``before update``, or a step that raised before its update) that is the state at the step's
+        start, with the torch, numpy and Python RNG states of that moment
+        (:func:`lightning_nb.trainers.checkpoint.rng_state`): the step has drawn its tasks and sampled, but its
+        weights are those of the step before, so a run continued from the checkpoint redoes the step
+        from its start, as the uninterrupted run did. Otherwise ``(state_dict(), None)``.
+        """
+        if self._step_start is not None:
+            return self._step_start
+        return self.state_dict(), None
+
+    def save(self, path: str | Path) -> Path:
+        """Write the run's checkpoint (:func:`~lightning_nb.algorithm.checkpoint.save_run`: the trainer's state, this
+        algorithm's, the RNG states) to ``path``; returns what was written.
+
+        Raises:
+            ConfigError: the loop is paused ``before evaluate``: resume and save at the next pause.
+        """
+        return save_run(self, path)
+
+    def load(self, path: str | Path, *, keep_config: bool = False, **options: Any) -> None:
+        """Continue from a :meth:`save` checkpoint (:func:`~lightning_nb.algorithm.checkpoint.load_run`);
+        ``keep_config`` keeps the trainer's config, ``options`` are the trainer layout's (VerlTrainer: ``resume_mode``).
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            ConfigError: the loop runs; not a checkpoint of this format or of this model.
+        """
+        load_run(self, path, keep_config=keep_config, **options)
+
+
+def _edit_text(change: ConfigChange) -> str:
+    """The step row's text of an edit: ``"learning_rate 2e-05 → 1e-05"``; a reward function by its name."""
+    if change.field == "reward":
+        return f"reward {change.old or 'the agent'!s} → {change.new or 'the agent'!s}"
+    return change.text

@@ -141,7 +141,7 @@ def preflight(algo: "LightningRL", n_tasks: Optional[int] = None, *, strict: boo
         progress: show a tqdm.auto bar of finished rollouts.
 
     Raises:
-        TrainerStopped: the loop was stopped while waiting (the rollouts are cancelled).
+        LoopStopped: the loop was stopped while waiting (the rollouts are cancelled).
     """
     t0 = time.perf_counter()
     report = PreflightReport()

@@ -1,18 +1,29 @@
 """What :class:`~lightning_nb.algorithm.lightning_rl.LightningRL` adds from :mod:`lightning_nb.replay`: a reward
 function set from a cell (:meth:`RewardAndBranches.set_reward`) and branch groups in every step
-(:class:`~lightning_nb.replay.branching.BranchConfig`). A mixin: it reads the algorithm's ``store``, ``trainer``,
-``adapter``, ``branch``, ``_rng``, ``state``, ``wait_for``, ``_reporter`` and ``_finished_rewards``.
+(:class:`~lightning_nb.replay.branching.BranchConfig`). :class:`RewardAndBranches` is the algorithm class
+LightningRL derives from; it declares what it reads of LightningRL (``adapter``, ``branch``, the task sampler's
+``_rng``, ``_reporter`` and ``_finished_rewards``).
 """
 
 from __future__ import annotations
 
+import abc
 import math
+import random
 import warnings
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from lightning_nb.algorithm.base import Algorithm
 from lightning_nb.errors import ConfigError
 from lightning_nb.replay.branching import draw_branch_points, enqueue_branches
 from lightning_nb.replay.rescoring import RewardFn, rescore, score
+
+if TYPE_CHECKING:
+    from lightning_nb.adapter import TripletAdapter
+    from lightning_nb.replay.branching import BranchConfig
+    from lightning_nb.store.base import LightningStore
+    from lightning_nb.trainers.base import Trainer
+    from lightning_nb.types import Triplet
 
 __all__ = ["RewardAndBranches", "reward_name"]
 
@@ -25,19 +36,33 @@ def reward_name(fn: Any) -> Optional[str]:
     return f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', type(inner).__name__)}"
 
 
-class RewardAndBranches:
-    """:meth:`set_reward` and the step's branch groups (see the module docstring)."""
+class RewardAndBranches(Algorithm):
+    """:meth:`set_reward` and the step's branch groups of a trainer-based algorithm (see the module docstring)."""
 
+    store: "LightningStore"
+    trainer: "Trainer"
+    adapter: "TripletAdapter"
+    branch: "Optional[BranchConfig]"
+    _rng: random.Random
     reward_fn: Optional[RewardFn]
-    _reward_applied: Optional[str]
-    _rescored: dict[str, float]
+    _reward_applied: Optional[str]  # the name of the reward function the last step used
+    _rescored: dict[str, float]  # the step's rollouts' rewards under reward_fn
     last_branch: dict[str, Any]
 
-    def _collect_branches(self, ids: Sequence[str]) -> list:
+    @abc.abstractmethod
+    def _reporter(self, phase: str, step: int, n: int, before: int = 0) -> Callable[[int, int], None]:
+        """The ``on_progress`` of :meth:`wait_for` that reports ``phase`` of ``step``."""
+
+    @abc.abstractmethod
+    def _finished_rewards(self, rollout_ids: Sequence[str]) -> dict[str, float]:
+        """Final rewards of the finished rollouts of ``rollout_ids``, keyed by rollout id."""
+
+    def _collect_branches(self, ids: Sequence[str]) -> "list[Triplet]":
         """Enqueue and wait for :attr:`branch`'s groups of the step's episodes ``ids``; their triplets (under
         :attr:`reward_fn` when set). Sets :attr:`last_branch`: branch_groups, branch_groups_with_signal,
         branch_rollouts, branch_reward_mean."""
         cfg = self.branch
+        assert cfg is not None, "called with branch set only"
         points = draw_branch_points(self.store.episodes(list(ids)), cfg, self._rng)
         branch_ids: list[str] = []
         for rid, k in points:
@@ -83,27 +108,21 @@ class RewardAndBranches:
                               "or None for the agent's own reward")
         self.reward_fn = reward_fn
 
-    def state_dict(self) -> dict[str, Any]:
-        """:class:`~lightning_nb.algorithm.checkpoint.RunCheckpoint`'s state, with the name of the reward function
-        the last step trained on (``"reward_fn"``; None: the agent's reward)."""
-        return {**super().state_dict(), "reward_fn": self._reward_applied}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; warns when the saved run trained on a reward function (:meth:`set_reward`)
-        other than the one set now (functions are not saved)."""
-        state = dict(state)
-        name = state.pop("reward_fn", None)
-        super().load_state_dict(state)
+    def restore_reward_name(self, name: Optional[str]) -> None:
+        """A checkpoint's reward-function name (``state_dict()["reward_fn"]``) becomes the last applied; warns when it
+        names a function other than the one set now (functions are not saved)."""
         self._reward_applied = name
         if name is not None and reward_name(self.reward_fn) != name:
             warnings.warn(f"the checkpoint's run trained on reward function {name} (set_reward); a function is not "
                           f"saved, and {'none' if self.reward_fn is None else reward_name(self.reward_fn)} is set "
                           "now: call algo.set_reward(fn) before resuming to keep it, or the next step logs the change",
-                          stacklevel=2)
+                          stacklevel=4)
 
-    def _apply_reward(self, triplets: list, rollout_ids: Sequence[str]) -> list:
+    def _apply_reward(self, triplets: "list[Triplet]", rollout_ids: Sequence[str]) -> "list[Triplet]":
         """``triplets`` of ``rollout_ids`` under :attr:`reward_fn` (succeeded rollouts; a failed one stays 0)."""
-        rewards = {e.rollout_id: score(self.reward_fn, e)[0]
+        reward_fn = self.reward_fn
+        assert reward_fn is not None, "called with a reward function set only"
+        rewards = {e.rollout_id: score(reward_fn, e)[0]
                    for e in self.store.episodes(list(rollout_ids)) if e.status == "succeeded"}
         self._rescored.update(rewards)
         return rescore(triplets, rewards)

@@ -27,7 +27,7 @@ Groups and baselines: each labelled rollout is compared with something, so one l
 
 :meth:`TrafficLearner.waiting_for` says what the learner waits for (labelled of ``min_labelled``,
 unlabelled, rewards equal to their baselines); ``wait()`` shows it and warns after a stall
-(:meth:`~lightning_nb.algorithm.control.BackgroundLoop.wait`).
+(:meth:`~lightning_nb.algorithm.base.Algorithm.wait`).
 
 Rules: an unlabelled rollout (final reward None) is never trained on; a rollout is used by at most one
 update (also after :meth:`TrafficLearner.undo`, which restores weights but keeps the record); only
@@ -51,9 +51,9 @@ from typing import Any, Callable, Optional, Sequence
 
 from lightning_nb.adapter import TripletAdapter
 from lightning_nb.algorithm.base import Algorithm
-from lightning_nb.algorithm.checkpoint import RunCheckpoint
-from lightning_nb.algorithm.control import TrainerStopped
-from lightning_nb.algorithm.lightning_rl import task_key
+from lightning_nb.algorithm.checkpoint import load_run, save_run
+from lightning_nb.algorithm.control import LoopStopped
+from lightning_nb.algorithm.rl_config import task_key
 from lightning_nb.errors import ConfigError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.trainers.base import Trainer
@@ -114,7 +114,7 @@ class TrafficConfig:
                               f"labels), got {b!r}")
 
 
-class TrafficLearner(RunCheckpoint, Algorithm):
+class TrafficLearner(Algorithm):
     """Train ``trainer`` on labelled traffic from ``store`` while users keep sending it (see the module docstring).
 
     The notebook verbs are every algorithm's (:class:`~lightning_nb.algorithm.base.Algorithm`):
@@ -150,8 +150,8 @@ class TrafficLearner(RunCheckpoint, Algorithm):
             raise ConfigError(f"select must be a function rollout -> bool, got {type(select).__name__}")
         if isinstance(since, bool) or not isinstance(since, (int, float)) or not math.isfinite(since):
             raise ConfigError(f"since must be float seconds since the epoch (0.0: every rollout), got {since!r}")
-        self._init_algorithm(store, trainer)  # metrics: one row per update (updates_df() shows its columns)
-        self.config = config or TrafficConfig()
+        # metrics: one row per update (updates_df() shows its columns)
+        super().__init__(store, trainer, config or TrafficConfig())
         self.select = select or is_traffic
         self.adapter = adapter or TripletAdapter()
         self.id_key = id_key
@@ -165,7 +165,10 @@ class TrafficLearner(RunCheckpoint, Algorithm):
         self.reward_sums: dict[str, list[float]] = {}  # task key -> [sum, count] of used rewards (baseline())
         self.last_poll: dict[str, Any] = {}
         self._poll_lock = threading.RLock()  # a cell's poll()/labelled() beside the loop's
-        self._step_start = None  # (RunCheckpoint) a checkpoint is always of the last finished update
+
+    store: LightningStore
+    trainer: Trainer
+    config: TrafficConfig
 
     @property
     def updates(self) -> list[dict[str, Any]]:
@@ -253,7 +256,7 @@ class TrafficLearner(RunCheckpoint, Algorithm):
         Raises:
             ConfigError: called from a cell while the background loop runs (it would use rollouts twice).
         """
-        if self.running and threading.current_thread() is not self._thread:
+        if self.running and not self.loop.in_loop_thread():
             raise ConfigError("the learner's background loop is running and updates by itself; stop() it before "
                               "calling step() from a cell, or read poll() / updates_df()")
         with self._poll_lock:
@@ -275,7 +278,8 @@ class TrafficLearner(RunCheckpoint, Algorithm):
         rollout_ids = list(dict.fromkeys(t.rollout_id for t in triplets))
         rewards = self.store.final_rewards(rollout_ids)
         version_before = self.trainer.engine.weight_version
-        metrics = self.trainer.update(triplets, on_progress=self._update_reporter())
+        update = self.trainer.update(triplets, on_progress=self._update_reporter())
+        metrics = update.metrics
         with self._poll_lock:
             self.used.update(rollout_ids)
             for rid in rollout_ids:
@@ -285,11 +289,12 @@ class TrafficLearner(RunCheckpoint, Algorithm):
         row = {"update": k, "time": time.time(), "rollout_ids": rollout_ids, "n": len(rollout_ids),
                "groups": len({t.group_id for t in triplets}),
                "baselined": len({t.rollout_id for t in triplets if t.baseline is not None}),
-               "reward_mean": sum(rewards.values()) / len(rewards), "weight_version_before": version_before,
+               "reward_mean": sum(r or 0.0 for r in rewards.values()) / len(rewards),
+               "weight_version_before": version_before,
                "weight_version_after": self.trainer.engine.weight_version, "trainer_step": metrics["step"],
                "checkpoint": str(checkpoint), "stale_episodes_dropped": metrics.get("stale_episodes_dropped", 0),
                "undone": False}
-        row = self.record({**metrics, **row})  # the trainer's update row with this learner's columns; step = update
+        row = self.record({**metrics, **row}, update)  # the trainer's update row with this learner's columns
         self._prune_checkpoints()
         return row
 
@@ -336,8 +341,8 @@ class TrafficLearner(RunCheckpoint, Algorithm):
             self.at_boundary("before poll")
             if self.step() is not None:
                 done += 1
-            elif self._stop.wait(self.config.poll_s):
-                raise TrainerStopped("stopped while waiting for labelled traffic")
+            elif self.loop.sleep(self.config.poll_s):
+                raise LoopStopped("stopped while waiting for labelled traffic")
 
     # ----- audit and undo ------------------------------------------------------------------------
     def updates_df(self) -> Any:
@@ -417,7 +422,7 @@ class TrafficLearner(RunCheckpoint, Algorithm):
             raise ConfigError("no update to undo: updates_df() has no update that is not undone yet")
         return self.load_checkpoint(live[-1]["update"])
 
-    # ----- the run's checkpoint (RunCheckpoint) -----------------------------------------------
+    # ----- the run's checkpoint -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This learner's record: the updates, the used and unusable rollout ids, the poll position, the config and
         the used rewards per task key (:meth:`baseline`)."""
@@ -434,10 +439,23 @@ class TrafficLearner(RunCheckpoint, Algorithm):
         self.reward_sums = {k: list(v) for k, v in state.get("reward_sums", {}).items()}  # (older saves: none)
         self._seen = set(self.used) | set(self.unusable)
         self._since, self.pending = 0.0, {}
-        self._step_start = None
+
+    def save(self, path: str | Path) -> Path:
+        """Write the run's checkpoint (:func:`~lightning_nb.algorithm.checkpoint.save_run`: the trainer's state and
+        this learner's record) to ``path``; returns what was written."""
+        return save_run(self, path)
+
+    def load(self, path: str | Path, *, keep_config: bool = False, **options: Any) -> None:
+        """Continue from a :meth:`save` checkpoint (:func:`~lightning_nb.algorithm.checkpoint.load_run`).
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            ConfigError: the loop runs; not a checkpoint of this format or of this model.
+        """
+        load_run(self, path, keep_config=keep_config, **options)
 
     def stop(self, timeout: float = 600.0) -> bool:
-        """End the loop (:meth:`BackgroundLoop.stop`); once it ended, delete the temporary ``checkpoint_dir``
+        """End the loop (:meth:`Algorithm.stop <lightning_nb.algorithm.base.Algorithm.stop>`); once it ended, delete the temporary ``checkpoint_dir``
         (:meth:`close`; a folder you named stays). Returns True once the loop has ended."""
         ended = super().stop(timeout)
         if ended:

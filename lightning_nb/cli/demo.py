@@ -178,8 +178,8 @@ def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict
     """Train the calculator agent on SmolLM2-135M and write metrics.csv, reward_curve.png, summary.json.
 
     ``after_step(algo, row)``, when given, is called after every training step with the
-    :class:`~lightning_nb.algorithm.lightning_rl.LightningRL` and the step's metrics row (the trainer's
-    ``last_batch`` and ``last_triplets`` are that step's; ``bench/logprob_agreement.py`` reads them).
+    :class:`~lightning_nb.algorithm.lightning_rl.LightningRL` and the step's metrics row (``algo.last_update``'s
+    ``batch`` and ``triplets`` are that step's; ``bench/logprob_agreement.py`` reads them).
 
     The final checkpoint is written to ``out/checkpoint.pt`` (also every ``checkpoint_every``
     steps when > 0, overwritten); ``resume`` continues a run from such a checkpoint up to

@@ -8,7 +8,7 @@ prompts). This module shows it from the data alone (a store, a batch, a tokenize
   rendering of the recorded messages (``render``), and does each turn's prompt extend the
   previous turn's prompt + completion token for token, so that
   :func:`~lightning_nb.trainers.packing.pack_episode` can merge the turns (``fork`` where it cannot)?
-* :func:`batch_df` / :func:`batch_html`: the optimizer's-eye view of ``GRPOTrainer.last_batch``:
+* :func:`batch_df` / :func:`batch_html`: the optimizer's-eye view of ``Update.batch`` (``algo.last_update.batch``):
   one row per trained sequence, tokens shaded by the response mask and coloured by the
   advantage, with the engine's and the trainer's log-probs and the ratio per token.
 
@@ -175,7 +175,7 @@ def _piece(tokenizer: Any, token_id: int) -> str:
 
 # ----- the optimizer's-eye view -----------------------------------------------------------
 def batch_df(last_batch: Sequence[dict[str, Any]], tokenizer: Any) -> pd.DataFrame:
-    """One row per trained sequence of ``GRPOTrainer.last_batch``.
+    """One row per trained sequence of ``Update.batch`` (``algo.last_update.batch``).
 
     Columns: ``rollout_id``, ``group_id``, ``advantage``, ``tokens`` (sequence length),
     ``response_tokens`` (mask 1: the trained tokens), ``mean_ratio`` (mean over the trained

@@ -125,15 +125,13 @@ def runner_group_html(group: Any) -> str:
 
 
 def trainer_summary(trainer: "Trainer") -> list[tuple[str, Any]]:
-    """(label, value) pairs of a trainer alone: updates applied, weight version, its last update's row."""
-    last = trainer.last_metrics
-    return [("updates", trainer.updates_applied), ("weight version", trainer.engine.weight_version),
-            ("loss (last update)", last.get("loss")), ("KL to initial weights", last.get("kl")),
-            ("train tokens/s (last update)", last.get("tokens_per_s"))]
+    """(label, value) pairs of a trainer alone: updates applied and the weight version (the updates' rows are
+    the algorithm's: :func:`run_summary`)."""
+    return [("updates", trainer.updates_applied), ("weight version", trainer.engine.weight_version)]
 
 
 def trainer_html(trainer: "Trainer") -> str:
-    """Updates applied, weight version and the last update's loss, KL and speed."""
+    """Updates applied and the weight version."""
     return f'<div style="{BOX_STYLE}"><b>{esc(type(trainer).__name__)}</b>{kv_table(trainer_summary(trainer))}</div>'
 
 

@@ -476,7 +476,7 @@ class LightningStore(FrameViews, ABC):
         """
         done = self.query_rollouts(status=sorted(ROLLOUT_TERMINAL))
         fresh = [r for r in done if r.end_time is not None and r.end_time > after_end_time]
-        return sorted(fresh, key=lambda r: r.end_time)
+        return sorted(fresh, key=lambda r: r.end_time or 0.0)  # (every end_time is set: filtered above)
 
     def _wait_with_progress(self, rollout_ids: Sequence[str], timeout: Optional[float]) -> list[Rollout]:
         """:meth:`wait_for_rollouts` in slices of at most 0.5 s, updating a tqdm.auto bar of finished rollouts."""
@@ -492,14 +492,17 @@ class LightningStore(FrameViews, ABC):
                 if len(done) == len(ids) or left == 0.0:
                     return done
 
-    def enqueue_rollouts(self, inputs: Iterable[Any], **kwargs: Any) -> list[Rollout]:
+    def enqueue_rollouts(self, inputs: Iterable[Any], *, mode: RolloutMode = "train",
+                         resources_id: Optional[str] = None, config: Optional[RolloutConfig] = None,
+                         metadata: Optional[dict[str, Any]] = None) -> list[Rollout]:
         """Enqueue many tasks with the same options, in order; see :meth:`enqueue_rollout`.
 
         This default calls :meth:`enqueue_rollout` for each input (an unknown ``resources_id`` fails the first,
         so nothing is stored). ``SqliteStore`` enqueues the batch in one transaction (one fsync), ``StoreClient``
         in one request; ``LightningRL`` enqueues each GRPO group with one call.
         """
-        return [self.enqueue_rollout(x, **kwargs) for x in inputs]
+        return [self.enqueue_rollout(x, mode=mode, resources_id=resources_id, config=config, metadata=metadata)
+                for x in inputs]
 
     def _repr_html_(self) -> Optional[str]:
         return html_view(self)

@@ -25,11 +25,14 @@ pydantic's own call.
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from pydantic import BaseModel
 
 from lightning_nb.types import Attempt, AttemptedRollout, Rollout, RolloutConfig, Span, Worker
+
+#: a pydantic model type: the copies and constructions here return the type they are given
+M = TypeVar("M", bound=BaseModel)
 
 __all__ = ["deep_copy", "put", "construct", "snapshot", "deepen", "span_construct", "span_with_sequence_id"]
 
@@ -37,12 +40,12 @@ _ATOMIC = frozenset({str, int, float, bool, type(None)})
 _new_object, _set = object.__new__, object.__setattr__
 
 
-def _copy_model_fast(model: BaseModel) -> BaseModel:
+def _copy_model_fast(model: M) -> M:
     """``model.model_copy(deep=True)`` for a model without extra or private values (the store's own)."""
     return _deepen_fast(_snapshot_fast(model))
 
 
-def _copy_model_pydantic(model: BaseModel) -> BaseModel:
+def _copy_model_pydantic(model: M) -> M:
     return _deepen_fast(model.model_copy())  # shallow: its own __dict__, whose mutable values are replaced
 
 
@@ -67,12 +70,12 @@ def deep_copy(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def _snapshot_fast(model: BaseModel) -> BaseModel:
+def _snapshot_fast(model: M) -> M:
     """A copy of ``model`` with its own ``__dict__`` (nested values still shared); no extra or private values."""
     return _construct_fast(type(model), model.__dict__.copy(), set(model.__pydantic_fields_set__))
 
 
-def _deepen_fast(model: BaseModel) -> BaseModel:
+def _deepen_fast(model: M) -> M:
     """Replace the mutable field values of ``model`` (with its own ``__dict__``) by deep copies; returns it."""
     fields = model.__dict__
     for key, value in fields.items():
@@ -81,7 +84,7 @@ def _deepen_fast(model: BaseModel) -> BaseModel:
     return model
 
 
-def snapshot(model: BaseModel) -> BaseModel:
+def snapshot(model: M) -> M:
     """Under the store's lock: a copy of a stored record's own fields whose nested values (input, config,
     metadata, stats) are still shared; :func:`deepen` it after releasing the lock. Sound because a store
     never changes those nested values in place (it replaces them), so the copy stays consistent."""
@@ -91,7 +94,7 @@ def snapshot(model: BaseModel) -> BaseModel:
     return deep_copy(model)
 
 
-def deepen(model: BaseModel) -> BaseModel:
+def deepen(model: M) -> M:
     """A :func:`snapshot` made a full deep copy (its nested values copied), outside the lock; returns it."""
     if type(model) in _SNAPSHOT_TYPES and _FAST_COPY:
         return _deepen_fast(model)
@@ -110,7 +113,7 @@ def _put_pydantic(model: BaseModel, name: str, value: Any) -> None:
     setattr(model, name, value)
 
 
-def _construct_fast(cls: type[BaseModel], fields: dict[str, Any], given: Optional[set[str]] = None) -> BaseModel:
+def _construct_fast(cls: type[M], fields: dict[str, Any], given: Optional[set[str]] = None) -> M:
     model = _new_object(cls)
     _set(model, "__dict__", fields)
     _set(model, "__pydantic_fields_set__", set(fields) if given is None else given)
@@ -119,7 +122,7 @@ def _construct_fast(cls: type[BaseModel], fields: dict[str, Any], given: Optiona
     return model
 
 
-def _construct_pydantic(cls: type[BaseModel], fields: dict[str, Any], given: Optional[set[str]] = None) -> BaseModel:
+def _construct_pydantic(cls: type[M], fields: dict[str, Any], given: Optional[set[str]] = None) -> M:
     return cls.model_construct(_fields_set=None if given is None else set(given), **fields)
 
 
@@ -150,9 +153,8 @@ def _fast_paths_match() -> bool:
             setattr(b, name, value)
         if _state(a) != _state(b):
             return False
-        fields = dict(rollout=rollout, attempt=attempt)
-        return _state(_construct_fast(AttemptedRollout, dict(fields))) == \
-            _state(AttemptedRollout.model_construct(**fields))
+        return _state(_construct_fast(AttemptedRollout, {"rollout": rollout, "attempt": attempt})) == \
+            _state(AttemptedRollout.model_construct(rollout=rollout, attempt=attempt))
     except Exception:
         return False
 
@@ -191,8 +193,9 @@ def _span_new(rollout_id: str, attempt_id: str, sequence_id: int, trace_id: str,
 
 def _span_new_matches_model_construct() -> bool:
     """Whether :func:`_span_new` builds exactly what this pydantic's ``model_construct`` does (checked at import)."""
-    fields = dict(rollout_id="r", attempt_id="a", sequence_id=1, trace_id="t", span_id="s", parent_id=None,
-                  name="n", start_time=1.0, end_time=2.0, status="ok", attributes={"k": [1]})
+    fields: dict[str, Any] = dict(rollout_id="r", attempt_id="a", sequence_id=1, trace_id="t", span_id="s",
+                                  parent_id=None, name="n", start_time=1.0, end_time=2.0, status="ok",
+                                  attributes={"k": [1]})
     try:
         fast, slow = _span_new(**fields), Span.model_construct(**fields)
         return (list(fast.__dict__.items()) == list(slow.__dict__.items()) and Span.__pydantic_post_init__ is None
@@ -208,7 +211,9 @@ def _span_model_construct(rollout_id: str, attempt_id: str, sequence_id: int, tr
                           attributes: dict[str, Any]) -> Span:
     return Span.model_construct(rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_id,
                                 trace_id=trace_id, span_id=span_id, parent_id=parent_id, name=name,
-                                start_time=start_time, end_time=end_time, status=status, attributes=attributes)
+                                start_time=start_time, end_time=end_time,
+                                status=status,  # type: ignore[arg-type]  # a valid status: trusted values only
+                                attributes=attributes)
 
 
 # span_construct(rollout_id, attempt_id, sequence_id, trace_id, span_id, parent_id, name, start_time, end_time,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any, Optional, get_args
+from typing import TYPE_CHECKING, Any, Optional, Sequence, get_args
 
 import pandas as pd
 
@@ -22,15 +22,31 @@ from lightning_nb.slices import slice_labels
 from lightning_nb.store.episode import Episode, build_episode
 from lightning_nb.store.rules import counted_reward_spans, reward_component
 from lightning_nb.store.spanframe import Flatten, check_flatten, frame_from_spans
-from lightning_nb.types import (BRANCH_CALL_KEY, GROUP_ID_KEY, PARENT_ROLLOUT_KEY, ROLLOUT_TERMINAL, Attempt, Rollout,
-                                RolloutMode, Worker)
+from lightning_nb.types import (BRANCH_CALL_KEY, GROUP_ID_KEY, PARENT_ROLLOUT_KEY, ROLLOUT_TERMINAL, Attempt,
+                                ResourcesUpdate, Rollout, RolloutMode, Span, Worker)
 
 __all__ = ["FrameViews"]
 
 
 class FrameViews:
     """The DataFrame views of :class:`~lightning_nb.store.base.LightningStore` (a mixin: it calls the store's
-    query methods and ``final_rewards``)."""
+    query methods and ``final_rewards``, declared below for the type checker)."""
+
+    if TYPE_CHECKING:  # LightningStore's contract
+        def get_rollout_by_id(self, rollout_id: str) -> Rollout: ...
+
+        def query_rollouts(self, *, status: Optional[Sequence[str]] = None,
+                           rollout_ids: Optional[Sequence[str]] = None) -> list[Rollout]: ...
+
+        def query_workers(self) -> list[Worker]: ...
+
+        def query_attempts(self, rollout_id: Optional[str] = None) -> list[Attempt]: ...
+
+        def query_spans(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> list[Span]: ...
+
+        def query_resources(self) -> list[ResourcesUpdate]: ...
+
+        def final_rewards(self, rollout_ids: Optional[Sequence[str]] = None) -> dict[str, Optional[float]]: ...
 
     def rollouts_df(self) -> pd.DataFrame:
         """One row per rollout, in enqueue order.

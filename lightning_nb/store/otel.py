@@ -37,10 +37,10 @@ def otel_row(span: Any) -> tuple[str, str, Optional[str], str, float, float, str
     One pass over the attributes and no validation: OpenTelemetry already checked their types.
     """
     ctx = span.get_span_context()
-    raw = span.attributes  # a read-only proxy of the span's BoundedAttributes (or a plain dict)
+    raw: Any = span.attributes  # a read-only proxy of the span's BoundedAttributes (or a plain dict)
     # .copy() of either is a plain dict copy: iterating the Mapping itself costs several times more per key
-    attrs = raw.copy() if type(raw) is MappingProxyType or isinstance(raw, (BoundedAttributes, dict)) \
-        else dict(raw or {})
+    attrs: dict[str, Any] = (raw.copy() if type(raw) is MappingProxyType  # type: ignore[assignment]  # plain dicts
+                             or isinstance(raw, (BoundedAttributes, dict)) else dict(raw or {}))
     for key in _OUR_KEYS:
         if key in attrs:
             del attrs[key]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from lightning_nb.errors import AttemptEnded, ConfigError, InvalidStatusTransition, NotFoundError
 from lightning_nb.semconv import INTERMEDIATE_REWARD_SPAN, JUDGE_SPAN, REWARD, REWARD_NAME, REWARD_SOURCE, REWARD_SPAN
@@ -474,8 +474,8 @@ def reward_component(span: Span, counts: bool = True) -> Optional[str]:
     return None
 
 
-def counted_reward_spans(spans: Sequence[Span], latest_attempt: dict[str, str],
-                         rollout_status: dict[str, str]) -> set[tuple[str, str]]:
+def counted_reward_spans(spans: Sequence[Span], latest_attempt: Mapping[str, str],
+                         rollout_status: Mapping[str, str]) -> set[tuple[str, str]]:
     """``(attempt_id, span_id)`` of each rollout's reward span that counts, among ``spans`` (in store order).
 
     :func:`final_reward`'s rule: the last final-reward span with a ``reward`` of the rollout's latest attempt
@@ -495,7 +495,7 @@ def component_sums(spans: Sequence[Span]) -> dict[str, float]:
     out: dict[str, float] = {}
     for s in spans:
         if s.name == INTERMEDIATE_REWARD_SPAN:
-            name = reward_component(s)
+            name = reward_component(s) or "intermediate"  # (an intermediate reward always names one)
             out[name] = out.get(name, 0.0) + float(s.attributes.get(REWARD, 0.0))
     return out
 

@@ -244,7 +244,7 @@ def _datetimes(epoch_s: np.ndarray) -> np.ndarray:
     return np.rint(epoch_s * 1e6).astype(np.int64).astype("datetime64[us]")
 
 
-def _objects(values: list) -> np.ndarray:
+def _objects(values: Sequence[Any]) -> np.ndarray:
     out = np.empty(len(values), dtype=object)
     out[:] = values
     return out

@@ -24,16 +24,22 @@ import abc
 import contextlib
 import threading
 import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from lightning_nb.errors import ConfigError, MovedAttributeError
+from lightning_nb.trainers.edits import ConfigChange, config_edits
 from lightning_nb.types import Triplet, html_view
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["Trainer", "ProgressCallback", "progress_ticker", "config_edits", "MOVED_TO_ALGORITHM"]
+    from lightning_nb.engines.base import Engine
+    from lightning_nb.trainers.config import TrainerConfig
+
+__all__ = ["Trainer", "Update", "ProgressCallback", "progress_ticker", "config_edits", "MOVED_TO_ALGORITHM"]
 
 #: ``on_progress(done, total, unit)``: what :meth:`Trainer.update` calls as its work advances
 #: (``unit``: ``"micro-batches"`` for GRPOTrainer, ``"stages"`` for VerlTrainer).
@@ -54,13 +60,51 @@ def progress_ticker(report: ProgressCallback, total: int, unit: str) -> Callable
     return tick
 
 
-def config_edits(applied: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any, str]]:
-    """``(field, old, new, text)`` for each field of ``now`` that differs from ``applied`` (two ``asdict`` snapshots).
+@dataclass(eq=False)
+class Update(Mapping[str, Any]):
+    """What one :meth:`Trainer.update` returns: its metrics row and everything else the algorithm records of it.
 
-    ``text`` reads ``"learning_rate 2e-05 → 1e-05"``: what the metrics' ``config_changes`` show.
-    Trainers and algorithms call this on the loop's thread to apply and record edits made while paused.
+    Indexing reads the metrics row (``update["loss"]``, ``dict(update)``): the value ``update()`` returned in
+    earlier versions. The algorithm keeps the last one as ``algo.last_update``; the trainer keeps none.
+
+    Attributes:
+        metrics: the update's metrics row, a flat dict with :attr:`Trainer.METRIC_KEYS` among its keys.
+        config_changes: the edits of the trainer's config this update applied
+            (:class:`~lightning_nb.trainers.edits.ConfigChange`: field, old, new).
+        triplets: the batch it was given.
+        advantages: kept episode (rollout id) -> advantage (``credit="reward_to_go"``: the mean over its turns).
+        turn_advantages: ``(rollout_id, Triplet.turn)`` -> advantage of each kept triplet.
+        batch: one dict per trained sequence (``GRPOTrainer.update`` lists the keys), the optimizer's-eye view
+            that :meth:`batch_df` shows.
     """
-    return [(k, applied.get(k), v, f"{k} {applied.get(k)!r} → {v!r}") for k, v in now.items() if v != applied.get(k)]
+
+    metrics: dict[str, Any]
+    config_changes: list[ConfigChange] = field(default_factory=list)
+    triplets: list[Triplet] = field(default_factory=list)
+    advantages: dict[str, float] = field(default_factory=dict)
+    turn_advantages: dict[tuple[str, int], float] = field(default_factory=dict)
+    batch: list[dict[str, Any]] = field(default_factory=list)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.metrics[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.metrics)
+
+    def __len__(self) -> int:
+        return len(self.metrics)
+
+    def batch_df(self, tokenizer: Any) -> "pd.DataFrame":
+        """One row per packed sequence in the loss (:func:`lightning_nb.inspect.audit.batch_df`); ``tokenizer``
+        decodes the responses (``engine.tokenizer``)."""
+        from lightning_nb.inspect.audit import batch_df
+
+        return batch_df(self.batch, tokenizer)
+
+
+#: The trainer attributes of earlier versions -> the field of :class:`Update` that replaced each.
+_LAST = {"last_metrics": "metrics", "last_triplets": "triplets", "last_advantages": "advantages",
+         "last_turn_advantages": "turn_advantages", "last_batch": "batch"}
 
 
 #: the run's verbs that moved from the trainer to the algorithm (``LightningRL``, ``TrafficLearner``, ``APO``):
@@ -77,11 +121,11 @@ class Trainer(abc.ABC):
     """The contract every trainer implements: update the engine's weights from triplets.
 
     **What update takes and returns.** :meth:`update` takes one batch of triplets (one per LLM call,
-    those of several episodes, ``Triplet.group_id`` naming each episode's GRPO group) and returns the
-    update's metrics row, a flat ``dict`` (also kept as :attr:`last_metrics`; the algorithm keeps the run's rows).
-    Every implementation reports
-    at least :data:`METRIC_KEYS` with these meanings; more columns are welcome (verl's own names).
-    An update takes the engine's lock while it changes the weights.
+    those of several episodes, ``Triplet.group_id`` naming each episode's GRPO group) and returns an
+    :class:`Update`: the update's metrics row (indexing the Update reads it), the config edits it applied, the
+    advantages it trained with and the trained sequences. The algorithm keeps what it records; the trainer keeps
+    no record of its updates. Every implementation reports at least :data:`METRIC_KEYS` with these meanings;
+    more columns are welcome (verl's own names). An update takes the engine's lock while it changes the weights.
 
     **How it reaches the engine's weights.** Implementations must train the engine's own model
     (``engine.model``, the Engine contract's ``model``/``lock``/``tokenizer``) in place and then call
@@ -96,14 +140,13 @@ class Trainer(abc.ABC):
     states) is the algorithm's: ``LightningRL.save`` / ``load``.
 
     **What others may read** (the algorithm, the widgets, :mod:`lightning_nb.inspect`): ``engine``,
-    ``model``, ``config`` (a dataclass, edited while paused and applied at the next update),
-    ``updates_applied`` (updates applied: the LR schedule's position; ``step`` before, deprecated), ``last_metrics`` (the last update's row),
-    ``last_config_changes`` (``{"field", "old", "new"}`` per config edit the last update applied),
-    ``last_triplets``, ``last_advantages`` (rollout id -> advantage), ``last_turn_advantages``
-    (``(rollout_id, turn)`` -> advantage) and ``last_batch`` (one dict per trained sequence, see
-    ``GRPOTrainer.update``).
+    ``model``, ``config`` (a dataclass, edited while paused and applied at the next update) and
+    ``updates_applied`` (the LR schedule's position; ``step`` in earlier versions, deprecated). ``last_metrics``, ``last_triplets``, ``last_advantages``,
+    ``last_turn_advantages``, ``last_batch`` and ``last_config_changes`` of earlier versions are the fields of
+    the :class:`Update` that :meth:`update` returns (``algo.last_update``); reading them here warns for one
+    release.
 
-    Implementations must call :meth:`_init_trainer` in their constructor.
+    Implementations call ``super().__init__(engine, config)``.
     """
 
     #: Columns every implementation's metrics row has (see ``GRPOTrainer.update`` for their meaning).
@@ -113,22 +156,39 @@ class Trainer(abc.ABC):
                    "grad_norm", "update_seconds", "tokens_per_s", "lr", "optimizer_steps", "turn_forks",
                    "truncated_responses", "intermediate_rewards", "config_changes")
 
-    engine: Any
-    model: Any
-    config: Any
+    engine: "Engine"
+    model: Any  # a torch.nn.Module (torch is imported on first use)
+    config: "TrainerConfig"
+    updates_applied: int
 
-    def _init_trainer(self, engine: Any, config: Any) -> None:
+    def __init__(self, engine: "Engine", config: "TrainerConfig") -> None:
         """Set the attributes of the contract (see the class docstring)."""
         self.engine = engine
         self.config = config
         self.updates_applied = 0  # the position of the LR schedule (the run's step is the algorithm's)
-        self.last_metrics: dict[str, Any] = {}  # the last update's row (the run's rows are the algorithm's)
-        self.last_config_changes: list[dict[str, Any]] = []  # {"field", "old", "new"} applied at the last update
-        self.last_triplets: list[Triplet] = []
-        self.last_advantages: dict[str, float] = {}
-        self.last_turn_advantages: dict[tuple[str, int], float] = {}  # (rollout_id, Triplet.turn) -> advantage
-        self.last_batch: list[dict[str, Any]] = []  # the optimizer's-eye view of the last update
         self._updating = threading.Lock()  # held by update(), load_state_dict(), save_pretrained() and frozen()
+        self._last: Update = Update({})  # only for the deprecated last_* reads (__getattr__)
+
+    def _deprecated_last(self, name: str) -> Any:
+        """A ``last_*`` attribute of earlier versions, read from the last :class:`Update` with a DeprecationWarning."""
+        field_name = _LAST.get(name, "config_changes")
+        warnings.warn(f"trainer.{name} is deprecated: trainer.update() returns an Update, and the algorithm keeps "
+                      f"the last one as algo.last_update (read its .{field_name})", DeprecationWarning, stacklevel=3)
+        if name == "last_config_changes":
+            return [{"field": c.field, "old": c.old, "new": c.new} for c in self._last.config_changes]
+        return getattr(self._last, field_name)
+
+    last_metrics = property(lambda self: self._deprecated_last("last_metrics"),
+                            doc="Deprecated: ``algo.last_update.metrics``.")
+    last_triplets = property(lambda self: self._deprecated_last("last_triplets"),
+                             doc="Deprecated: ``algo.last_update.triplets``.")
+    last_advantages = property(lambda self: self._deprecated_last("last_advantages"),
+                               doc="Deprecated: ``algo.last_update.advantages``.")
+    last_turn_advantages = property(lambda self: self._deprecated_last("last_turn_advantages"),
+                                    doc="Deprecated: ``algo.last_update.turn_advantages``.")
+    last_batch = property(lambda self: self._deprecated_last("last_batch"), doc="Deprecated: ``algo.last_update.batch``.")
+    last_config_changes = property(lambda self: self._deprecated_last("last_config_changes"),
+                                   doc="Deprecated: ``algo.last_update.config_changes``.")
 
     # ----- names of earlier versions (kept for one release) --------------------------------
     @property
@@ -163,9 +223,9 @@ class Trainer(abc.ABC):
 
     # ----- the contract -------------------------------------------------------------------
     @abc.abstractmethod
-    def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None) -> dict[str, Any]:
-        """One update on ``triplets``; returns its metrics row (also kept as :attr:`last_metrics`), with
-        :data:`METRIC_KEYS` among its keys, and advances :attr:`updates_applied` by one.
+    def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None) -> Update:
+        """One update on ``triplets``; returns its :class:`Update` (the metrics row, with :data:`METRIC_KEYS` among
+        its keys, and what else the algorithm records) and advances :attr:`updates_applied` by one.
 
         ``on_progress(done, total, unit)`` is called as the update advances (0 of the total first).
 
@@ -235,26 +295,37 @@ class Trainer(abc.ABC):
             yield
 
     # ----- inspection -------------------------------------------------------------------------
-    def last_batch_df(self) -> "pd.DataFrame":
-        """The optimizer's-eye view of the last update: one row per packed sequence in the loss.
+    def batch_df(self, update: Update) -> "pd.DataFrame":
+        """The optimizer's-eye view of ``update`` (what :meth:`update` returned, ``algo.last_update``): one row per
+        packed sequence in the loss.
 
         Columns (:func:`lightning_nb.inspect.audit.batch_df`): ``rollout_id``, ``group_id``,
         ``advantage``, ``tokens``, ``response_tokens``, ``mean_ratio``,
         ``max_abs_logprob_diff`` (nats), ``response_text``. The triplets themselves, one row
-        per LLM call: ``lightning_nb.adapter.triplets_df(trainer.last_triplets, trainer.last_turn_advantages)``.
+        per LLM call: ``lightning_nb.adapter.triplets_df(update.triplets, update.turn_advantages)``.
         """
-        from lightning_nb.inspect.audit import batch_df
+        return update.batch_df(self.engine.tokenizer)
 
-        return batch_df(self.last_batch, self.engine.tokenizer)
-
-    def last_batch_html(self, max_rows: int = 16) -> str:
-        """The last update's sequences token by token, shaded by response mask and coloured by advantage,
+    def batch_html(self, update: Update, max_rows: int = 16) -> str:
+        """``update``'s sequences token by token, shaded by response mask and coloured by advantage,
         with engine and trainer log-probs and the ratio on hover (:func:`lightning_nb.inspect.audit.batch_html`).
-        Show it with ``IPython.display.HTML(trainer.last_batch_html())``."""
+        Show it with ``IPython.display.HTML(trainer.batch_html(algo.last_update))``."""
         from lightning_nb.inspect.audit import batch_html
 
         clip = self.config.clip_ratio_high if self.config.clip_ratio_high is not None else self.config.clip_ratio
-        return batch_html(self.last_batch, self.engine.tokenizer, max_rows=max_rows, clip_ratio=clip)
+        return batch_html(update.batch, self.engine.tokenizer, max_rows=max_rows, clip_ratio=clip)
+
+    def last_batch_df(self) -> "pd.DataFrame":
+        """:meth:`batch_df` of the last update (deprecated: ``trainer.batch_df(algo.last_update)``)."""
+        warnings.warn("trainer.last_batch_df() is deprecated: trainer.batch_df(algo.last_update)", DeprecationWarning,
+                      stacklevel=2)
+        return self.batch_df(self._last)
+
+    def last_batch_html(self, max_rows: int = 16) -> str:
+        """:meth:`batch_html` of the last update (deprecated: ``trainer.batch_html(algo.last_update)``)."""
+        warnings.warn("trainer.last_batch_html() is deprecated: trainer.batch_html(algo.last_update)",
+                      DeprecationWarning, stacklevel=2)
+        return self.batch_html(self._last, max_rows=max_rows)
 
     def _repr_html_(self) -> Optional[str]:
         return html_view(self)

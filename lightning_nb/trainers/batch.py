@@ -178,7 +178,7 @@ def episode_rewards(cfg: TrainerConfig, episodes: dict[str, list[Triplet]]) -> d
     shaped = {r: ts[0].reward + sum(t.step_reward for t in ts) for r, ts in episodes.items()}
     if cfg.overlong_buffer_len == 0:
         return shaped
-    return {r: shaped[r] + sum(overlong_penalty(len(t.response_ids), cfg.max_response_len,
+    return {r: shaped[r] + sum(overlong_penalty(len(t.response_ids), cfg.max_response_len or 0,
                                                 cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
                                for t in ts) for r, ts in episodes.items()}
 

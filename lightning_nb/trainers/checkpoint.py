@@ -154,7 +154,7 @@ def check_signature(saved: dict[str, list[int]], model: Any, path: Any) -> None:
     shape = next((k for k in saved if k in mine and saved[k] != mine[k]), None)
     detail = (f"parameter {missing[0]!r} is not in this model" if missing else
               f"this model has parameter {extra[0]!r}, the checkpoint does not" if extra else
-              f"parameter {shape!r} has shape {saved[shape]} in the checkpoint, {mine[shape]} here")
+              f"parameter {shape!r} has shape {saved[shape or '']} in the checkpoint, {mine[shape or '']} here")
     raise ConfigError(f"checkpoint {path} was saved from another model ({detail}); load it into a trainer "
                       "built on the same model as the one that saved it")
 

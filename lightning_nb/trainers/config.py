@@ -250,7 +250,8 @@ class TrainerConfig:
                 _is_int(self.micro_batch_size) and self.micro_batch_size >= 1), "None or an int >= 1",
              "use None for 4 rows (or no row cap with micro_batch_tokens)"),
             ("micro_batch_tokens", self.micro_batch_tokens is None or self.micro_batch_tokens == "auto" or (
-                _is_int(self.micro_batch_tokens) and self.micro_batch_tokens >= 1),
+                isinstance(self.micro_batch_tokens, int) and _is_int(self.micro_batch_tokens)
+                and self.micro_batch_tokens >= 1),
              "None, 'auto' or an int >= 1 (tokens per forward/backward, padding counted)",
              "use 'auto' to size micro-batches from free device memory, or None for micro_batch_size rows"),
         ]
@@ -347,6 +348,7 @@ def lr_factor(step: int, config: TrainerConfig) -> float:
         return (step + 1) / config.warmup_steps
     if config.lr_scheduler == "constant":
         return 1.0
+    assert config.total_steps is not None, "validate() requires total_steps with a decaying schedule"
     span = config.total_steps - config.warmup_steps
     p = min(max((step - config.warmup_steps) / span, 0.0), 1.0)
     return 1.0 - p if config.lr_scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))

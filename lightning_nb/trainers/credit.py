@@ -6,10 +6,13 @@ call them per update through :mod:`lightning_nb.trainers.batch`.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence, TypeVar
 
 from lightning_nb.errors import ConfigError
 from lightning_nb.trainers.advantages import group_relative_advantages
+
+#: an item of a group: an episode (rollout id), or a transition (rollout id, turn)
+K = TypeVar("K", bound=Hashable)
 
 __all__ = ["overlong_penalty", "group_advantages", "reward_to_go", "transition_advantages"]
 
@@ -30,8 +33,8 @@ def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float =
     return factor * min(0.0, max(-1.0, (max_len - buffer_len - length) / buffer_len))
 
 
-def group_advantages(rewards: dict[str, float], groups: dict[str, str], *, min_group_size: int = 2,
-                     norm_by_std: bool = True) -> tuple[dict[str, float], dict[str, int]]:
+def group_advantages(rewards: dict[K, float], groups: dict[K, str], *, min_group_size: int = 2,
+                     norm_by_std: bool = True) -> tuple[dict[K, float], dict[str, int]]:
     """GRPO's group-relative outcome advantage per episode, with undersized groups dropped.
 
     For the episodes ``i`` of a group ``g`` with rewards ``r_i``:
@@ -68,7 +71,7 @@ def group_advantages(rewards: dict[str, float], groups: dict[str, str], *, min_g
     return {e: float(a) for e, a in zip(kept, adv_E)}, dropped
 
 
-def _undersized_groups(episodes: Sequence[str] | dict[str, Any], groups: dict[str, str],
+def _undersized_groups(episodes: Sequence[K] | dict[K, Any], groups: dict[K, str],
                        min_group_size: int) -> dict[str, int]:
     """Group id -> number of episodes, for the groups of ``episodes`` with fewer than ``min_group_size``.
 
@@ -132,6 +135,5 @@ def transition_advantages(returns: dict[tuple[str, int], float], groups: dict[st
     dropped = _undersized_groups(list(dict.fromkeys(e for e, _ in returns)), groups, min_group_size)
     kept = {k: v for k, v in returns.items() if groups[k[0]] not in dropped}
     # every kept group has >= 2 episodes, so >= 2 transitions: group_advantages drops nothing more
-    advantages, _ = group_advantages(kept, {k: groups[k[0]] for k in kept}, min_group_size=2,  # type: ignore[arg-type]
-                                     norm_by_std=norm_by_std)
-    return advantages, dropped  # type: ignore[return-value]
+    advantages, _ = group_advantages(kept, {k: groups[k[0]] for k in kept}, min_group_size=2, norm_by_std=norm_by_std)
+    return advantages, dropped

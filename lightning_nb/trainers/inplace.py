@@ -20,9 +20,10 @@ from typing import Any, Optional
 from lightning_nb.errors import ConfigError
 from lightning_nb.models.device import place_model, set_gradient_checkpointing
 from lightning_nb.models.lora import adapter_state_dict, add_lora, base_state_dict, has_lora, write_hf_folder
-from lightning_nb.trainers.base import Trainer, config_edits
+from lightning_nb.trainers.base import Trainer
 from lightning_nb.trainers.checkpoint import check_signature, model_signature, weights_fingerprint
 from lightning_nb.trainers.config import TrainerConfig, lr_factor
+from lightning_nb.trainers.edits import ConfigChange, ConfigWatch
 
 __all__ = ["InPlaceTrainer"]
 
@@ -48,7 +49,7 @@ class InPlaceTrainer(Trainer):
 
         from lightning_nb.trainers.optim import make_optimizer
 
-        self._init_trainer(engine, config)
+        super().__init__(engine, config)
         self.model = engine.model
         cfg = self.config
         self.peft_model = None  # the peft.PeftModel around self.model when training LoRA adapters
@@ -79,14 +80,15 @@ class InPlaceTrainer(Trainer):
         # weights and AdamW state of discarded trainers alive until the cyclic garbage collector runs.
         config = self.config
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, config))
-        self._applied_config = asdict(self.config)
+        self.config_watch = ConfigWatch(self.config)  # what the last update applied of the config
 
     # ----- config edits while paused ----------------------------------------------------
-    def _sync_config(self) -> list[str]:
-        """Apply edits of :attr:`config` since the last update (lock held); returns them as text.
+    def _sync_config(self) -> list[ConfigChange]:
+        """Apply edits of :attr:`config` since the last update (lock held); returns them (the update's
+        :attr:`~lightning_nb.trainers.base.Update.config_changes`, which the algorithm logs).
 
         ``learning_rate`` and ``weight_decay`` go into the optimizer's param groups; every
-        other field is read at each update. The edits are :attr:`last_config_changes` (the algorithm logs them).
+        other field is read at each update.
 
         With a schedule, ``learning_rate`` is its peak: the update after ``s`` updates uses
         ``learning_rate × lr_factor(s)`` (:func:`lr_factor`) with the config as it is now. So an
@@ -98,7 +100,6 @@ class InPlaceTrainer(Trainer):
             ConfigError: the edited config is invalid, or ``kl_coef > 0`` without a reference model.
         """
         self.check_config()
-        now = asdict(self.config)
         cfg, done = self.config, self.scheduler.last_epoch  # updates done so far
         if cfg.lr_scheduler != "constant" and done == cfg.total_steps:
             log.warning("the %s LR schedule ended after total_steps=%d updates: the learning rate is 0 from now "
@@ -108,12 +109,10 @@ class InPlaceTrainer(Trainer):
             group["initial_lr"] = cfg.learning_rate
             group["lr"] = cfg.learning_rate * lr_factor(done, cfg)
             group["weight_decay"] = cfg.weight_decay
-        edits = config_edits(self._applied_config, now)
-        self.last_config_changes = [{"field": k, "old": old, "new": new} for k, old, new, _ in edits]
-        for *_, text in edits:
-            log.info("config changed at update %d: %s", self.updates_applied + 1, text)
-        self._applied_config = now
-        return [text for *_, text in edits]
+        changes = self.config_watch.take(self.config)
+        for change in changes:
+            log.info("config changed at update %d: %s", self.updates_applied + 1, change.text)
+        return changes
 
     def check_config(self) -> None:
         """Raise ConfigError for an invalid config edit, or one of a field fixed at construction (``resume()``
@@ -183,7 +182,7 @@ class InPlaceTrainer(Trainer):
         issue 49, where that was the default) loads into a trainer that does not, with a warning, and its
         reference fingerprint is not checked. ``keep_config=True`` keeps this trainer's config instead (as verl
         and TRL do on resume): the fields that differ from the saved ones are applied at the next update
-        and recorded in :attr:`last_config_changes` and the ``config_changes`` metric, like edits made while
+        and recorded in its ``Update.config_changes`` and the ``config_changes`` metric, like edits made while
         paused.
 
         Raises:
@@ -222,14 +221,14 @@ class InPlaceTrainer(Trainer):
 
     def _restore_config(self, saved_config: dict[str, Any], keep_config: bool) -> None:
         if keep_config:  # the next update applies (and records) this trainer's values over the checkpoint's
-            self._applied_config = {**asdict(self.config), **saved_config}
+            self.config_watch.reset(self.config, saved_config)
             return
         for name, value in saved_config.items():
             if getattr(self.config, name) != value:
                 log.warning("load: config.%s = %r from the checkpoint (was %r here); pass "
                             "keep_config=True to keep this trainer's value", name, value, getattr(self.config, name))
                 setattr(self.config, name, value)
-        self._applied_config = asdict(self.config)
+        self.config_watch.reset(self.config)
 
     def _saved_config(self, saved: dict[str, Any], path: Any, check: bool = True) -> dict[str, Any]:
         """The checkpoint's GRPOConfig fields that :meth:`load` may apply (all but those fixed at construction,
@@ -311,6 +310,7 @@ class InPlaceTrainer(Trainer):
         path = Path(path)
         with self._updating, self.engine.lock:
             if not merged:
+                assert self.peft_model is not None  # lora_rank > 0, checked above
                 self.peft_model.save_pretrained(str(path), save_embedding_layers=False)
                 return path
             return write_hf_folder(self.model, self.engine.tokenizer, path,

@@ -183,7 +183,7 @@ def _model_shape(model: Any) -> tuple[int, int, int, int]:
     Raises:
         ConfigError: the model has no such config.
     """
-    cfg = getattr(model, "config", None)
+    cfg: Any = getattr(model, "config", None)
     cfg = getattr(cfg, "text_config", None) or cfg
     try:
         hidden, layers, vocab = int(cfg.hidden_size), int(cfg.num_hidden_layers), int(cfg.vocab_size)

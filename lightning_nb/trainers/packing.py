@@ -67,7 +67,7 @@ class PackedSequence:
         self.advantage = trained[0] if len(set(trained)) == 1 else (sum(trained) / len(trained) if trained else 0.0)
 
     def as_row(self) -> dict[str, Any]:
-        """The sequence as :attr:`GRPOTrainer.last_batch` holds it: engine/trainer log-probs 0.0 off the mask;
+        """The sequence as :attr:`Update.batch <lightning_nb.trainers.base.Update.batch>` holds it: engine/trainer log-probs 0.0 off the mask;
         ``engine_logprobs`` None when a turn of it came without the engine's log-probs (``has_old`` False: 0.0
         there would read as a log-prob, probability 1), ``weight_version`` and ``staleness`` as above."""
         return {"rollout_id": self.rollout_id, GROUP_ID_KEY: self.group_id, "input_ids": list(self.input_ids),
@@ -104,7 +104,7 @@ def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = Tru
         keep = 0 if (mask_truncated and t.finish_reason == "length") or t.replayed else 1  # response mask value
         cur = out[-1] if out else None
         extends = cur is not None and t.prompt_ids[: len(cur.input_ids)] == cur.input_ids
-        if pack and extends and t.temperature == cur.temperature:
+        if pack and extends and cur is not None and t.temperature == cur.temperature:
             extra = t.prompt_ids[len(cur.input_ids):]
             cur.input_ids += extra + t.response_ids
             cur.mask += [0] * len(extra) + [keep] * len(t.response_ids)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
@@ -59,7 +59,7 @@ def _field_of(message: str) -> Optional[str]:
     return match.group(1) if match else None
 
 
-def validation_response(errors: list[dict], strip_source: bool) -> StoreJSONResponse:
+def validation_response(errors: Sequence[Mapping[str, Any]], strip_source: bool) -> StoreJSONResponse:
     """A 400 naming the first invalid field of pydantic's ``errors`` (``strip_source``: drop FastAPI's
     ``body``/``query``/``path`` prefix of the location)."""
     first = errors[0]

@@ -99,7 +99,7 @@ class RunningThreadLock:
     def release(self) -> None:
         """Release once, as ``RLock.release``; when the lock is free and a thread is parked, wake one."""
         self.rlock.release()
-        if self._parked and not self.rlock._is_owned():  # (an inner release of a reentrant hold wakes nobody)
+        if self._parked and not self.rlock._is_owned():  # type: ignore[attr-defined]  # CPython RLock method typeshed omits; (an inner release of a reentrant hold wakes nobody)
             self._wake()
 
     def __exit__(self, *exc: Any) -> None:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 from itertools import count
-from typing import Any, Optional, Sequence
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import pandas as pd
 
@@ -30,7 +31,7 @@ from lightning_nb.store.otel import check_ids, otel_rows, span_of_row
 from lightning_nb.store.rules import (SPANS_REFUSED, check_span_types, check_span_writable, same_span, span_beats,
                                       span_sequence_id)
 from lightning_nb.store.spanframe import Flatten, check_flatten, frame_from_spans, spans_frame
-from lightning_nb.store.memory.spantable import SpanTable, cells_of, row_of, spans_from_raws
+from lightning_nb.store.memory.spantable import SpanSpill, SpanTable, cells_of, row_of, spans_from_raws
 from lightning_nb.types import ROLLOUT_TERMINAL, Attempt, Rollout, Span
 
 __all__ = ["InMemorySpans"]
@@ -38,7 +39,33 @@ __all__ = ["InMemorySpans"]
 
 class InMemorySpans:
     """``add_span``/``add_spans``/``add_otel_spans``/``query_spans``, the memory policy and the fast span views of
-    ``InMemoryStore``."""
+    ``InMemoryStore``, which sets the attributes below and has the methods declared for the type checker."""
+
+    max_spans: Optional[int]
+    min_span_age_s: float
+    evicted_spans: int
+    _spill: Optional[SpanSpill]
+    _table: SpanTable
+    _span_counts: dict[str, int]
+    _span_ids: dict[str, dict[str, int]]
+    _rank: dict[str, int]
+    _span_rollouts: OrderedDict[str, None]
+    _spilled_rollouts: set[str]
+    _read_finished: set[str]
+    _shed_rewards: dict[str, list[Any]]
+    _rollouts: OrderedDict[str, Rollout]
+    _attempts: dict[str, list[Attempt]]
+
+    if TYPE_CHECKING:  # InMemoryStore's
+        @property
+        def _lock(self) -> Any: ...
+
+        def _rollout(self, rollout_id: str) -> Rollout: ...
+
+        def _attempt(self, rollout_id: str, attempt_id: str) -> Attempt: ...
+
+        def _update(self, rollout: Rollout, attempt: Attempt, *, status: Optional[str], worker_id: Optional[str],
+                    error: Optional[str], heartbeat: bool, now: float, by_worker: bool = True) -> None: ...
 
     def add_span(self, span: Span) -> Span:
         return self._add_spans(check_span_types([span], batch=False), one=True)[0]
@@ -259,9 +286,10 @@ class InMemorySpans:
             rows = table.rows(aids)
             raws = table.raws(rows)
             if self._spilled_rollouts and (rollout_id is None or rollout_id in self._spilled_rollouts):
-                wanted = set(aids)
-                spilled = [((rank, aseq, s.sequence_id), s) for rank, aseq, s in self._spill.read(rollout_id)
-                           if s.attempt_id in wanted]  # type: ignore[union-attr]
+                wanted, spill = set(aids), self._spill
+                assert spill is not None  # rollouts are spilled only with a spill file
+                spilled = [((rank, aseq, s.sequence_id), s) for rank, aseq, s in spill.read(rollout_id)
+                           if s.attempt_id in wanted]
             else:
                 spilled = []
             # rows are in write order: the sort order unless a caller gave an attempt's spans sequence ids

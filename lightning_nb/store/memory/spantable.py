@@ -183,7 +183,7 @@ class SpanTable:
             self.codes[col].extend([-1 if values[0] is None else self._code_of(col, values[0])] * len(values))
             return
         lookup, cats = self._lookup[col], self.cats[col]
-        found = list(map(lookup.get, values))  # (a None value finds None: handled below)
+        found = [lookup.get(v) for v in values]  # type: ignore[arg-type]  # (a None value finds None: handled below)
         if None in found:  # a new value (span ids as parent ids are new) or a None
             for i, c in enumerate(found):
                 if c is None:

@@ -130,8 +130,9 @@ class InMemoryStore(InMemorySpans, LightningStore):
         # is queued (one per rollout), callers of wait_for_rollouts only when a rollout's status changes
         # (RunningThreadLock: under contention only a running thread takes it; see lightning_nb/store/memory/locks.py)
         self._locks = RunningThreadLock()
-        self._queued = threading.Condition(self._locks)
-        self._changed = threading.Condition(self._locks)
+        # (RunningThreadLock has what Condition uses of an RLock: acquire, release, _is_owned, _release_save...)
+        self._queued = threading.Condition(self._locks)  # type: ignore[arg-type]
+        self._changed = threading.Condition(self._locks)  # type: ignore[arg-type]
         self._rollouts: OrderedDict[str, Rollout] = OrderedDict()
         self._queue: deque[str] = deque()
         self._attempts: dict[str, list[Attempt]] = {}

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from lightning_nb.engines.transformers import TransformersEngine
 from lightning_nb.trainers.agreement import agreement_metrics
-from lightning_nb.trainers.base import ProgressCallback, progress_ticker
+from lightning_nb.trainers.base import ProgressCallback, Update, progress_ticker
 from lightning_nb.trainers.batch import Batch, build_batch, check_batch, per_triplet_turn, signal_groups
 from lightning_nb.trainers.config import lr_factor
 from lightning_nb.trainers.credit import group_advantages, overlong_penalty, reward_to_go, transition_advantages
@@ -98,14 +98,16 @@ class GRPOTrainer(InPlaceTrainer):
             is set for a model without transformers decoder layers.
     """
 
+    config: GRPOConfig
+
     def __init__(self, engine: TransformersEngine, config: Optional[GRPOConfig] = None) -> None:
         super().__init__(engine, config or GRPOConfig())
         self._batcher = MicroBatcher()  # the micro-batch rule of the running update (_micro_batcher)
 
     # ----- the RL step ----------------------------------------------------------------
-    def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None) -> dict[str, Any]:
-        """One GRPO step on ``triplets``; returns its metrics row (also kept as ``last_metrics``; the algorithm
-        appends it to its own ``metrics``).
+    def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None) -> Update:
+        """One GRPO step on ``triplets``; returns its :class:`~lightning_nb.trainers.base.Update` (indexing it reads
+        the metrics row).
 
         Steps, top to bottom:
           1. :func:`~lightning_nb.trainers.batch.build_batch`: drop episodes sampled more than
@@ -164,13 +166,13 @@ class GRPOTrainer(InPlaceTrainer):
           off-policy RL training"; verl's ``compute_rollout_correction_weights``, token level);
           π_old is then π_start (decoupled PPO, as verl does it).
 
-        After the update, :attr:`last_batch` holds one dict per sequence of the kept episodes
+        The Update's ``batch`` holds one dict per sequence of the kept episodes
         (also those not forwarded): ``rollout_id``, ``group_id``, ``input_ids``,
         ``response_mask``, ``advantage`` (the mean of ``advantages`` over the trained tokens),
         ``advantages`` (per token), ``engine_logprobs`` and ``trainer_logprobs`` (π_start, or None
         when the sequence was not forwarded), the per-token lists as long as ``input_ids`` with 0.0
-        where the mask is 0. :attr:`last_advantages` holds each kept episode's advantage and
-        :attr:`last_turn_advantages` each triplet's, keyed ``(rollout_id, turn)``.
+        where the mask is 0. Its ``advantages`` holds each kept episode's advantage and
+        ``turn_advantages`` each triplet's, keyed ``(rollout_id, turn)``.
 
         Metrics (one row): ``step``, ``loss``, ``pg_loss`` and ``grad_norm`` (means over the
         optimizer steps), ``kl`` (the ``kl_penalty`` estimator to the reference; measured on every update
@@ -238,12 +240,11 @@ class GRPOTrainer(InPlaceTrainer):
                     self.engine.load_weights(self.model)  # in place, or pushed to a server (VLLMEngine)
                 self._advance_schedule()
                 self.updates_applied += 1
-            metrics = self._step_metrics(triplets, batch, stats, time.perf_counter() - t0, lr, changes)
-            self.last_triplets, self.last_advantages = list(triplets), batch.advantages
-            self.last_turn_advantages = per_triplet_turn(triplets, batch.turn_advantages)
-            self.last_batch = [s.as_row() for s in batch.seqs]
-            self.last_metrics = metrics
-            return metrics
+            metrics = self._step_metrics(triplets, batch, stats, time.perf_counter() - t0, lr,
+                                         [c.text for c in changes])
+            self._last = Update(metrics, changes, list(triplets), batch.advantages,
+                                per_triplet_turn(triplets, batch.turn_advantages), [s.as_row() for s in batch.seqs])
+            return self._last
 
     def _optimize(self, seqs: list[PackedSequence], report: ProgressCallback) -> dict[str, float]:
         """``ppo_epochs`` passes over mini-batches of ``seqs``, one optimizer step each (step 2 of :meth:`update`).
@@ -294,8 +295,10 @@ class GRPOTrainer(InPlaceTrainer):
         """This update's micro-batch rule: ``micro_batch_tokens`` (``"auto"`` resolved now, from free device memory)
         and ``micro_batch_size`` (rows: the split without a budget, a cap with one)."""
         cfg = self.config
-        budget = cfg.micro_batch_tokens
-        if budget == "auto":
+        budget: Optional[int]
+        if cfg.micro_batch_tokens != "auto":
+            budget = None if cfg.micro_batch_tokens is None else int(cfg.micro_batch_tokens)
+        else:
             params = self._trainable
             pending = sum(p.numel() * p.element_size() for p in params if p.grad is None)
             if not self.optimizer.state:  # AdamW's two float32 moments, created by the first step
@@ -428,7 +431,7 @@ class GRPOTrainer(InPlaceTrainer):
             for b, s in enumerate(micro):
                 s.trainer_logprobs = [0.0] + start_B_L[b, : len(s.input_ids) - 1].tolist()
         else:
-            start_B_L = shift_pad([s.trainer_logprobs for s in micro], T, device)
+            start_B_L = shift_pad([s.trainer_logprobs or [] for s in micro], T, device)  # (all set: micro[0]'s is)
         has_old_B = torch.tensor([s.has_old for s in micro], device=device)[:, None]
         engine_B_L = torch.where(has_old_B, shift_pad([s.old_logprobs for s in micro], T, device), start_B_L)
         old_B_L, is_B_L = engine_B_L, None

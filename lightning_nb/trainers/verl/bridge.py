@@ -86,7 +86,7 @@ def triplets_to_dataproto(triplets: Sequence[Triplet], *, pad_token_id: int, max
             ``rollout.response_length``); None: the batch's longest.
         pack_turns: pack turns that extend each other into one row (``GRPOConfig.pack_turns``).
         advantages: optional precomputed advantages, keyed by ``rollout_id`` (one per episode) or by
-            ``(rollout_id, turn)`` (one per triplet, e.g. ``GRPOTrainer.last_turn_advantages``).
+            ``(rollout_id, turn)`` (one per triplet, e.g. ``Update.turn_advantages``).
         device: where the tensors go (``VerlActor.device``: verl's actor returns its log-probs there, and
             they are compared with ``rollout_log_probs``); None: the CPU.
 

@@ -188,6 +188,7 @@ class VerlConfig(TrainerConfig):
             ConfigError: ``"auto"`` without a transformers ``model``.
         """
         if self.micro_batch_tokens is None:
+            assert self.micro_batch_size is not None  # __post_init__ sets 4 rows without a token budget
             return int(self.micro_batch_size * longest)
         if self.micro_batch_tokens == "auto":
             if model is None:

@@ -197,7 +197,8 @@ def response_tree(micro_batch: Any, window: ResponseWindow, module: Any) -> Opti
     rows = [r.tolist() for r in micro_batch["input_ids"].unbind()]
     tree = build_prefix_tree(rows)
     device = window.lengths.device
-    b, t = [], []
+    b: list[int] = []
+    t: list[int] = []
     for i, (start, length) in enumerate(zip(window.starts.tolist(), window.lengths.tolist())):
         b += [i] * max(length - 1 - start, 0)
         t += range(start, length - 1)

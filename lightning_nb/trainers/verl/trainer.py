@@ -23,8 +23,9 @@ The verl pieces run in this process without Ray (:class:`~lightning_nb.trainers.
 :mod:`lightning_nb.trainers.verl.patches` lists the six patches). Everything else is shared with
 ``GRPOTrainer`` through :class:`~lightning_nb.trainers.inplace.InPlaceTrainer` (the model placement,
 LoRA through peft, the reference, the optimizer, config edits while paused, ``state_dict``) and
-:class:`~lightning_nb.trainers.base.Trainer` (``last_metrics``, ``last_batch_df``, the widgets); the run's verbs
-(``algo.start()``, ``algo.pause()``, ``algo.metrics_df()``, ...) are the algorithm's. VerlTrainer does not subclass
+:class:`~lightning_nb.trainers.base.Trainer` (the :class:`~lightning_nb.trainers.base.Update` it returns, the
+widgets); the run's verbs (``algo.start()``, ``algo.pause()``, ``algo.metrics_df()``, ...) are the algorithm's.
+VerlTrainer does not subclass
 GRPOTrainer. Importing this module needs no verl; building a VerlTrainer does. Checkpoints use verl's
 layout: ``<folder>/global_step_N/`` and ``<folder>/latest_checkpointed_iteration.txt``, with verl's
 ``resume_mode`` (``auto``, ``resume_path``, ``disable``).
@@ -43,7 +44,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainers.base import ProgressCallback, progress_ticker
+from lightning_nb.trainers.base import ProgressCallback, Update, progress_ticker
 from lightning_nb.trainers.checkpoint import write_file
 from lightning_nb.trainers.batch import Batch, build_batch, check_batch, signal_groups
 from lightning_nb.trainers.inplace import InPlaceTrainer
@@ -66,8 +67,8 @@ class VerlTrainer(InPlaceTrainer):
     The run is the algorithm's: ``algo.start(steps=...)`` runs its loop in the background; ``algo.pause()``
     returns at a step boundary (no update running, no rollout being enqueued); ``algo.resume()`` validates
     config edits (and verl's checks) first; ``algo.stop()`` and ``algo.metrics_df()`` are the algorithm's, and
-    ``last_batch_df()``, ``last_batch_html()`` and the widgets work as for ``GRPOTrainer``. See the module
-    docstring for what one :meth:`update` does.
+    the :class:`~lightning_nb.trainers.base.Update` that :meth:`update` returns (``algo.last_update``) shows its
+    batch as for ``GRPOTrainer``. See the module docstring for what one :meth:`update` does.
 
     Args:
         engine: serves the policy (``TransformersEngine``, or ``VLLMEngine`` whose server gets each
@@ -79,6 +80,8 @@ class VerlTrainer(InPlaceTrainer):
             (device not available, ...).
         MissingDependencyError: verl is not installed (``pip install 'lightning-nb[verl]'``).
     """
+
+    config: VerlConfig
 
     def __init__(self, engine: Any, config: Optional[VerlConfig] = None) -> None:
         config = config if config is not None else VerlConfig()
@@ -101,9 +104,8 @@ class VerlTrainer(InPlaceTrainer):
                                 if self.reference is not None else None)
 
     # ----- the RL step ----------------------------------------------------------------
-    def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None) -> dict[str, Any]:
-        """One GRPO step by verl on ``triplets``; returns its metrics row (also kept as ``last_metrics``; the algorithm
-        appends it to its own ``metrics``).
+    def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None) -> Update:
+        """One GRPO step by verl on ``triplets``; returns its :class:`~lightning_nb.trainers.base.Update`.
 
         Episodes are kept as :meth:`GRPOTrainer.update` keeps them (``max_staleness``, ``min_group_size``,
         forks counted or refused with ``fail_on_fork``), converted by
@@ -140,7 +142,7 @@ class VerlTrainer(InPlaceTrainer):
         with self._updating:
             # verl's loss reads its own config: an edited config is composed and checked by verl first (nothing is
             # applied if verl refuses it), then verl's actor is rebuilt from it
-            edited = self.config.verl_config() if asdict(self.config) != self._applied_config else None
+            edited = self.config.verl_config() if self.config_watch.edited(self.config) else None
             changes = self._sync_config()
             if edited is not None:
                 self.verl_config = edited
@@ -160,13 +162,11 @@ class VerlTrainer(InPlaceTrainer):
                 self.updates_applied += 1
             seconds = time.perf_counter() - t0
             rows = _batch_rows(data) if data is not None else []
-            metrics = self._verl_metrics(triplets, batch, stats, rows, seconds, lr, changes)
-            self.last_triplets = list(triplets)
-            self.last_advantages = _episode_advantages(rows)
-            self.last_turn_advantages = {(t.rollout_id, t.turn): self.last_advantages[t.rollout_id] for t in kept}
-            self.last_batch = rows
-            self.last_metrics = metrics
-            return metrics
+            metrics = self._verl_metrics(triplets, batch, stats, rows, seconds, lr, [c.text for c in changes])
+            advantages = _episode_advantages(rows)
+            self._last = Update(metrics, changes, list(triplets), advantages,
+                                {(t.rollout_id, t.turn): advantages[t.rollout_id] for t in kept}, rows)
+            return self._last
 
     def _verl_step(self, kept: list[Triplet], on_progress: ProgressCallback) -> tuple[Any, dict[str, float]]:
         """DataProto → π_old and π_ref → verl's GRPO advantages → verl's PPO update.
@@ -276,6 +276,7 @@ class VerlTrainer(InPlaceTrainer):
         (adapters disabled, as verl's ``ref_in_actor``)."""
         if self.reference_actor is not None:
             return self.reference_actor.compute_log_prob(data, max_token_len=max_tokens).batch["old_log_probs"]
+        assert self.peft_model is not None  # no reference actor: the base model is the reference (LoRA)
         with self.peft_model.disable_adapter():
             return self.actor.compute_log_prob(data, max_token_len=max_tokens).batch["old_log_probs"]
 
@@ -345,7 +346,8 @@ class VerlTrainer(InPlaceTrainer):
         os.replace(tmp, tracker)
         return folder
 
-    def find_checkpoint(self, path: str | Path, *, resume_mode: str = "auto") -> Optional[Path]:
+    def find_checkpoint(self, path: str | Path, *, resume_mode: str = "auto",  # type: ignore[override]
+                        ) -> Optional[Path]:  # the base takes **options and refuses them; verl's layout takes one
         """The checkpoint file ``load(path, resume_mode=...)`` reads, with verl's ``trainer.resume_mode``.
 
         * ``"auto"``: ``path`` is the checkpoint folder; load its latest step (verl's
@@ -387,7 +389,7 @@ class VerlTrainer(InPlaceTrainer):
 
 
 def _batch_rows(data: Any) -> list[dict[str, Any]]:
-    """The DataProto's rows as ``GRPOTrainer.last_batch`` holds sequences (token-aligned lists)."""
+    """The DataProto's rows as ``Update.batch`` holds sequences (token-aligned lists)."""
     b = data.batch
     rows = []
     for i in range(len(data)):
