@@ -48,6 +48,8 @@ class FrameViews:
 
         def final_rewards(self, rollout_ids: Optional[Sequence[str]] = None) -> dict[str, Optional[float]]: ...
 
+        def llm_call_counts(self, rollout_ids: Optional[Sequence[str]] = None) -> dict[str, int]: ...
+
     def rollouts_df(self) -> pd.DataFrame:
         """One row per rollout, in enqueue order.
 

@@ -53,6 +53,7 @@ class InMemorySpans:
     _spilled_rollouts: set[str]
     _read_finished: set[str]
     _shed_rewards: dict[str, list[Any]]
+    _shed_llm_calls: dict[str, int]
     _rollouts: OrderedDict[str, Rollout]
     _attempts: dict[str, list[Attempt]]
 
@@ -360,7 +361,7 @@ class InMemorySpans:
                     out[rid] += sum(value("name", r) == LLM_SPAN for r in table.by_attempt.get(aid, ()))
                 return out
             for r in table.rows_named(LLM_SPAN):
-                rid = value("rollout_id", r)
-                if rid in wanted and latest.get(rid) == value("attempt_id", r):
-                    out[rid] += 1
+                row_rollout = value("rollout_id", r)
+                if row_rollout in wanted and latest.get(row_rollout) == value("attempt_id", r):
+                    out[row_rollout] += 1
         return out

@@ -38,7 +38,7 @@ _NO_CELLS = known_cells({})  # the KNOWN_ATTRIBUTES cells of a span that has non
 def span_from_raw(raw: tuple[Any, ...]) -> Span:
     """A :class:`Span` from :meth:`SpanTable.raw`, with its own copy of the attributes."""
     *fields, attrs, has_list = raw
-    return span_construct(*fields, copy_lists(SpanAttributes(attrs), has_list))
+    return span_construct(*fields, copy_lists(SpanAttributes(attrs), has_list))  # type: ignore[call-arg]  # the 10 raw fields
 
 
 def _spilled_span(data: str) -> Span:
