@@ -280,5 +280,9 @@ def test_bfloat16_engine_and_trainer_logprobs_agree_on_cpu(smol):
     # float32 head cannot remove. A wrong token or temperature costs > 1 nat. The bfloat16 kernels differ by CPU:
     # on this project's AMD EPYC VMs (2026-11-27) the same seeded sample gives 106 tokens, mean 0.032, p99 0.174,
     # max 0.318 nats with the float32 heads, so the bounds are p99 < 0.2 (still refusing the bfloat16-head
-    # code's 0.204 above) and max < 0.4.
-    assert len(diff_N) >= 64 and 0 < p99 < 0.2 and mx < 0.4
+    # code's 0.204 above) and max < 0.4. On an Intel Xeon VM (2026-11-29) the same sample with the float32 heads
+    # gives 82 tokens, mean 0.035, p99 0.280, max 0.515 nats, at 4f2283f too and with 1 or 2 threads: past what the
+    # bfloat16-head code gave on the AMD VMs, so absolute bounds cannot tell the two heads apart across CPUs. The
+    # float32 head is checked by has_fp32_head above; the bounds here refuse what a wrong token, temperature or
+    # position costs (> 1 nat on a token, a mean of several tenths).
+    assert len(diff_N) >= 64 and 0 < p99 < 0.4 and mx < 0.8 and float(diff_N.mean()) < 0.05

@@ -31,6 +31,7 @@ from lightning_nb.algorithm.control import LoopControl, LoopProgress
 from lightning_nb.algorithm.waiting import (STALL_S, default_stall_advice, rollout_share, rollouts_waiting_for,
                                             wait_for_rollouts, wait_loop)
 from lightning_nb.errors import LightningNbError
+from lightning_nb.trainers.base import Update
 from lightning_nb.trainers.edits import ConfigChange
 from lightning_nb.types import html_view
 
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from lightning_nb.store.base import LightningStore
-    from lightning_nb.trainers.base import Trainer, Update
+    from lightning_nb.trainers.base import Trainer
 
 __all__ = ["Algorithm", "RunConfig"]
 
@@ -321,8 +322,11 @@ class Algorithm(abc.ABC):
 
         ``update`` (what the trainer's update of the step returned) becomes :attr:`last_update`, and the config
         edits it applied join :attr:`config_changes` as the ``"trainer"``'s; ``changes`` (this algorithm's own
-        config edits applied at the step) join as the ``"algorithm"``'s. Returns ``row``.
+        config edits applied at the step) join as the ``"algorithm"``'s. Returns ``row``. An :class:`Update` given as
+        ``row`` (``algo.record(trainer.update(triplets))``) is both: its metrics row is recorded.
         """
+        if isinstance(row, Update):
+            update, row = update or row, row.metrics
         self.global_step += 1
         row["step"] = self.global_step
         self.metrics.append(row)

@@ -24,7 +24,7 @@ import abc
 import contextlib
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
@@ -61,11 +61,11 @@ def progress_ticker(report: ProgressCallback, total: int, unit: str) -> Callable
 
 
 @dataclass(eq=False)
-class Update(Mapping[str, Any]):
+class Update(MutableMapping[str, Any]):
     """What one :meth:`Trainer.update` returns: its metrics row and everything else the algorithm records of it.
 
-    Indexing reads the metrics row (``update["loss"]``, ``dict(update)``): the value ``update()`` returned in
-    earlier versions. The algorithm keeps the last one as ``algo.last_update``; the trainer keeps none.
+    Indexing reads and writes the metrics row (``update["loss"]``, ``update["note"] = ...``, ``dict(update)``): the
+    dict ``update()`` returned in earlier versions. The algorithm keeps the last one as ``algo.last_update``; the trainer keeps none.
 
     Attributes:
         metrics: the update's metrics row, a flat dict with :attr:`Trainer.METRIC_KEYS` among its keys.
@@ -87,6 +87,12 @@ class Update(Mapping[str, Any]):
 
     def __getitem__(self, key: str) -> Any:
         return self.metrics[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.metrics[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self.metrics[key]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.metrics)
