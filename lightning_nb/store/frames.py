@@ -48,7 +48,7 @@ class FrameViews:
 
         def final_rewards(self, rollout_ids: Optional[Sequence[str]] = None) -> dict[str, Optional[float]]: ...
 
-        def llm_call_counts(self, rollout_ids: Optional[Sequence[str]] = None) -> dict[str, int]: ...
+        def _latest_attempt_llm_calls(self, rollout_ids: Sequence[str]) -> dict[str, int]: ...
 
     def rollouts_df(self) -> pd.DataFrame:
         """One row per rollout, in enqueue order.
@@ -65,7 +65,7 @@ class FrameViews:
         """
         rollouts = self.query_rollouts()
         rewards = self.final_rewards()  # after the rollouts: every finished one above has its reward
-        calls = self.llm_call_counts([r.rollout_id for r in rollouts])
+        calls = self._latest_attempt_llm_calls([r.rollout_id for r in rollouts])  # llm_call_counts, ids known
         rows = []
         for r in rollouts:
             row = r.model_dump(exclude={"config", "metadata", "input"})

@@ -173,7 +173,7 @@ class Trainer(abc.ABC):
         self.config = config
         self.updates_applied = 0  # the position of the LR schedule (the run's step is the algorithm's)
         self._updating = threading.Lock()  # held by update(), load_state_dict(), save_pretrained() and frozen()
-        self._last: Update = Update({})  # only for the deprecated last_* reads (__getattr__)
+        self._last: Update = Update({})  # only for the deprecated last_* properties below
 
     def _deprecated_last(self, name: str) -> Any:
         """A ``last_*`` attribute of earlier versions, read from the last :class:`Update` with a DeprecationWarning."""
