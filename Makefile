@@ -52,7 +52,7 @@ demo:
 TEST_WORKERS ?= logical
 test:
 	$(MAKE) -j2 setup setup-vllm
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --junitxml=tests/_artifacts/junit.xml
 
 # the manual: docs/ and the API pages mkdocstrings writes from the docstrings; --strict turns every warning (a broken
 # link or anchor, a docstring griffe cannot read) into an error. tests/test_docs.py runs the same build in `make test`.

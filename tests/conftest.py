@@ -334,3 +334,19 @@ def vllm_engine():
     print(f"\nvLLM server healthy after {eng.startup_s:.1f} s")
     yield eng
     eng.close()  # idempotent
+
+
+# what a test loads, written to `make test`'s JUnit XML (tests/_artifacts/junit.xml) for bench/suite_profile.py:
+# the fixtures that build a model, an engine, a server or a venv, and the marks that say so
+_LOADING_FIXTURES = ("engine", "pristine", "proxied", "proxied_store", "vllm_engine", "vllm", "lora_engine",
+                     "default_model", "smol", "core_python", "ray_cluster", "kernel_owner", "sigkill_owner",
+                     "reference_server", "fake_server", "fuzz_server", "site", "straight", "finished_run")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Record, as the JUnit property ``loads``, which loading fixtures and marks (slow, browser, gpu) a test has."""
+    loads = [name for name in _LOADING_FIXTURES if name in getattr(item, "fixturenames", ())]
+    loads += [mark for mark in ("slow", "browser", "gpu") if item.get_closest_marker(mark)]
+    if loads and not any(key == "loads" for key, _ in item.user_properties):
+        item.user_properties.append(("loads", " ".join(loads)))
