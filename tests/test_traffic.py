@@ -16,8 +16,9 @@ from lightning_nb.runners import Runner
 from lightning_nb.store.memory.store import InMemoryStore
 from lightning_nb.tracing import Tracer
 from lightning_nb.types import LLMResource
+from conftest import IDLE_LLM
 
-LLM = LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")
+LLM = LLMResource(endpoint=IDLE_LLM, model="m")
 
 
 def _stored(store):
