@@ -412,6 +412,8 @@ def test_connect_error_to_another_host_gets_no_llm_hint():
         httpx.get(tool_url, timeout=2.0)
         return 1.0
 
+    agent.calls_model = False  # it never calls the LLM: not held by the dead LLM endpoint
+
     rid = store.enqueue_rollout("t", config=RolloutConfig(max_attempts=1)).rollout_id
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -69,8 +69,8 @@ class APOConfig:
             if value is None and name == "temperature":
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 5:
-                allowed = "None (the agent's own sampling) or " if name == "temperature" else ""
-                raise ConfigError(f"APOConfig.{name} must be {allowed}a number in [0, 5], got {value!r}")
+                none_ok = "None (the agent's own sampling) or " if name == "temperature" else ""
+                raise ConfigError(f"APOConfig.{name} must be {none_ok}a number in [0, 5], got {value!r}")
         if isinstance(self.publish_margin, bool) or not isinstance(self.publish_margin, (int, float)) \
                 or not 0 <= self.publish_margin < math.inf:
             raise ConfigError(f"APOConfig.publish_margin must be a number >= 0 (mean reward the winner must gain over "
