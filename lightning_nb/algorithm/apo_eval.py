@@ -56,7 +56,7 @@ class CandidateEvaluation:
         if self.config.temperature is not None:
             return f"temperature {self.config.temperature:g} (APOConfig.temperature, not the agent's own sampling)"
         llm = self.store.get_resources_by_id(self.resources_id).resources.get(self.config.llm_name)
-        own = getattr(llm, "sampling_parameters", {}).get("temperature")
+        own = getattr(llm, SAMPLING_PARAMETERS_KEY, {}).get("temperature")
         where = (f"temperature {own:g} from the {self.config.llm_name!r} resource" if isinstance(own, (int, float))
                  else "the agent's default temperature")
         return f"the agent's own sampling ({where}; APOConfig.temperature=None)"

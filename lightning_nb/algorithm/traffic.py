@@ -67,6 +67,7 @@ from lightning_nb.types import GROUP_ID_KEY, TRAFFIC_KEY, Rollout, Triplet, new_
 
 __all__ = ["TrafficConfig", "TrafficLearner", "is_traffic", "TRAFFIC_KEY"]
 
+_NAME_PREFIX = "traffic-learner"  # a learner's default name: traffic-learner-<hex>
 UPDATE_COLUMNS = ["update", "learner", "time", "rollout_ids", "n", "groups", "baselined", "reward_mean", "weight_version_before",
                   "weight_version_after", "trainer_step", "checkpoint", "stale_episodes_dropped", "undone"]
 
@@ -142,7 +143,7 @@ class TrafficLearner(Algorithm):
             A folder you name is never removed.
         adapter: spans to triplets (default ``TripletAdapter()``).
         id_key: the task field naming a task's group (:func:`task_key`).
-        name: this learner's name in the store's training record (:attr:`name`; default a new ``traffic-<hex>``).
+        name: this learner's name in the store's training record (:attr:`name`; default a new ``traffic-learner-<hex>``).
             :meth:`load` restores the saved one, so a learner continued after a restart keeps its name.
         retrain: train on rollouts an update (of any learner on this store) already trained on. False (the
             default): :meth:`poll` skips them and says how many (``skipped``) and why (``skipped_why``).
@@ -177,7 +178,7 @@ class TrafficLearner(Algorithm):
         self.unusable: set[str] = set()  # labelled, but the adapter made no triplet of it
         self.reward_sums: dict[str, list[float]] = {}  # task key -> [sum, count] of used rewards (baseline())
         self.last_poll: dict[str, Any] = {}
-        self.name = name or new_id("traffic")  # in the store's training record: which learner's update used a rollout
+        self.name = name or new_id(_NAME_PREFIX)  # in the store's training record: which learner's update used a rollout
         self.retrain = bool(retrain)
         self.skipped: dict[str, TrainedMark] = {}  # traffic an update already trained on (store mark), not retrained
         self._marks = PendingMarks()
