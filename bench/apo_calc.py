@@ -68,7 +68,8 @@ def run_variant(name: str, engine: TransformersEngine, proposer_engine: Any, arg
         critic = side.as_resource()
     try:
         config = APOConfig(rounds=args.rounds, beam_width=args.beam, branch_factor=args.branch,
-                           batch_size=args.train, max_tokens=args.max_tokens, seed=args.seed)
+                           batch_size=args.train, max_tokens=args.max_tokens, seed=args.seed,
+                           temperature=0.0)  # greedy, as this bench's recorded numbers (the default samples as the agent)
         apo = APO(store, load_tasks("train")[:args.train], load_tasks("val")[:args.val], config=config,
                   critic=critic, editor=critic)
         if start_score is None:

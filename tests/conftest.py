@@ -8,6 +8,81 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+def _idle_llm_endpoint() -> str:
+    """A real HTTP server on this machine that answers every request 404, started once per test process: the LLM
+    endpoint of tests whose agents never call the model. ``start_runners`` probes the latest LLM endpoint and holds
+    the whole queue while it does not answer (issue 53), so a closed port there would hold those tests' rollouts;
+    any HTTP answer counts as alive. Tests about a dead endpoint use a closed port of their own."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's names)
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="idle-llm-endpoint", daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/v1"
+
+
+IDLE_LLM = _idle_llm_endpoint()  # `from conftest import IDLE_LLM`
+
+
+class FixedChatServer:
+    """A small real OpenAI-compatible chat server on this machine whose replies are fixed: ``reply(text)`` gives the
+    content of every choice for a request whose last message is ``text`` (``n`` choices). ``GET .../models`` answers
+    too (the runners' endpoint probe); every request body is kept in ``requests``. For tests that need an LLM
+    endpoint with known answers and no model (``from conftest import FixedChatServer``); ``close()`` stops it."""
+
+    def __init__(self, reply) -> None:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's names)
+                self._send({"object": "list", "data": [{"id": "fixed", "object": "model"}]})
+
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                owner.requests.append(body)
+                content = owner.reply(body["messages"][-1]["content"])
+                self._send({"id": "fixed", "object": "chat.completion", "created": 0, "model": body["model"],
+                            "choices": [{"index": i, "message": {"role": "assistant", "content": content},
+                                         "finish_reason": "stop"} for i in range(body.get("n") or 1)],
+                            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+            def _send(self, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.reply, self.requests = reply, []
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, name="fixed-chat-server", daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 # `make test` runs one pytest-xdist worker per core. torch (OpenMP) would start one thread per core in each worker and
 # in each process a worker starts (notebook kernels, vLLM servers, demo subprocesses: they inherit this), so two
 # workers on 2 cores ran 4 spinning threads: measured here, two processes each doing the same forward/backward of

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from lightning_nb import start_runners
 from lightning_nb.errors import ConfigError
 from lightning_nb.types import ATTEMPT_TERMINAL, ROLLOUT_TERMINAL, LLMResource, RolloutConfig
+from conftest import IDLE_LLM
 
 _KINDS = ["ok", "raise", "hang", "nan"]
 _OUTCOME = {"ok": "succeeded", "raise": "failed", "nan": "failed", "hang": "timeout"}
@@ -24,7 +25,7 @@ _OUTCOME = {"ok": "succeeded", "raise": "failed", "nan": "failed", "hang": "time
 
 @pytest.fixture
 def resourced(store):
-    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
+    store.add_resources({"main_llm": LLMResource(endpoint=IDLE_LLM, model="m")})
     return store
 
 

@@ -31,6 +31,7 @@ from lightning_nb.semconv import LLM_SPAN as LLM_SPAN_NAME
 from lightning_nb.tasks.calc import calc_reward
 from lightning_nb.tasks.calc import calculator as evaluate
 from lightning_nb.types import LLMResource
+from conftest import IDLE_LLM
 
 pytestmark = pytest.mark.slow
 
@@ -275,7 +276,7 @@ def test_the_langgraph_agent_runs_without_a_deprecation_warning(stack):
 
 def test_a_rollout_without_llm_calls_is_skipped_as_no_llm_calls_not_dropped():
     store = InMemoryStore()
-    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
+    store.add_resources({"main_llm": LLMResource(endpoint=IDLE_LLM, model="m")})
     (rid,) = _run(store, lambda task, llm: 1.0, ["no model needed"], timeout=30)
     assert store.get_rollout_by_id(rid).status == "succeeded"
     assert [s.attributes[semconv.REWARD] for s in store.query_spans(rid) if s.name == "reward"] == [1.0]

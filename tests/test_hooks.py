@@ -15,6 +15,7 @@ from lightning_nb.runners.hooks import HOOK_ATTRIBUTE, HOOK_METHODS
 from lightning_nb.semconv import AGENT_SPAN, INTERMEDIATE_REWARD_SPAN, REWARD_NAME
 from lightning_nb.tracing.tracer import Tracer, emit_intermediate_reward
 from lightning_nb.types import LLMResource, Span
+from conftest import IDLE_LLM
 
 ORDER = list(HOOK_METHODS)
 
@@ -34,7 +35,7 @@ def slow_reward_agent(task, llm):
 
 @pytest.fixture
 def resourced(store):
-    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
+    store.add_resources({"main_llm": LLMResource(endpoint=IDLE_LLM, model="m")})
     return store
 
 
@@ -282,7 +283,7 @@ def test_hooks_run_on_ray_actors():
         init_local_ray(2, object_store_bytes=100 * 1024 * 1024)
     try:
         store = InMemoryStore()
-        store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
+        store.add_resources({"main_llm": LLMResource(endpoint=IDLE_LLM, model="m")})
         ids = [store.enqueue_rollout(float(i)).rollout_id for i in range(4)]
         with start_runners(ray_reward_agent, store, n=2, backend="ray", num_cpus=0.5, hooks=[StoreMarker()]):
             done = store.wait_for_rollouts(ids, timeout=120)

@@ -22,6 +22,7 @@ from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.rewards import (GroupJudge, Judge, JudgeError, judge_reward, parse_group_scores, parse_score,
                                   trajectory_messages)
 from lightning_nb.types import LLMResource
+from conftest import IDLE_LLM
 
 JUDGED_KEYS = [semconv.JUDGE_PROMPT, semconv.JUDGE_VERDICT, semconv.JUDGE_SCORE, semconv.JUDGE_MODEL,
                semconv.REWARD_NAME, semconv.ERROR]
@@ -131,7 +132,7 @@ def test_rewards_df_has_one_final_row_per_rollout_the_reward_that_counts():
     from lightning_nb.types import RolloutConfig
 
     store = InMemoryStore()
-    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="unused")})
+    store.add_resources({"main_llm": LLMResource(endpoint=IDLE_LLM, model="unused")})
     tries = itertools.count()
 
     def agent(task, llm):

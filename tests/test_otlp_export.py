@@ -13,6 +13,7 @@ from lightning_nb.errors import ConfigError, MissingDependencyError, NotFoundErr
 from lightning_nb.tracing.export import OTLPExportError, redact_attributes, spans_to_otlp
 from lightning_nb.tracing.tracer import Tracer
 from lightning_nb.types import LLMResource, Span
+from conftest import IDLE_LLM
 
 trace_service_pb2 = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 
@@ -77,7 +78,7 @@ def _value(any_value):
 @pytest.fixture
 def traced_store():
     store = InMemoryStore()
-    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
+    store.add_resources({"main_llm": LLMResource(endpoint=IDLE_LLM, model="m")})
 
     def agent(task, llm):
         with tool_span("calculator", "2 * 3") as span:
@@ -157,7 +158,7 @@ def test_bad_arguments_name_the_field(kwargs, field):
 # ----- live export from the tracer --------------------------------------------------------------
 def test_tracer_sends_spans_live_with_credentials_redacted():
     store = InMemoryStore()
-    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
+    store.add_resources({"main_llm": LLMResource(endpoint=IDLE_LLM, model="m")})
 
     def agent(task, llm):
         with tool_span("calculator", "2 * 3") as span:

@@ -33,6 +33,7 @@ from lightning_nb.semconv import ERROR, LLM_SPAN, REQUEST_RESPONSE_MASK, TOOL_IN
 from lightning_nb.store import InMemoryStore
 from lightning_nb.trainers.packing import pack_episode
 from lightning_nb.types import LLMResource, RolloutConfig
+from conftest import IDLE_LLM
 
 # Greedy SmolLM2 answers "Add 5 and 3." with <tool_call>{"name": "add", "arguments": {"a": 5, "b": 3}} in the
 # reference server's layout (its four tools, no system message); 40 tokens hold the call.
@@ -398,7 +399,7 @@ def test_tools_are_discovered_once_per_agent_and_process(fake_server):
 def test_a_completed_answer_without_a_model_call_is_refused(store, fake_server):
     """Doc 002's COMPLETED answer from a server that never called the model back: RemoteRolloutAgent declares
     calls_model, so the attempt fails naming why instead of succeeding with a reward and 0 LLM calls."""
-    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})  # never called
+    store.add_resources({"main_llm": LLMResource(endpoint=IDLE_LLM, model="m")})  # never called
     agent = RemoteRolloutAgent(fake_server, reward_fn=lambda task, msgs: 1.0)
     [(rollout, attempt)] = run(agent, store, ["ok"], n=1)
     assert rollout.status == "failed" and "without calling the model" in attempt.error
@@ -408,7 +409,7 @@ def test_a_completed_answer_without_a_model_call_is_refused(store, fake_server):
 def test_an_answer_after_the_attempt_timed_out_is_refused_and_never_stored(store, fake_server, caplog):
     """The /rollout answer arrives (4 s) after the rollout's timeout_seconds (1 s) ended the attempt: its
     tool:rollout_server span, reward and agent span are refused on every backend, and logged."""
-    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
+    store.add_resources({"main_llm": LLMResource(endpoint=IDLE_LLM, model="m")})
     agent = RemoteRolloutAgent(fake_server, reward_fn=lambda task, msgs: 1.0, timeout_s=30.0)
     rid = store.enqueue_rollout("hang", config=RolloutConfig(timeout_seconds=1.0)).rollout_id
     with caplog.at_level("WARNING", logger="lightning_nb.tracing.tracer"), warnings.catch_warnings():

@@ -13,11 +13,12 @@ from lightning_nb import emit_reward, semconv, start_runners, tool_span
 from lightning_nb.errors import InvalidRewardError, LightningNbError
 from lightning_nb.runners.runner import attributed_llm
 from lightning_nb.types import LLMResource, RolloutConfig
+from conftest import IDLE_LLM
 
 
 @pytest.fixture
 def resourced(store):
-    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
+    store.add_resources({"main_llm": LLMResource(endpoint=IDLE_LLM, model="m")})
     return store
 
 

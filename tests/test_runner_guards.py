@@ -20,14 +20,15 @@ import openai
 import pytest
 
 from lightning_nb import emit_reward, semconv, start_runners
-from lightning_nb.runners import NO_REWARD_ERROR, live_runner_group, unreachable_endpoint_hint
+from lightning_nb.runners import NO_REWARD_ERROR, Runner, live_runner_group, unreachable_endpoint_hint
 from lightning_nb.runners.live import LIVE as _LIVE
 from lightning_nb.store import InMemoryStore, SqliteStore, StoreClient, StoreServer
 from lightning_nb.tracing.tracer import Tracer
 from lightning_nb.types import LLMResource, RolloutConfig
+from conftest import IDLE_LLM
 
 
-def _resources(store, endpoint="http://127.0.0.1:9/v1"):
+def _resources(store, endpoint=IDLE_LLM):
     store.add_resources({"main_llm": LLMResource(endpoint=endpoint, model="m")})
     return store
 
@@ -294,7 +295,8 @@ def _until(predicate, timeout_s=60.0):
         time.sleep(0.1)
 
 
-def test_dead_llm_endpoint_warns_at_start_fails_one_line_and_requeues_when_published(store, engine):
+def test_dead_llm_endpoint_at_start_holds_the_whole_queue_until_published(store, engine):
+    """Issue 53 item 4: no rollout runs against an endpoint start_runners found dead, not even the first."""
     from lightning_nb import LLMProxy
 
     endpoint = f"http://127.0.0.1:{_closed_port()}/v1"
@@ -302,14 +304,39 @@ def test_dead_llm_endpoint_warns_at_start_fails_one_line_and_requeues_when_publi
     ids = [store.enqueue_rollout(f"task {i}", config=RolloutConfig(max_attempts=1)).rollout_id for i in range(2)]
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        with start_runners(_openai_agent, store, n=1) as group:
+        with start_runners(_openai_agent, store, n=2) as group:
             start_notes = [str(w.message) for w in record if str(w.message).startswith("start_runners:")]
             assert len(start_notes) == 1 and endpoint in start_notes[0]  # said before any rollout ran
+            assert "the runners hold the whole queue" in start_notes[0]
             assert "store.add_resources({'main_llm': proxy.as_resource()})" in start_notes[0]
             assert record[0].category is RuntimeWarning and str(record[0].message) == start_notes[0]
+            time.sleep(2.5)  # held: both stay queued, no attempt was made
+            assert [store.get_rollout_by_id(r).status for r in ids] == ["queuing"] * 2
+            assert store.query_attempts() == [] and group.runners[0].gate.closed
+            with LLMProxy(engine, store) as proxy:  # the proxy restarted, and published again
+                store.add_resources({"main_llm": proxy.as_resource()})
+                _until(lambda: [store.get_rollout_by_id(r).status for r in ids] == ["succeeded"] * 2)
+    latest = store.get_latest_resources().resources_id
+    assert [store.get_rollout_by_id(r).resources_id for r in ids] == [latest, latest]  # re-pinned
+    assert [len(store.query_attempts(r)) for r in ids] == [1, 1]  # one attempt each: none failed
+    assert group.runners[0].gate.reopened == [(proxy.endpoint(), 0, 2)]  # nothing requeued, 2 re-pinned
+    assert not _runner_warnings(record)
+
+
+def test_an_endpoint_that_dies_after_the_start_fails_one_line_and_requeues_when_published(store, engine):
+    from lightning_nb import LLMProxy
+
+    endpoint = f"http://127.0.0.1:{_closed_port()}/v1"
+    _resources(store, endpoint)
+    ids = [store.enqueue_rollout(f"task {i}", config=RolloutConfig(max_attempts=1)).rollout_id for i in range(2)]
+    runner = Runner(_openai_agent, store, Tracer(store))  # not start_runners: its gate was not closed at the start
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        runner.start()
+        try:
             _until(lambda: store.get_rollout_by_id(ids[0]).status == "failed")
             time.sleep(1.5)  # the gate is closed: the runner takes nothing more while the endpoint is dead
-            assert store.get_rollout_by_id(ids[1]).status == "queuing" and group.runners[0].gate.closed
+            assert store.get_rollout_by_id(ids[1]).status == "queuing" and runner.gate.closed
             (attempt,) = store.query_attempts(ids[0])
             first, rest = attempt.error.split("\n", 1)
             assert first == _expected_hint(endpoint)
@@ -320,14 +347,17 @@ def test_dead_llm_endpoint_warns_at_start_fails_one_line_and_requeues_when_publi
             with LLMProxy(engine, store) as proxy:  # the proxy restarted, and published again
                 store.add_resources({"main_llm": proxy.as_resource()})
                 _until(lambda: [store.get_rollout_by_id(r).status for r in ids] == ["succeeded"] * 2)
+        finally:
+            runner.stop()
+            runner.join(30)
     latest = store.get_latest_resources().resources_id
     assert [store.get_rollout_by_id(r).resources_id for r in ids] == [latest, latest]  # re-pinned
     assert [a.status for a in store.query_attempts(ids[0])] == ["failed", "succeeded"]  # one more attempt
-    assert group.runners[0].gate.reopened == [(proxy.endpoint(), 1, 1)]  # 1 requeued, 1 re-pinned
+    assert runner.gate.reopened == [(proxy.endpoint(), 1, 1)]  # 1 requeued, 1 re-pinned
     assert any("answers; taking rollouts again (requeued 1" in str(w.message) for w in record)
 
 
-def test_reopened_sqlite_store_with_a_dead_proxy_says_publish_again(tmp_path, engine):
+def test_reopened_sqlite_store_with_a_dead_proxy_holds_its_queue_and_says_publish_again(tmp_path, engine):
     from lightning_nb import LLMProxy
 
     endpoint = f"http://127.0.0.1:{_closed_port()}/v1"
@@ -340,12 +370,13 @@ def test_reopened_sqlite_store_with_a_dead_proxy_says_publish_again(tmp_path, en
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             with start_runners(_openai_agent, store, n=2):
-                assert store.wait_for_rollouts([rid], timeout=30)
-                assert store.query_attempts(rid)[0].error.splitlines()[0] == _expected_hint(endpoint)
+                time.sleep(2.5)
+                assert store.get_rollout_by_id(rid).status == "queuing" and store.query_attempts(rid) == []
                 with LLMProxy(engine, store) as proxy:
                     store.add_resources({"main_llm": proxy.as_resource()})
                     _until(lambda: store.get_rollout_by_id(rid).status == "succeeded")
         assert str(record[0].message).startswith(f"start_runners: the LLM endpoint {endpoint} of 'main_llm'")
+        assert [a.status for a in store.query_attempts(rid)] == ["succeeded"]
     finally:
         store.close()
 
@@ -360,8 +391,13 @@ def test_start_runners_does_not_warn_about_an_endpoint_that_answers(proxied_stor
 def test_an_agent_that_never_calls_the_llm_keeps_working_with_a_dead_endpoint():
     store = _resources(InMemoryStore(), f"http://127.0.0.1:{_closed_port()}/v1")
     ids = [r.rollout_id for r in store.enqueue_rollouts(range(3))]
-    with pytest.warns(RuntimeWarning, match="does not answer"):
-        group = start_runners(lambda task, llm: 1.0, store, n=1)
+
+    def agent(task, llm):
+        return 1.0
+
+    agent.calls_model = False  # it may answer without the LLM: not held
+    with pytest.warns(RuntimeWarning, match="does not answer.*calls_model = False, so the runners take rollouts"):
+        group = start_runners(agent, store, n=1)
     try:
         assert [r.status for r in store.wait_for_rollouts(ids, timeout=30)] == ["succeeded"] * 3
     finally:
@@ -375,6 +411,8 @@ def test_connect_error_to_another_host_gets_no_llm_hint():
     def agent(task, llm):
         httpx.get(tool_url, timeout=2.0)
         return 1.0
+
+    agent.calls_model = False  # it never calls the LLM: not held by the dead LLM endpoint
 
     rid = store.enqueue_rollout("t", config=RolloutConfig(max_attempts=1)).rollout_id
     with warnings.catch_warnings():

@@ -16,6 +16,7 @@ from lightning_nb.errors import ConfigError, MissingDependencyError
 from lightning_nb.runners.ray import init_local_ray
 from lightning_nb.store import StoreClient, StoreServer
 from lightning_nb.types import LLMResource, RolloutConfig
+from conftest import IDLE_LLM
 
 
 def square_agent(task, llm):
@@ -29,7 +30,7 @@ def square_agent(task, llm):
 
 
 def _resourced(store):
-    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
+    store.add_resources({"main_llm": LLMResource(endpoint=IDLE_LLM, model="m")})
     return store
 
 

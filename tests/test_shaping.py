@@ -26,6 +26,7 @@ from lightning_nb.tasks.calc import calc_agent, calc_reward, load_tasks
 from lightning_nb.tasks.calc.agent import ALL_NUMBERS_COMPONENT, uses_all_numbers
 from lightning_nb.errors import ConfigError
 from lightning_nb.types import LLMResource
+from conftest import IDLE_LLM
 
 # 5 one-operation tasks, 4 two-operation tasks
 TASKS = [{"id": f"a{i}", "ops": 1} for i in range(5)] + [{"id": f"b{i}", "ops": 2} for i in range(4)]
@@ -43,7 +44,7 @@ def _shaped(task, llm):
 def served():
     """An InMemoryStore with a placeholder LLM resource and ``start(agent, n)`` runner groups stopped afterwards."""
     store = InMemoryStore()
-    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="unused")})
+    store.add_resources({"main_llm": LLMResource(endpoint=IDLE_LLM, model="unused")})
     groups = []
 
     def start(agent, n=3):

@@ -24,6 +24,7 @@ from lightning_nb.tasks.calc import load_tasks
 from lightning_nb.tasks.calc.dataset import count_ops
 from lightning_nb.errors import ConfigError
 from lightning_nb.types import LLMResource, Span
+from conftest import IDLE_LLM
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*the agent crashed:RuntimeWarning")
 
@@ -55,7 +56,7 @@ def trainer(engine):
 def graded(trainer):
     """``(store, algo)``: an InMemoryStore served by 3 runners of :func:`_graded`, and a LightningRL on TASKS."""
     store = InMemoryStore()
-    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="unused")})
+    store.add_resources({"main_llm": LLMResource(endpoint=IDLE_LLM, model="unused")})
     runners = start_runners(_graded, store, n=3)
     try:
         yield store, LightningRL(store, trainer, TASKS, TASKS, AlgorithmConfig(rollout_timeout_s=30))

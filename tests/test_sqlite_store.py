@@ -568,3 +568,11 @@ def test_reward_fast_path_agrees_with_the_generic_one(tmp_path):
         assert s._latest_attempt_rewards(ids)[retried] == [0.2, None, 0.7]
         assert s.final_rewards() == {ids[0]: 0.7, ids[1]: None, running: None, ids[3]: None}
         assert s._latest_attempt_rewards([]) == {}
+
+
+def test_the_training_record_survives_reopening(tmp_path):
+    with SqliteStore(tmp_path / "t.db") as store:
+        rid = store.enqueue_rollout("t").rollout_id
+        marks = store.mark_trained([rid], learner="traffic-a", update=2)
+    with SqliteStore(tmp_path / "t.db") as store:
+        assert store.query_trained() == marks and store.query_trained([rid])[0].update == 2

@@ -472,3 +472,25 @@ def test_ids_survive_random_seed_and_fork():
     parent = [new_id("ro") for _ in range(3)]
     assert len(child) == 3 and not set(child) & set(parent)
     assert all(re.fullmatch(r"ro-[0-9a-f]{12}", i) for i in first + child + parent)
+
+
+def test_the_training_record_keeps_each_updates_marks_all_or_nothing(store):
+    """Issue 53 item 2: which update of which learner trained on each rollout, on every backend."""
+    ids = [store.enqueue_rollout(i).rollout_id for i in range(3)]
+    marks = store.mark_trained(ids[:2], learner="traffic-a", update=1)
+    assert [(m.rollout_id, m.learner, m.update) for m in marks] == [(ids[0], "traffic-a", 1), (ids[1], "traffic-a", 1)]
+    assert marks[0].time == pytest.approx(time.time(), abs=60)
+    with pytest.raises(NotFoundError, match="rollout_id 'ro-unknown' is not in the store"):
+        store.mark_trained([ids[2], "ro-unknown"], learner="traffic-b", update=1)
+    for bad, match in ((dict(learner="", update=1), "learner must be a non-empty str"),
+                       (dict(learner="b", update=0), "update must be the learner's 1-based update number"),
+                       (dict(learner="b", update=True), "update must be")):
+        with pytest.raises(ConfigError, match=match):
+            store.mark_trained([ids[2]], **bad)
+    with pytest.raises(ConfigError, match="repeats an id"):
+        store.mark_trained([ids[2], ids[2]], learner="b", update=1)
+    assert store.query_trained() == marks  # nothing of the refused calls was stored
+    store.mark_trained([ids[1]], learner="traffic-b", update=3)  # trained again (retrain=True): a second mark
+    assert [(m.learner, m.update) for m in store.query_trained([ids[1], "ro-unknown"])] == [("traffic-a", 1),
+                                                                                         ("traffic-b", 3)]
+    assert store.query_trained([ids[2]]) == []

@@ -16,8 +16,9 @@ from lightning_nb.runners import Runner
 from lightning_nb.store.memory.store import InMemoryStore
 from lightning_nb.tracing import Tracer
 from lightning_nb.types import LLMResource
+from conftest import IDLE_LLM
 
-LLM = LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")
+LLM = LLMResource(endpoint=IDLE_LLM, model="m")
 
 
 def _stored(store):
@@ -262,3 +263,50 @@ def test_the_learners_own_checkpoint_folder_goes_with_it_and_a_named_one_stays(e
     assert out.returncode == 0, out.stderr[-2000:]
     left = out.stdout.strip().splitlines()[-1]
     assert "lightning_nb_traffic_" in left and not Path(left).exists()
+
+
+def test_two_learners_and_a_restart_on_a_sqlite_file_train_on_each_rollout_once(pristine, tmp_path):
+    """Issue 53 item 2: a second learner, and one on the reopened file after a restart, skip what earlier updates
+    trained on, say how many and why; the store's training record and updates_df() show where each rollout went."""
+    from lightning_nb.proxy.proxy import LLMProxy
+    from lightning_nb.store import SqliteStore
+    from lightning_nb.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    engine, db = pristine, tmp_path / "traffic.db"
+    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False, micro_batch_size=8))
+    config = TrafficConfig(min_labelled=2, max_batch=2, keep_checkpoints=1)
+    store = SqliteStore(db)
+    with LLMProxy(engine, store) as proxy:
+        client = OpenAI(base_url=proxy.traffic_endpoint(), api_key="x", max_retries=0)
+        sent = [_ask(client, proxy.served_models[0], f"Say a word about {w}.")
+                for w in ("cats", "rain", "tea", "snow", "bread", "wind")]
+    for rid, reward in zip(sent, (1.0, 0.0) * 3):  # singletons: each trains against the baseline 0.5
+        store.label(rid, reward)
+    first = TrafficLearner(store, trainer, config, checkpoint_dir=tmp_path / "a", name="first")
+    assert first.step()["rollout_ids"] == sent[:2]
+    second = TrafficLearner(store, trainer, config, checkpoint_dir=tmp_path / "b")  # beside it, same store
+    poll = second.poll()
+    assert poll["skipped"] == 2 and poll["ready"] == sent[2:4] and poll["pending"] == 4
+    assert poll["skipped_why"].startswith("2 labelled or unlabelled traffic rollout(s) skipped: already trained on "
+                                          "(first update 1;") and "retrain=True" in poll["skipped_why"]
+    assert second.step()["rollout_ids"] == sent[2:4] and first.poll()["skipped"] == 2  # each sees the other's
+    first_df, second_df = first.updates_df(), second.updates_df()
+    store.close()  # the kernel restarts
+
+    store = SqliteStore(db)  # reopened: the training record is in the file
+    try:
+        third = TrafficLearner(store, trainer, config, checkpoint_dir=tmp_path / "c")
+        assert third.poll()["skipped"] == 4 and third.last_poll["ready"] == sent[4:]
+        assert third.step()["rollout_ids"] == sent[4:]
+        assert third.step() is None and third.last_poll["pending"] == 0  # nothing left: nothing trained twice
+        again = TrafficLearner(store, trainer, config, checkpoint_dir=tmp_path / "d", retrain=True)
+        assert again.poll()["skipped"] == 0 and again.last_poll["pending"] == 6  # asked to: all of them again
+
+        rows = [(row.learner, row.update, rid) for df in (first_df, second_df, third.updates_df())
+                for row in df.itertuples() for rid in row.rollout_ids]
+        assert sorted(rid for *_, rid in rows) == sorted(sent)  # each rollout trained on once, by one update
+        assert [learner for learner, *_ in rows] == ["first"] * 2 + [second.name] * 2 + [third.name] * 2
+        marks = {(m.learner, m.update, m.rollout_id) for m in store.query_trained()}
+        assert marks == set(rows) and len(store.query_trained()) == 6  # the store says where each went, once
+    finally:
+        store.close()

@@ -20,6 +20,7 @@ from lightning_nb.runners import Runner, live_runner_group
 from lightning_nb.tracing.tracer import Tracer
 from lightning_nb.types import Span
 from widgets import RewardCurve, RunnerPanel, RunPanel, SpanBrowser, close_all, dashboard
+from conftest import IDLE_LLM
 
 
 def _finish(store, reward, *, mode="train", group_id=None, weight_version=None, status="succeeded"):
@@ -186,7 +187,7 @@ def test_span_browser_table_filters_and_tree(served):
 # ----- runner panel -----------------------------------------------------------------------------
 def test_runner_panel_counts_and_start_stop_buttons():
     store = InMemoryStore()
-    store.add_resources({"main_llm": {"endpoint": "http://127.0.0.1:9/v1", "model": "none"}})
+    store.add_resources({"main_llm": {"endpoint": IDLE_LLM, "model": "none"}})
     group = start_runners(lambda task, llm: 1.0, store, n=2)
     panel = RunnerPanel(group, autostart=False)
     try:
@@ -225,10 +226,9 @@ def _runner_threads() -> int:
 
 def test_runner_panel_follows_a_rerun_of_start_runners_and_start_replaces():
     store = InMemoryStore()
-    store.add_resources({"main_llm": {"endpoint": "http://127.0.0.1:9/v1", "model": "none"}})
+    store.add_resources({"main_llm": {"endpoint": IDLE_LLM, "model": "none"}})
     before = _runner_threads()
-    with pytest.warns(RuntimeWarning, match="does not answer"):
-        old = start_runners(lambda task, llm: 0.0, store, n=2)  # the agent before the user edited its reward
+    old = start_runners(lambda task, llm: 0.0, store, n=2)  # the agent before the user edited its reward
     panel = RunnerPanel(old, autostart=False)
     try:
         with pytest.warns(UserWarning, match="stopped the previous group of 2"):
@@ -265,7 +265,7 @@ def test_trainer_panel_buttons_drive_the_trainer(engine, tmp_path):
         gate.wait(120)
         return 1.0
 
-    store.add_resources({"main_llm": {"endpoint": "http://127.0.0.1:9/v1", "model": "none"}})  # never called
+    store.add_resources({"main_llm": {"endpoint": IDLE_LLM, "model": "none"}})  # never called
     runners = start_runners(held_agent, store, n=2)
     trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
     algo = LightningRL(store, trainer, [{"id": "t", "question": "1 + 1?", "answer": 2}],

@@ -11,9 +11,12 @@ Search", EMNLP), as Agent Lightning's APO runs it on rollouts. Each round (:meth
 3. run every new prompt on the same tasks and keep the ``beam_width`` prompts with the highest mean reward.
 
 APO keeps the best prompt it has actually measured. The starting prompt is candidate zero (``c0``); when
-:meth:`APO.run` ends, ``c0`` and the winner (the top of the beam, chosen on training tasks) are evaluated on the
-same ``val_tasks`` (:meth:`APO.best`), and the winner is published only if its held-out mean reward beats the
-start's by more than ``APOConfig.publish_margin`` (default 0.05); else the start stays. Publishing:
+:meth:`APO.run` ends, ``c0`` and the winner (the top of the beam, chosen on training tasks; when candidates tie
+there, each tied one is measured on ``val_tasks`` and the best there wins) are evaluated on the same ``val_tasks``
+(:meth:`APO.best`), and the winner is published only if its held-out mean reward beats the start's by more than
+``APOConfig.publish_margin`` (default 0.05); else the start stays. APO's rollouts sample as the agent does (its
+LLM resource's sampling parameters) unless ``APOConfig.temperature`` is set, so its scores are the numbers the
+user's own rollouts get; ``best()`` says which (:mod:`~lightning_nb.algorithm.apo_eval`). Publishing:
 ``store.add_resources`` writes the target resources set again (``resources_id``: by default the store's latest set
 when APO was built) with the winner as the prompt, so its ``version`` goes up by one and rollouts enqueued from then
 on run with it. An editor reply that is not a prompt for this agent is recorded in :meth:`APO.calls_df`
@@ -23,7 +26,7 @@ none of those it fills (if it fills any: ``APOConfig.variables``, else the start
 
 Where this departs from the paper: no bandit selection (every candidate runs on every task of the round's
 batch, so all are compared on the same tasks); no Monte-Carlo paraphrase step; a prompt is run at most once per
-task (its reward on a task is reused in later rounds: decoding is greedy by default); the proposer's
+task (its reward on a task is reused in later rounds, one sample of the agent's sampling); the proposer's
 prompts are shortened for small models.
 
 Notebook verbs as :class:`~lightning_nb.algorithm.lightning_rl.LightningRL`'s (a round is a step):
@@ -40,7 +43,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import time
 import warnings
@@ -50,15 +52,14 @@ from typing import Any, Optional, Sequence
 
 from lightning_nb import semconv
 from lightning_nb.algorithm.apo_config import APOConfig, BestPrompt, Candidate, proposer_endpoint
+from lightning_nb.algorithm.apo_eval import CandidateEvaluation
 from lightning_nb.algorithm.apo_prompts import candidate_text, failures_text, not_a_prompt, variables_text
 from lightning_nb.algorithm.base import Algorithm
 from lightning_nb.algorithm.control import LoopStopped
 from lightning_nb.algorithm.rl_config import task_key
 from lightning_nb.errors import ConfigError, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
-from lightning_nb.store.rules import reward_or_zero
-from lightning_nb.types import (SAMPLING_PARAMETERS_KEY, LLMResource, PromptTemplate, ResourcesUpdate, RolloutConfig,
-                                new_id)
+from lightning_nb.types import LLMResource, PromptTemplate, ResourcesUpdate, new_id
 
 __all__ = ["APO", "APOConfig", "BestPrompt", "Candidate"]
 
@@ -66,7 +67,7 @@ log = logging.getLogger(__name__)
 _FORMAT = "lightning_nb.apo/1"  # the save file's format tag
 
 
-class APO(Algorithm):
+class APO(CandidateEvaluation, Algorithm):
     """Tune the PromptTemplate ``config.prompt_name`` of a resources set by beam search over LLM-edited prompts.
 
     Runners must be consuming ``store`` (:func:`~lightning_nb.runners.start_runners`) with an agent that reads
@@ -189,7 +190,7 @@ class APO(Algorithm):
         if not self.val_tasks:
             return
         best = self.best()
-        log.info("APO round %d: %s", self.round, best)
+        log.info("APO round %d: %s", self.round, best)  # says the sampling and any tie it broke on val_tasks
         if self.config.publish:
             self.publish(best.candidate_id)
 
@@ -218,73 +219,6 @@ class APO(Algorithm):
         return self.record({"best_score": rows[0]["score"], "best_candidate": rows[0]["candidate_id"],
                             "candidates": len(rows), "new_candidates": len(children), "beam": list(self.beam),
                             "round_seconds": time.perf_counter() - t0})
-
-    def _select(self, pool: list[Candidate], keys: list[str], r: int, new: set[str]) -> list[dict[str, Any]]:
-        """Rank ``pool`` by mean reward on ``keys`` (ties: the older candidate first), keep ``beam_width``."""
-        scored = [(c, *c.score(keys)) for c in pool]
-        ranked = sorted(scored, key=lambda s: -s[1] if not math.isnan(s[1]) else math.inf)  # stable
-        self.beam = [c.id for c, *_ in ranked[:self.config.beam_width]]
-        rows = [{"round": r, "candidate_id": c.id, "rank": i + 1, "score": score, "n": n,
-                 "kept": c.id in self.beam, "new": c.id in new, "parent": c.parent, "text": c.template.template,
-                 "critique": c.critique} for i, (c, score, n) in enumerate(ranked)]
-        self.rows += rows
-        return rows
-
-    # ----- rollouts --------------------------------------------------------------------------
-    def _resources_for(self, cand: Candidate) -> str:
-        """The id of ``cand``'s resources set (the target's resources with ``cand`` as the prompt), added once."""
-        if cand.resources_id is not None:
-            try:
-                self.store.get_resources_by_id(cand.resources_id)
-                return cand.resources_id
-            except NotFoundError:  # a loaded APO on another store
-                pass
-        base = self.store.get_resources_by_id(self.resources_id).resources
-        cand.resources_id = self.store.add_resources({**base, self.config.prompt_name: cand.template},
-                                                     resources_id=f"apo:{self.run_id}:{cand.id}").resources_id
-        return cand.resources_id
-
-    def _run_rollouts(self, cands: Sequence[Candidate], tasks: Sequence[Any], r: int, held_out: bool = False) -> None:
-        """Run each candidate on each task it has no reward for yet and record the final rewards (failed: 0)."""
-        cfg = self.config
-        sampling = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
-        todo: list[tuple[Candidate, str, str]] = []
-        for cand in cands:
-            done = set(cand.held_out if held_out else cand.rewards)
-            for task in tasks:
-                key = task_key(task, self.id_key)
-                if key in done:
-                    continue
-                done.add(key)
-                rollout = self.store.enqueue_rollout(
-                    task, mode="val" if held_out else "train", resources_id=self._resources_for(cand),
-                    config=RolloutConfig(timeout_seconds=cfg.rollout_timeout_s),
-                    metadata={SAMPLING_PARAMETERS_KEY: sampling, "apo": {"run": self.run_id, "round": r,
-                                                                       "candidate": cand.id}})
-                todo.append((cand, key, rollout.rollout_id))
-        ids = [rid for *_, rid in todo]
-        self._wait(ids, "evaluate" if held_out else "rollouts", r)
-        rewards = self.store.final_rewards(ids)
-        status = {ro.rollout_id: ro.status for ro in self.store.query_rollouts(rollout_ids=ids)}
-        for cand, key, rid in todo:
-            if status[rid] in ("succeeded", "failed"):  # cancelled ones are left out
-                (cand.held_out if held_out else cand.rewards)[key] = reward_or_zero(rewards[rid])
-                if not held_out:
-                    cand.rollouts[key] = rid
-
-    def _wait(self, ids: list[str], phase: str, r: int) -> None:
-        """Wait until every rollout of ``ids`` is terminal, reporting ``phase`` progress.
-
-        Raises:
-            LoopStopped: :meth:`stop` was called (the rollouts are cancelled).
-            LightningNbError: none left the queue within ``config.start_timeout_s`` (no runners; cancelled).
-        """
-        def report(done: int, total: int) -> None:
-            self.report_progress(phase, done, total, unit="rollouts", step=r)
-
-        if not self.wait_for(ids, start_timeout_s=self.config.start_timeout_s, on_progress=report):
-            raise LightningNbError(f"no APO rollout left the queue in {self.config.start_timeout_s:g} s: no "
-                                   "runner consumes this store; start_runners(agent, store) first")
 
     # ----- the proposer ----------------------------------------------------------------------
     def _failures(self, cand: Candidate, keys: list[str]) -> list[dict[str, Any]]:
@@ -402,76 +336,6 @@ class APO(Algorithm):
                            "endpoint": llm.endpoint if llm else None, "seconds": seconds,
                            "prompt": messages[-1]["content"] if messages else None, "replies": list(replies),
                            "candidates": [], "errors": [error] if error else []})
-
-    # ----- results ---------------------------------------------------------------------------
-    def winner(self) -> Candidate:
-        """The top of the beam (the starting prompt before any round)."""
-        return self.candidates[self.beam[0]]
-
-    def evaluate(self, prompt: Optional[PromptTemplate | str] = None, tasks: Optional[Sequence[Any]] = None) -> float:
-        """Mean final reward of ``prompt`` on ``tasks`` (default ``val_tasks``), each task run once with
-        ``config.temperature``; failed rollouts count 0, cancelled ones are left out (NaN if none finished).
-
-        ``prompt``: a PromptTemplate, a template text (the starting prompt's engine), a candidate id
-        (``"c0"``), or None (the winner). Rewards are kept per candidate and task, so asking again costs
-        nothing. A prompt APO has not tried becomes a candidate of its own (a new resources set).
-
-        Raises:
-            ConfigError: no tasks (no ``val_tasks`` and none given); ``prompt`` is an unknown candidate id.
-            LoopStopped: the loop was stopped meanwhile (the rollouts are cancelled).
-        """
-        tasks = list(self.val_tasks if tasks is None else tasks)
-        if not tasks:
-            raise ConfigError("no tasks to evaluate: pass val_tasks to APO or tasks to evaluate()")
-        cand = self._as_candidate(prompt)
-        self._run_rollouts([cand], tasks, self.round, held_out=True)
-        got = [cand.held_out[k] for k in (task_key(t, self.id_key) for t in tasks) if k in cand.held_out]
-        return sum(got) / len(got) if got else math.nan
-
-    def _as_candidate(self, prompt: Optional[PromptTemplate | str]) -> Candidate:
-        if prompt is None:
-            return self.winner()
-        if isinstance(prompt, str) and prompt in self.candidates:
-            return self.candidates[prompt]
-        if isinstance(prompt, str) and prompt[:1] == "c" and prompt[1:].isdigit():
-            raise ConfigError(f"{prompt!r} is not a candidate of this APO; candidates: {sorted(self.candidates)}")
-        template = prompt if isinstance(prompt, PromptTemplate) else PromptTemplate(
-            template=prompt, engine=self.candidates["c0"].template.engine)
-        for cand in self.candidates.values():
-            if cand.template == template:
-                return cand
-        cand = self.candidates[f"c{len(self.candidates)}"] = Candidate(f"c{len(self.candidates)}", template,
-                                                                       round=self.round)
-        return cand
-
-    def best(self, prompt: Optional[PromptTemplate | str] = None) -> BestPrompt:
-        """The starting prompt ``c0`` and the winner, both scored on the same ``val_tasks``, and which APO keeps.
-
-        The winner is the top of the beam, or ``prompt`` (as :meth:`evaluate` takes it). Each score is the mean
-        final reward over the val tasks both prompts have a finished rollout on (each task run once with
-        ``config.temperature``, then kept: asking again costs nothing). APO keeps the winner only if it beats the
-        start by more than ``config.publish_margin``, else the start (:class:`BestPrompt`: ``str()`` says which,
-        ``df()`` is the table); :meth:`run` publishes the winner only then. The winner is chosen on training
-        tasks only, so both scores are unbiased held-out estimates.
-
-        Raises:
-            ConfigError: APO was built without ``val_tasks``; ``prompt`` is an unknown candidate id.
-            LoopStopped: the loop was stopped meanwhile (the rollouts are cancelled).
-        """
-        if not self.val_tasks:
-            raise ConfigError("best() scores the start and the winner on val_tasks, and this APO has none: "
-                              "APO(store, train_tasks, val_tasks, ...)")
-        start, winner = self.candidates["c0"], self._as_candidate(prompt)
-        self._run_rollouts([start] if winner is start else [start, winner], self.val_tasks, self.round,
-                           held_out=True)
-        keys = [k for k in (task_key(t, self.id_key) for t in self.val_tasks)
-                if k in start.held_out and k in winner.held_out]
-
-        def mean(cand: Candidate) -> float:
-            return sum(cand.held_out[k] for k in keys) / len(keys) if keys else math.nan
-
-        return BestPrompt(start.template, mean(start), winner.id, winner.template, mean(winner), len(keys),
-                          self.config.publish_margin)
 
     def publish(self, prompt: Optional[PromptTemplate | str] = None) -> ResourcesUpdate:
         """Write the target resources set again with ``prompt`` as ``config.prompt_name``, keeping its other

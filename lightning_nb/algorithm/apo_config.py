@@ -24,7 +24,10 @@ class APOConfig:
     batch_size: int = field(default=8, metadata={"help": "Training tasks each round runs every prompt on."})
     max_failures: int = field(default=3, metadata={"help": "Failed episodes shown to the critic per prompt."})
     failure_below: float = field(default=1.0, metadata={"help": "An episode whose final reward is below this failed."})
-    temperature: float = field(default=0.0, metadata={"help": "The agent's sampling temperature (0: greedy)."})
+    temperature: Optional[float] = field(default=None, metadata={
+        "help": "The sampling temperature of APO's rollouts. None (default): the agent's own sampling (its LLM "
+                "resource's sampling_parameters, else the agent's default), so APO's scores are the numbers the "
+                "user's own rollouts get; a number in [0, 5] overrides it (0: greedy). APO.best() says which."})
     max_tokens: int = field(default=48, metadata={"help": "The agent's completion token limit per LLM call."})
     proposer_temperature: float = field(default=0.7, metadata={"help": "Critic and editor sampling temperature."})
     proposer_max_tokens: int = field(default=160, metadata={"help": "Critic and editor completion token limit."})
@@ -48,7 +51,7 @@ class APOConfig:
     publish_margin: float = field(default=0.05, metadata={
         "help": "How much higher (mean final reward, absolute) the winner's held-out score must be than the "
                 "starting prompt's, on the same val_tasks, to be published: more than this. 0.05 is 2 of 32 "
-                "tasks with 0/1 rewards (1 of 32, 0.031, is within greedy decoding's noise). 0: any gain."})
+                "tasks with 0/1 rewards (1 of 32, 0.031, is within the noise). 0: any gain."})
     seed: int = field(default=0, metadata={"help": "Seed of the task draws."})
 
     def __post_init__(self) -> None:
@@ -62,8 +65,12 @@ class APOConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"APOConfig.{name} must be an int >= 1, got {value!r}")
         for name in ("temperature", "proposer_temperature"):
-            if not 0 <= getattr(self, name) <= 5:
-                raise ConfigError(f"APOConfig.{name} must be in [0, 5], got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if value is None and name == "temperature":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 5:
+                none_ok = "None (the agent's own sampling) or " if name == "temperature" else ""
+                raise ConfigError(f"APOConfig.{name} must be {none_ok}a number in [0, 5], got {value!r}")
         if isinstance(self.publish_margin, bool) or not isinstance(self.publish_margin, (int, float)) \
                 or not 0 <= self.publish_margin < math.inf:
             raise ConfigError(f"APOConfig.publish_margin must be a number >= 0 (mean reward the winner must gain over "
@@ -111,10 +118,14 @@ class BestPrompt:
     winner (the top of the beam, chosen on training tasks), each with its held-out score, and which of the two APO
     keeps.
 
-    Both scores are mean final rewards on the same ``n`` tasks of ``val_tasks`` (those both have a finished rollout
-    on; NaN when none). The winner is kept (``keeps_winner``) only if it is not the start and its score exceeds the
-    start's by more than ``margin`` (``APOConfig.publish_margin``); else the start stays. ``template``, ``score``
-    and ``candidate_id`` are the kept prompt's; ``str(best)`` says the verdict in one line, :meth:`df` is the table.
+    Both scores are mean final rewards on the same ``n`` tasks of ``val_tasks`` (those every measured prompt has a
+    finished rollout on; NaN when none). The winner is kept (``keeps_winner``) only if it is not the start and its
+    score exceeds the start's by more than ``margin`` (``APOConfig.publish_margin``); else the start stays.
+    ``sampling`` says how the rollouts sampled (:meth:`APO.sampling <lightning_nb.algorithm.apo.APO.sampling>`);
+    ``tied`` is ``(candidate id, held-out score)`` of each candidate that tied with the top of the beam on the
+    training tasks, all measured on ``val_tasks`` before the winner was chosen (empty without a tie).
+    ``template``, ``score`` and ``candidate_id`` are the kept prompt's; ``str(best)`` says the verdict in one line,
+    :meth:`df` is the table.
     """
 
     start: PromptTemplate
@@ -124,6 +135,8 @@ class BestPrompt:
     winner_score: float
     n: int
     margin: float
+    sampling: str = ""
+    tied: tuple[tuple[str, float], ...] = ()
 
     @property
     def gain(self) -> float:
@@ -150,8 +163,13 @@ class BestPrompt:
     def __str__(self) -> str:
         scores = (f"held-out reward on {self.n} tasks: start c0 {self.start_score:.3f}, winner {self.winner_id} "
                   f"{self.winner_score:.3f}")
+        if self.tied:
+            scores += (" (tied on the training tasks: " + ", ".join(f"{c} {s:.3f}" for c, s in self.tied)
+                       + " held-out; the best there is the winner)")
+        if self.sampling:
+            scores += f"; sampling: {self.sampling}"
         if self.winner_id == "c0":
-            return f"{scores}: no candidate beat the start on the training tasks; the start stays"
+            return f"{scores}: no candidate beat the start; the start stays"
         if self.keeps_winner:
             return f"{scores}: the winner gains {self.gain:+.3f} > margin {self.margin:g}; APO keeps the winner"
         return f"{scores}: gain {self.gain:+.3f}, not more than margin {self.margin:g}; the start stays"

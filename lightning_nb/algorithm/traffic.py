@@ -30,7 +30,10 @@ unlabelled, rewards equal to their baselines); ``wait()`` shows it and warns aft
 (:meth:`~lightning_nb.algorithm.base.Algorithm.wait`).
 
 Rules: an unlabelled rollout (final reward None) is never trained on; a rollout is used by at most one
-update (also after :meth:`TrafficLearner.undo`, which restores weights but keeps the record); only
+update (also after :meth:`TrafficLearner.undo`, which restores weights but keeps the record), of any learner on
+the same store: each update marks its rollouts in the store's training record (learner :attr:`TrafficLearner.name`,
+update number; ``store.query_trained()``), and a learner skips marked ones, also on a reopened SQLite file after a
+kernel restart, unless made with ``retrain=True`` (:mod:`~lightning_nb.algorithm.traffic_record`); only
 ``succeeded`` rollouts are candidates (a failed one's reward is 0 by rule, and it has no triplets).
 A labelled rollout the adapter cannot use (no LLM call, no token IDs) is set aside once and counted.
 The trainer also drops episodes sampled more than its ``max_staleness`` weight versions ago
@@ -54,15 +57,18 @@ from lightning_nb.algorithm.base import Algorithm
 from lightning_nb.algorithm.checkpoint import load_run, save_run
 from lightning_nb.algorithm.control import LoopStopped
 from lightning_nb.algorithm.rl_config import task_key
+from lightning_nb.algorithm.traffic_record import PendingMarks, first_marks, skipped_why
 from lightning_nb.errors import ConfigError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.trainers.base import Trainer
 from lightning_nb.trainers.checkpoint import restore_checkpoint
-from lightning_nb.types import GROUP_ID_KEY, TRAFFIC_KEY, Rollout, Triplet
+from lightning_nb.store.trained import TrainedMark
+from lightning_nb.types import GROUP_ID_KEY, TRAFFIC_KEY, Rollout, Triplet, new_id
 
 __all__ = ["TrafficConfig", "TrafficLearner", "is_traffic", "TRAFFIC_KEY"]
 
-UPDATE_COLUMNS = ["update", "time", "rollout_ids", "n", "groups", "baselined", "reward_mean", "weight_version_before",
+_NAME_PREFIX = "traffic-learner"  # a learner's default name: traffic-learner-<hex>
+UPDATE_COLUMNS = ["update", "learner", "time", "rollout_ids", "n", "groups", "baselined", "reward_mean", "weight_version_before",
                   "weight_version_after", "trainer_step", "checkpoint", "stale_episodes_dropped", "undone"]
 
 
@@ -137,15 +143,23 @@ class TrafficLearner(Algorithm):
             A folder you name is never removed.
         adapter: spans to triplets (default ``TripletAdapter()``).
         id_key: the task field naming a task's group (:func:`task_key`).
+        name: this learner's name in the store's training record (:attr:`name`; default a new ``traffic-learner-<hex>``).
+            :meth:`load` restores the saved one, so a learner continued after a restart keeps its name.
+        retrain: train on rollouts an update (of any learner on this store) already trained on. False (the
+            default): :meth:`poll` skips them and says how many (``skipped``) and why (``skipped_why``).
 
     Raises:
-        ConfigError: ``select`` is not callable; ``since`` is not a finite number; a bad ``config``.
+        ConfigError: ``select`` is not callable; ``since`` is not a finite number; ``name`` is not a non-empty str;
+            a bad ``config``.
     """
 
     def __init__(self, store: LightningStore, trainer: Trainer, config: Optional[TrafficConfig] = None, *,
                  select: Optional[Callable[[Rollout], bool]] = None, since: float = 0.0,
                  checkpoint_dir: Optional[str | Path] = None, adapter: Optional[TripletAdapter] = None,
-                 id_key: str = "id") -> None:
+                 id_key: str = "id", name: Optional[str] = None, retrain: bool = False) -> None:
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigError(f"name must be a non-empty str (this learner's name in the store's training record), "
+                              f"got {name!r}")
         if select is not None and not callable(select):
             raise ConfigError(f"select must be a function rollout -> bool, got {type(select).__name__}")
         if isinstance(since, bool) or not isinstance(since, (int, float)) or not math.isfinite(since):
@@ -164,6 +178,10 @@ class TrafficLearner(Algorithm):
         self.unusable: set[str] = set()  # labelled, but the adapter made no triplet of it
         self.reward_sums: dict[str, list[float]] = {}  # task key -> [sum, count] of used rewards (baseline())
         self.last_poll: dict[str, Any] = {}
+        self.name = name or new_id(_NAME_PREFIX)  # in the store's training record: which learner's update used a rollout
+        self.retrain = bool(retrain)
+        self.skipped: dict[str, TrainedMark] = {}  # traffic an update already trained on (store mark), not retrained
+        self._marks = PendingMarks()
         self._poll_lock = threading.RLock()  # a cell's poll()/labelled() beside the loop's
 
     store: LightningStore
@@ -205,8 +223,9 @@ class TrafficLearner(Algorithm):
         if self.progress.phase == "paused" or "waiting_for" not in poll:
             return super().stall_advice()
         if poll["pending"] == 0:
+            skipped = f" ({poll['skipped_why']})" if poll.get("skipped_why") else ""
             return ("No unused finished traffic: requests to proxy.traffic_endpoint() or Runner.step(task) are "
-                    "traffic (select= picks which); traffic an update used is never used again.")
+                    f"traffic (select= picks which); traffic an update used is never used again{skipped}.")
         if poll["labelled"] < self.config.min_labelled:
             ids = [rid for rid, reward in self.store.final_rewards(list(self.pending)).items() if reward is None]
             return (f"Label traffic with store.label(rollout_id, reward) ({len(ids)} unlabelled, e.g. {ids[:3]}), "
@@ -220,13 +239,16 @@ class TrafficLearner(Algorithm):
         """Read new finished traffic from the store; returns (and keeps as :attr:`last_poll`) the counts.
 
         ``{"pending": unused traffic, "labelled": of those, with a final reward, "unlabelled": without,
-        "ready": labelled ones an update may take (at most max_batch)}``. Safe beside the running loop.
+        "ready": labelled ones an update may take (at most max_batch), "skipped": traffic an update (of any learner
+        on this store, per its training record) already trained on, left out unless ``retrain=True``,
+        "skipped_why": which learners' updates, in one line ('' when none)}``. Safe beside the running loop.
         """
         with self._poll_lock:
             return self._poll()
 
     def _poll(self) -> dict[str, Any]:
         self.config.validate()
+        self._marks.flush(self.store, self.name)
         for r in self.store.completed_since(self._since - 1.0):  # 1 s back: rollouts that ended at the same time
             if r.rollout_id in self._seen:
                 continue
@@ -234,11 +256,16 @@ class TrafficLearner(Algorithm):
             self._since = max(self._since, r.end_time or 0.0)
             if r.status == "succeeded" and self.select(r):
                 self.pending[r.rollout_id] = r.end_time or 0.0
+        if not self.retrain:  # trained on by an update of some learner on this store (one beside this one too)
+            for rid, mark in first_marks(self.store, list(self.pending)).items():
+                self.pending.pop(rid, None)
+                self.skipped[rid] = mark
         ids = [rid for rid, _ in sorted(self.pending.items(), key=lambda kv: kv[1])]
         rewards = self.store.final_rewards(ids) if ids else {}
         labelled = [rid for rid in ids if rewards[rid] is not None]
         self.last_poll = {"pending": len(ids), "labelled": len(labelled), "unlabelled": len(ids) - len(labelled),
-                          "ready": labelled[:self.config.max_batch]}
+                          "ready": labelled[:self.config.max_batch], "skipped": len(self.skipped),
+                          "skipped_why": skipped_why(self.skipped)}
         return self.last_poll
 
     def labelled(self) -> list[str]:
@@ -281,12 +308,13 @@ class TrafficLearner(Algorithm):
         update = self.trainer.update(triplets, on_progress=self._update_reporter())
         metrics = update.metrics
         with self._poll_lock:
+            self._marks.add(self.store, self.name, rollout_ids, k)  # the store's record: trained once per store
             self.used.update(rollout_ids)
             for rid in rollout_ids:
                 self.pending.pop(rid, None)
                 sums = self.reward_sums.setdefault(keys[rid], [0.0, 0])
                 sums[0], sums[1] = sums[0] + float(rewards[rid] or 0.0), sums[1] + 1
-        row = {"update": k, "time": time.time(), "rollout_ids": rollout_ids, "n": len(rollout_ids),
+        row = {"update": k, "learner": self.name, "time": time.time(), "rollout_ids": rollout_ids, "n": len(rollout_ids),
                "groups": len({t.group_id for t in triplets}),
                "baselined": len({t.rollout_id for t in triplets if t.baseline is not None}),
                "reward_mean": sum(r or 0.0 for r in rewards.values()) / len(rewards),
@@ -346,7 +374,8 @@ class TrafficLearner(Algorithm):
 
     # ----- audit and undo ------------------------------------------------------------------------
     def updates_df(self) -> Any:
-        """One row per update: ``update`` (1-based), ``time`` (when it ended: a datetime in UTC, timezone-naive,
+        """One row per update: ``update`` (1-based), ``learner`` (:attr:`name`, as in the store's training record
+        ``store.query_trained()``), ``time`` (when it ended: a datetime in UTC, timezone-naive,
         as the store's frames), ``rollout_ids`` (the rollouts it trained on), ``n``, ``groups``, ``baselined``
         (rollouts trained against their running :meth:`baseline`, not in a group), ``reward_mean`` (their
         final rewards), ``weight_version_before`` / ``_after``, ``trainer_step``, ``checkpoint`` (the weights
@@ -424,9 +453,9 @@ class TrafficLearner(Algorithm):
 
     # ----- the run's checkpoint -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This learner's record: the updates, the used and unusable rollout ids, the poll position, the config and
+        """This learner's record: its name, the updates, the used and unusable rollout ids, the poll position, the config and
         the used rewards per task key (:meth:`baseline`)."""
-        return {**self.run_record(), "used": sorted(self.used),
+        return {**self.run_record(), "name": self.name, "used": sorted(self.used),
                 "unusable": sorted(self.unusable), "since": self._since, "config": asdict(self.config),
                 "reward_sums": {k: list(v) for k, v in self.reward_sums.items()}}
 
@@ -435,10 +464,11 @@ class TrafficLearner(Algorithm):
         if "updates" in state:  # saved by an earlier version: the rows were "updates"
             state = {**state, "global_step": len(state["updates"]), "metrics": state["updates"]}
         self.load_run_record(state)
+        self.name = state.get("name", self.name)  # (older saves: none) the same learner in the training record
         self.used, self.unusable = set(state["used"]), set(state["unusable"])
         self.reward_sums = {k: list(v) for k, v in state.get("reward_sums", {}).items()}  # (older saves: none)
         self._seen = set(self.used) | set(self.unusable)
-        self._since, self.pending = 0.0, {}
+        self._since, self.pending, self.skipped = 0.0, {}, {}
 
     def save(self, path: str | Path) -> Path:
         """Write the run's checkpoint (:func:`~lightning_nb.algorithm.checkpoint.save_run`: the trainer's state and

@@ -39,11 +39,14 @@ def accepts_resources(agent: Any) -> bool:
     return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
 
 
-def declares_model_calls(agent: Any) -> bool:
-    """Whether ``agent`` declares that every rollout calls the model: its ``calls_model`` attribute is True.
+def declares_model_calls(agent: Any) -> Optional[bool]:
+    """What ``agent`` declares about its LLM calls: its ``calls_model`` attribute, True, False or None (undeclared).
 
-    A runner then refuses (ends ``failed``) an attempt that returned a reward without any LLM call
-    (see :mod:`lightning_nb.runners.runner`, "Agents that never call the model"). Undeclared: such
-    attempts succeed and are only counted and flagged.
+    True: every rollout calls the model; a runner then refuses (ends ``failed``) an attempt that returned a
+    reward without any LLM call (see :mod:`lightning_nb.runners.runner`, "Agents that never call the model").
+    False: it may answer without the LLM; :func:`~lightning_nb.runners.start_runners` then does not hold the
+    queue when the LLM endpoint is dead. None (no attribute, or not a bool): such attempts succeed and are only
+    counted and flagged, and a dead endpoint holds the queue.
     """
-    return getattr(agent, "calls_model", False) is True
+    value = getattr(agent, "calls_model", None)
+    return value if isinstance(value, bool) else None

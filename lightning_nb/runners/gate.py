@@ -7,13 +7,17 @@ queue:
 
 * :func:`check_llm_endpoint` probes the endpoint of the latest LLM resource once
   (``GET {endpoint}/models``; any HTTP answer counts as alive, only a failed connect as
-  dead). :func:`~lightning_nb.runners.start_runners` calls it and warns before any rollout
-  runs, saying how to publish the running proxy. It only warns: an agent that never calls
-  the LLM must keep working with whatever endpoint the resources name.
-* :class:`EndpointGate`, shared by the runners of a group. Once an attempt has failed
-  *because* its LLM endpoint refused the connection (the runner's
-  ``"unreachable LLM endpoint"`` failure kind), the gate closes: the group's runners stop
-  taking rollouts from the queue instead of failing them one by one. About once a second
+  dead). :func:`~lightning_nb.runners.start_runners` calls it before any runner starts;
+  when it is dead, the group's gate starts closed (:meth:`EndpointGate.hold`), so no rollout,
+  not even one queued before a kernel restart, runs against it, and a ``RuntimeWarning`` says
+  so and how to publish the running proxy. An agent that declares ``calls_model = False``
+  (it may answer without the LLM) is not held: it keeps working with whatever endpoint the
+  resources name.
+* :class:`EndpointGate`, shared by the runners of a group. It also closes once an attempt has
+  failed *because* its LLM endpoint refused the connection (the runner's
+  ``"unreachable LLM endpoint"`` failure kind: the endpoint died after the start): the
+  group's runners stop taking rollouts from the queue instead of failing them one by one.
+  While the gate is closed, about once a second
   one runner probes the endpoint of the store's latest resources; when it answers (the
   user called ``store.add_resources({...: proxy.as_resource()})`` for a running proxy, or
   the old one came back), the gate opens again after
@@ -35,7 +39,8 @@ from lightning_nb.store.base import LightningStore
 from lightning_nb.types import MAIN_LLM, ResourcesUpdate
 
 __all__ = ["DeadEndpoint", "EndpointGate", "check_llm_endpoint", "llm_endpoint", "probe_endpoint",
-           "requeue_after_dead_endpoint", "warn_if_llm_endpoint_dead", "PROBE_TIMEOUT_S"]
+           "requeue_after_dead_endpoint", "warn_if_llm_endpoint_dead", "hold_if_llm_endpoint_dead",
+           "PROBE_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 3.0  # seconds a probe waits for the connect and the answer
@@ -79,13 +84,22 @@ class DeadEndpoint:
     resources_id: str
     reason: str
 
-    def message(self, llm_resource: str) -> str:
-        """One line: what is wrong and how to fix it."""
-        return (f"the LLM endpoint {self.endpoint} of {llm_resource!r} in the store's latest resources "
-                f"({self.resources_id}) does not answer ({self.reason}); if the proxy was restarted (e.g. after a "
-                f"kernel restart), publish it again with store.add_resources({{'{llm_resource}': "
-                f"proxy.as_resource()}}). Until then, once a rollout fails on it, the runners stop taking rollouts, "
-                f"and they put the rollouts that failed only for this back in the queue when it answers")
+    def message(self, llm_resource: str, held: bool = False,
+                not_held: str = "the agent declares calls_model = False") -> str:
+        """One line: what is wrong, what the runners do about it (``held``: they hold the queue; else why not,
+        ``not_held``) and the fix."""
+        fix = (f"if the proxy was restarted (e.g. after a kernel restart), publish it again with "
+               f"store.add_resources({{'{llm_resource}': proxy.as_resource()}})")
+        what = (f"the LLM endpoint {self.endpoint} of {llm_resource!r} in the store's latest resources "
+                f"({self.resources_id}) does not answer ({self.reason})")
+        if held:
+            return (f"{what}, so the runners hold the whole queue (rollouts queued before a restart included) and "
+                    f"run nothing against it; {fix}. They start once the latest resources name an endpoint that "
+                    f"answers (checked about once a second). An agent that never calls the LLM runs anyway if it "
+                    f"declares calls_model = False")
+        return (f"{what}; {fix}. {not_held[:1].upper()}{not_held[1:]}, so the runners take rollouts anyway; once "
+                f"a rollout fails on it, they stop taking rollouts, and they put the rollouts that failed only for "
+                f"this back in the queue when it answers")
 
 
 def check_llm_endpoint(store: LightningStore, llm_resource: str = MAIN_LLM,
@@ -107,15 +121,37 @@ def check_llm_endpoint(store: LightningStore, llm_resource: str = MAIN_LLM,
     return None if reason is None else DeadEndpoint(endpoint, latest.resources_id, reason)
 
 
-def warn_if_llm_endpoint_dead(store: LightningStore, llm_resource: str, stacklevel: int = 3) -> None:
+def warn_if_llm_endpoint_dead(store: LightningStore, llm_resource: str, stacklevel: int = 3,
+                              not_held: str = "Ray runners do not hold the queue at the start") -> None:
     """Probe the store's latest LLM endpoint once and warn (``RuntimeWarning``) if it does not answer.
 
-    What :func:`~lightning_nb.runners.start_runners` does before starting any runner; see
-    :func:`check_llm_endpoint`. ``stacklevel`` as for ``warnings.warn``, counted from here.
+    What :func:`~lightning_nb.runners.start_runners` does before starting Ray runners, which it does not hold
+    (``not_held`` says why, in the warning); see :func:`check_llm_endpoint` and :func:`hold_if_llm_endpoint_dead`.
+    ``stacklevel`` as for ``warnings.warn``, counted from here.
     """
     dead = check_llm_endpoint(store, llm_resource)
     if dead is not None:
-        warnings.warn(f"start_runners: {dead.message(llm_resource)}", RuntimeWarning, stacklevel=stacklevel)
+        warnings.warn(f"start_runners: {dead.message(llm_resource, not_held=not_held)}", RuntimeWarning,
+                      stacklevel=stacklevel)
+
+
+def hold_if_llm_endpoint_dead(store: LightningStore, gate: EndpointGate, *, hold: bool = True,
+                              stacklevel: int = 3) -> Optional[DeadEndpoint]:
+    """Probe the store's latest LLM endpoint once; if it does not answer, close ``gate`` (:meth:`EndpointGate.hold`)
+    unless ``hold`` is False (an agent that declares ``calls_model = False``) and warn (``RuntimeWarning``) with
+    what the runners do and the fix. Returns the dead endpoint, or None.
+
+    What :func:`~lightning_nb.runners.start_runners` does before starting thread runners, so that no rollout runs
+    against an endpoint known to be dead. ``stacklevel`` as for ``warnings.warn``, counted from here.
+    """
+    dead = check_llm_endpoint(store, gate.llm_resource)
+    if dead is None:
+        return None
+    if hold:
+        gate.hold(dead)
+    warnings.warn(f"start_runners: {dead.message(gate.llm_resource, held=hold)}", RuntimeWarning,
+                  stacklevel=stacklevel)
+    return dead
 
 
 def requeue_after_dead_endpoint(store: LightningStore, dead_endpoint: str, failed_rollout_ids: set[str],
@@ -186,6 +222,14 @@ class EndpointGate:
     def closed(self) -> bool:
         """True while the runners hold off the queue."""
         return self._dead is not None
+
+    def hold(self, dead: DeadEndpoint) -> None:
+        """Close the gate before any rollout ran: :func:`check_llm_endpoint` found ``dead`` (what
+        :func:`~lightning_nb.runners.start_runners` does). :meth:`ready` opens it as after a failure; no rollout
+        failed, so it only re-pins the queued rollouts pinned to resources naming the dead endpoint."""
+        with self._lock:
+            self._dead = dead.endpoint
+            self._next_check = time.monotonic() + self.check_interval_s
 
     def close(self, endpoint: str, rollout_id: str) -> None:
         """Record that ``rollout_id`` failed because ``endpoint`` refused the connection; close the gate."""

@@ -45,7 +45,8 @@ import pandas as pd
 
 from lightning_nb.errors import ConfigError
 from lightning_nb.runners.failures import FailureNotices
-from lightning_nb.runners.gate import EndpointGate, warn_if_llm_endpoint_dead
+from lightning_nb.runners.calling import declares_model_calls
+from lightning_nb.runners.gate import EndpointGate, hold_if_llm_endpoint_dead
 from lightning_nb.runners.live import LIVE
 from lightning_nb.runners.runner import Agent, Runner
 from lightning_nb.store.base import LightningStore
@@ -186,10 +187,10 @@ def start_thread_runners(agent: Agent, store: LightningStore, n: int, *, tracer:
     :func:`~lightning_nb.runners.start_runners`'s, checked there); ``carry_from``: runners whose
     counts the new ones carry on, one for one; ``hooks``: the same Hook instances go to every runner.
     """
-    warn_if_llm_endpoint_dead(store, llm_resource, stacklevel=4)
+    gate = EndpointGate(store, llm_resource)  # closed (holding the queue) when the LLM endpoint is dead now
+    hold_if_llm_endpoint_dead(store, gate, hold=declares_model_calls(agent) is not False, stacklevel=4)
     tracer = tracer or Tracer(store)
     notices = FailureNotices()  # first failure of each kind warns once per group
-    gate = EndpointGate(store, llm_resource)
     runners = [Runner(agent, store, tracer, default_timeout_s=default_timeout_s, llm_resource=llm_resource,
                       heartbeat_interval_s=heartbeat_interval_s, notices=notices, gate=gate, hooks=hooks)
                for _ in range(n)]

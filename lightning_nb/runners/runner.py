@@ -22,9 +22,10 @@ is retried per the rollout's ``retry_condition``/``max_attempts``), with an erro
   one line naming the endpoint and how to publish a restarted proxy again (see
   :func:`~lightning_nb.runners.failures.unreachable_endpoint_hint`); a stale endpoint is typical
   after a kernel restart with a reopened ``SqliteStore``.
-  :func:`~lightning_nb.runners.start_runners` probes the endpoint once and warns before any
-  rollout runs, but never blocks a start on it: agents that never call the LLM must keep
-  working. After such a failure the group's runners hold off the queue until the store's
+  :func:`~lightning_nb.runners.start_runners` probes the endpoint once before any rollout runs;
+  when it is dead the group's runners hold the whole queue from the start (unless the agent
+  declares ``calls_model = False``) and say so. After such a failure (the endpoint died later)
+  the group's runners hold off the queue until the store's
   latest resources name an endpoint that answers, and then put the rollouts that failed only
   for that reason back in the queue (:class:`~lightning_nb.runners.gate.EndpointGate`), so a
   dead proxy does not turn the whole queue into failures.
@@ -161,7 +162,7 @@ class Runner:
         self.current: Optional[tuple[str, str]] = None  # (rollout_id, attempt_id) while an agent runs
         self._reward_optional: set[str] = set()  # attempt ids of step(..., reward_required=False)
         self._wants_resources = accepts_resources(agent)
-        self._calls_model = declares_model_calls(agent)  # an attempt without an LLM call is then refused
+        self._calls_model = declares_model_calls(agent) is True  # an attempt without an LLM call is then refused
         self.agent, self.store, self.tracer = agent, store, tracer
         self.default_timeout_s = default_timeout_s
         self.llm_resource = llm_resource

@@ -53,10 +53,14 @@ def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Op
     cloudpickled copy, so hooks must be picklable and should record through ``runner.store``.
 
     Before any runner starts, the endpoint of ``llm_resource`` in the store's latest
-    resources is probed once (``GET {endpoint}/models``, at most 3 s); if it does not
-    answer, a ``RuntimeWarning`` names it and says to ``store.add_resources`` the running
-    proxy (a reopened ``SqliteStore`` after a kernel restart still names the dead one).
-    It only warns: agents that never call the LLM keep working. An agent object with a ``preflight()``
+    resources is probed once (``GET {endpoint}/models``, at most 3 s). If it does not
+    answer (a reopened ``SqliteStore`` after a kernel restart still names the dead proxy), the
+    thread runners hold the whole queue, rollouts queued before the restart included, so none
+    runs against it; a ``RuntimeWarning`` names the endpoint and says to ``store.add_resources``
+    the running proxy, and the runners start once the latest resources name an endpoint that
+    answers (new resources, or the old endpoint back; checked about once a second). An agent that
+    may answer without the LLM declares ``calls_model = False`` (an attribute of the function or
+    object) and is not held; Ray runners only warn. An agent object with a ``preflight()``
     method (e.g. :class:`~lightning_nb.agents.remote.RemoteRolloutAgent`, which asks its rollout server
     for ``GET /tools``) has it called once here too, before any runner starts; it warns the same way. Once an attempt fails
     because that endpoint refused the connection, the group's runners hold off the queue

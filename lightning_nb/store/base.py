@@ -60,6 +60,9 @@ to the latest set's id, if any, so it runs with the resources current when it wa
 enqueued, not when a runner picks it up; one enqueued before any resources exist keeps
 ``resources_id=None`` and its runner uses the latest set at its start.
 
+Training record: which update of which learner trained on each rollout (``mark_trained``, ``query_trained``;
+the rules are in :mod:`lightning_nb.store.trained`), so traffic is trained on once per store.
+
 The DataFrame views (``rollouts_df`` ...) are built from the query methods by
 :class:`~lightning_nb.store.frames.FrameViews`, which this contract mixes in, so every
 backend gets them.
@@ -80,6 +83,7 @@ from lightning_nb.store.frames import FrameViews
 from lightning_nb.store.otel import otel_spans
 from lightning_nb.store.rules import component_sums, final_reward
 from lightning_nb.store.spanframe import KNOWN_ATTRIBUTES
+from lightning_nb.store.trained import TrainingRecord
 from lightning_nb.types import (
     ROLLOUT_TERMINAL,
     Attempt,
@@ -97,7 +101,7 @@ from lightning_nb.types import (
 __all__ = ["LightningStore", "span_summary"]
 
 
-class LightningStore(FrameViews, ABC):
+class LightningStore(FrameViews, TrainingRecord, ABC):
     """Contract for rollout queue + attempt, span and resources storage.
 
     Status machines are documented in :mod:`lightning_nb.types`. The DataFrame views

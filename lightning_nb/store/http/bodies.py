@@ -14,7 +14,7 @@ from lightning_nb.types import AttemptStatus, RolloutConfig, RolloutMode
 
 __all__ = ["EnqueueRequest", "StartRequest", "DequeueRequest", "QueryRolloutsRequest", "WaitRequest",
            "UpdateRolloutRequest", "StartAttemptRequest", "UpdateAttemptRequest", "UpdateWorkerRequest",
-           "AddResourcesRequest"]
+           "AddResourcesRequest", "MarkTrainedRequest", "QueryTrainedRequest"]
 
 
 class _Body(BaseModel):
@@ -86,3 +86,13 @@ class UpdateWorkerRequest(_Body):
 class AddResourcesRequest(_Body):
     resources: Any = Field(description="name -> LLMResource | PromptTemplate (as JSON); the store validates it")
     resources_id: Optional[str] = None
+
+
+class MarkTrainedRequest(_Body):
+    rollout_ids: list[str]
+    learner: Any = Field(description="the learner's name; the store validates it")
+    update: Any = Field(description="the learner's 1-based update number; the store validates it")
+
+
+class QueryTrainedRequest(_Body):
+    rollout_ids: Optional[list[str]] = None

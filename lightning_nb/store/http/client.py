@@ -33,6 +33,7 @@ from lightning_nb.store.base import LightningStore
 from lightning_nb.store.http.curl import CurlTransport, TransportError
 from lightning_nb.store.otel import otel_spans
 from lightning_nb.store.rules import check_span_types
+from lightning_nb.store.trained import TrainedMark, new_marks
 from lightning_nb.types import (
     Attempt,
     AttemptedRollout,
@@ -293,6 +294,17 @@ class StoreClient(LightningStore):
     def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate:
         # a query parameter carries any id, including "latest" and ids with "/"
         return ResourcesUpdate.model_validate(self._request("GET", "/resources", params={"resources_id": resources_id}))
+
+    # ----- the training record ----------------------------------------------------------
+    def mark_trained(self, rollout_ids: Sequence[str], *, learner: str, update: int) -> list[TrainedMark]:
+        """As :meth:`LightningStore.mark_trained`: one request (``POST /trained``), all or nothing on the server."""
+        new_marks(list(rollout_ids), learner, update)  # a ConfigError here, before anything is sent
+        body = {"rollout_ids": list(rollout_ids), "learner": learner, "update": update}
+        return [TrainedMark.model_validate(x) for x in self._request("POST", "/trained", body=body)]
+
+    def query_trained(self, rollout_ids: Optional[Sequence[str]] = None) -> list[TrainedMark]:
+        body = {"rollout_ids": None if rollout_ids is None else list(rollout_ids)}
+        return [TrainedMark.model_validate(x) for x in self._request("POST", "/trained/query", body=body)]
 
 
 def _dumps(body: Any) -> bytes:

@@ -46,8 +46,8 @@ from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import DEFAULT_WATCHDOG_INTERVAL_S
 # the request bodies are module level there, so FastAPI resolves the routes' postponed annotations
 from lightning_nb.store.http.bodies import (
-    AddResourcesRequest, EnqueueManyRequest, QueryRolloutsRequest, StartAttemptRequest, StartRequest,
-    UpdateRolloutRequest, UpdateWorkerRequest,
+    AddResourcesRequest, EnqueueManyRequest, MarkTrainedRequest, QueryRolloutsRequest, QueryTrainedRequest,
+    StartAttemptRequest, StartRequest, UpdateRolloutRequest, UpdateWorkerRequest,
 )
 from lightning_nb.store.http.hot import INLINE_STORES, call_store, hot_routes
 from lightning_nb.store.http.responses import (StoreJSONResponse, error_response, exception_response, plain_json,
@@ -258,6 +258,9 @@ def _store_app(server: StoreServer) -> Any:
     api.post("/resources")(_add_resources)
     api.get("/resources")(_resources_by_query)
     api.get("/resources/{resources_id:path}")(_resources_by_id)
+    # the training record
+    api.post("/trained")(_mark_trained)
+    api.post("/trained/query")(_query_trained)
     return _Guard(api, server.token, server.max_body_bytes)
 
 
@@ -357,3 +360,12 @@ async def _resources_by_id(resources_id: str, request: Request) -> StoreJSONResp
     return await call_store(_store(request).get_resources_by_id, resources_id)
 
 
+
+
+# the training record
+async def _mark_trained(req: MarkTrainedRequest, request: Request) -> StoreJSONResponse:
+    return await call_store(_store(request).mark_trained, req.rollout_ids, learner=req.learner, update=req.update)
+
+
+async def _query_trained(req: QueryTrainedRequest, request: Request) -> StoreJSONResponse:
+    return await call_store(_store(request).query_trained, req.rollout_ids)

@@ -25,6 +25,7 @@ from lightning_nb.store.rules import (
     worker_on_attempt, worker_on_dequeue, worker_update,
 )
 from lightning_nb.store.memory.spantable import SpanSpill, SpanTable
+from lightning_nb.store.trained import TrainedMark, new_marks
 from lightning_nb.types import (
     ROLLOUT_TERMINAL,
     Attempt,
@@ -137,6 +138,7 @@ class InMemoryStore(InMemorySpans, LightningStore):
         self._queue: deque[str] = deque()
         self._attempts: dict[str, list[Attempt]] = {}
         self._resources: OrderedDict[str, ResourcesUpdate] = OrderedDict()
+        self._trained: list[TrainedMark] = []  # mark_trained, oldest first (marks are frozen: handed out as they are)
 
     @property
     def _lock(self) -> Any:
@@ -409,6 +411,22 @@ class InMemoryStore(InMemorySpans, LightningStore):
             return self._resources[resources_id]
         except KeyError:
             raise resources_not_found(resources_id) from None
+
+    # ----- training record ------------------------------------------------------------
+    def mark_trained(self, rollout_ids: Sequence[str], *, learner: str, update: int) -> list[TrainedMark]:
+        marks = new_marks(list(rollout_ids), learner, update)
+        with self._lock:
+            for mark in marks:  # all known before any is stored
+                self._rollout(mark.rollout_id)
+            self._trained += marks
+            return marks
+
+    def query_trained(self, rollout_ids: Optional[Sequence[str]] = None) -> list[TrainedMark]:
+        with self._lock:
+            if rollout_ids is None:
+                return list(self._trained)
+            wanted = set(rollout_ids)
+            return [m for m in self._trained if m.rollout_id in wanted]
 
     # ----- helpers (lock held) --------------------------------------------------------
     def _add_rollout(self, rollout: Rollout) -> None:

@@ -97,6 +97,13 @@ MIGRATIONS: list[tuple[str, str]] = [
     # the span attribute keys under one naming rule (gen_ai.* where OpenTelemetry has one, lightning_nb.*
     # otherwise): a file written before it has bare keys ("reward", "temperature", "logprobs"...)
     ("005_semconv_keys", rename_keys_sql(RENAMED_KEYS)),
+    # which update of which learner trained on each rollout (lightning_nb.store.trained); several per rollout allowed
+    ("006_trained", """
+        CREATE TABLE trained (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- mark order
+            rollout_id TEXT NOT NULL REFERENCES rollouts(rollout_id), data TEXT NOT NULL);
+        CREATE INDEX trained_rollout ON trained(rollout_id);
+    """),
 ]
 
 

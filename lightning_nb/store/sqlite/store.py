@@ -2,7 +2,8 @@
 
 This module holds the store's rollouts, attempts, workers and resources, and how a write
 becomes durable (one transaction per call, the WAL fsync shared by concurrent commits).
-Its spans are in :mod:`lightning_nb.store.sqlite.spans`; the file's schema
+Its spans are in :mod:`lightning_nb.store.sqlite.spans`, its training record in
+:mod:`lightning_nb.store.sqlite.trained`; the file's schema
 (:data:`MIGRATIONS`) and its one-writer lock in :mod:`lightning_nb.store.sqlite.file`.
 """
 
@@ -26,6 +27,7 @@ from lightning_nb.store.rules import (
 )
 from lightning_nb.store.sqlite.file import MIGRATIONS, lock_file, statements, to_json
 from lightning_nb.store.sqlite.spans import SqliteSpans
+from lightning_nb.store.sqlite.trained import SqliteTrained
 from lightning_nb.types import (
     ROLLOUT_TERMINAL, Attempt, AttemptedRollout, AttemptStatus, ResourcesUpdate, Rollout, RolloutConfig, RolloutMode,
     Worker, new_id,
@@ -34,7 +36,7 @@ from lightning_nb.types import (
 __all__ = ["SqliteStore", "MIGRATIONS"]
 
 
-class SqliteStore(SqliteSpans, LightningStore):
+class SqliteStore(SqliteSpans, SqliteTrained, LightningStore):
     """All tables in one SQLite file; same behaviour as :class:`InMemoryStore`.
 
     Durability: the file is in WAL mode and every public write is one transaction,
