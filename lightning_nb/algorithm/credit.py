@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["CreditOptions", "CreditAssignment"]
 
 
-_DEFAULTS = {f.name: f.default for f in fields(CreditOptions)}
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(CreditOptions)}
 
 
 class CreditAssignment(Algorithm):
@@ -61,7 +61,7 @@ class CreditAssignment(Algorithm):
     def credit_rule(self) -> CreditRule:
         """The :class:`~lightning_nb.credit.CreditRule` of this algorithm's config; a field left at its default whose
         deprecated twin on the trainer config is set takes the trainer's (DeprecationWarning)."""
-        values = {}
+        values: dict[str, Any] = {}
         for name in CREDIT_FIELDS:
             mine = getattr(self.config, name, _DEFAULTS[name])
             theirs = getattr(self.trainer.config, name, mine)
