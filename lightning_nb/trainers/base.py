@@ -71,7 +71,7 @@ class Update(MutableMapping[str, Any]):
         metrics: the update's metrics row, a flat dict with :attr:`Trainer.METRIC_KEYS` among its keys.
         config_changes: the edits of the trainer's config this update applied
             (:class:`~lightning_nb.trainers.edits.ConfigChange`: field, old, new).
-        triplets: the batch it was given.
+        triplets: the batch it was given (the trained triplets, then the ``left_out`` ones).
         advantages: kept episode (rollout id) -> advantage (turns whose advantages differ: the mean over its turns).
         turn_advantages: ``(rollout_id, Triplet.turn)`` -> advantage of each kept triplet.
         batch: one dict per trained sequence (``GRPOTrainer.update`` lists the keys), the optimizer's-eye view

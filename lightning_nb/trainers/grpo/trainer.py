@@ -242,7 +242,7 @@ class GRPOTrainer(InPlaceTrainer):
                 self.updates_applied += 1
             metrics = self._step_metrics(list(triplets) + list(left_out), batch, stats, time.perf_counter() - t0, lr,
                                          [c.text for c in changes])
-            self._last = Update(metrics, changes, list(triplets), batch.advantages,
+            self._last = Update(metrics, changes, list(triplets) + list(left_out), batch.advantages,
                                 per_triplet_turn(triplets, batch.turn_advantages), [s.as_row() for s in batch.seqs])
             return self._last
 

@@ -170,7 +170,7 @@ class VerlTrainer(InPlaceTrainer):
             rows = _batch_rows(data) if data is not None else []
             metrics = self._verl_metrics(list(triplets) + list(left_out), batch, stats, rows, seconds, lr,
                                          [c.text for c in changes])
-            self._last = Update(metrics, changes, list(triplets), batch.advantages, turns, rows)
+            self._last = Update(metrics, changes, list(triplets) + list(left_out), batch.advantages, turns, rows)
             return self._last
 
     def _verl_step(self, kept: list[Triplet], on_progress: ProgressCallback) -> tuple[Any, dict[str, float]]:
