@@ -458,8 +458,9 @@ class Triplet(_Model):
     ``reward`` is the episode's final reward (LightningRL credit: every transition of the
     episode carries it). ``step_reward`` is the sum of the intermediate rewards attributed to
     this LLM call (:func:`lightning_nb.emit_intermediate_reward`, attributed by
-    :class:`~lightning_nb.adapter.TripletAdapter`; 0.0 without any); ``GRPOConfig.credit``
-    says how the trainer combines the two.
+    :class:`~lightning_nb.adapter.TripletAdapter`; 0.0 without any); the algorithm's credit
+    (``AlgorithmConfig.credit``, :mod:`lightning_nb.credit`) combines the two into ``advantages``, one per
+    response token, which the trainer trains on.
     """
 
     rollout_id: str
@@ -473,11 +474,15 @@ class Triplet(_Model):
     step_reward: float = Field(0.0, description=(
         "Sum of the intermediate rewards (Agent Lightning's Automatic Intermediate Rewarding) attributed to this "
         "call: those emitted after it ended and before the next call of the attempt ended; reward units."))
+    advantages: Optional[list[float]] = Field(None, description=(
+        "The advantage of each response token (len == len(response_ids)), set by the algorithm's credit step "
+        "(lightning_nb.credit.assign, or an algorithm's own) before Trainer.update, which trains on them as given. "
+        "None: not credited yet."))
     baseline: Optional[float] = Field(None, description=(
-        "The algorithm's baseline for this episode's reward (reward units; every triplet of the episode carries "
-        "the same): set, the trainer's advantage is the episode's reward minus it (REINFORCE with a baseline, "
-        "Williams 1992), not group-relative, and the group-size rule does not drop it. None: GRPO's group "
-        "baseline. TrafficLearner sets it for traffic no group can compare (lightning_nb.algorithm.traffic)."))
+        "Deprecated (DeprecationWarning when set): the algorithm's baseline now travels to lightning_nb.credit.assign"
+        "(baselines=...) and the advantages it gives (Triplet.advantages). Read for one release by Trainer.update "
+        "on triplets without advantages: the episode's advantage is its reward minus it (REINFORCE with a baseline, "
+        "Williams 1992)."))
     agent_name: Optional[str] = Field(None, description=(
         "The X-Agent-Name header of the request (span attribute gen_ai.agent.name); None if not sent."))
     temperature: float = 1.0
@@ -502,9 +507,28 @@ class Triplet(_Model):
     @field_validator("baseline")
     @classmethod
     def _finite_baseline(cls, v: Optional[float]) -> Optional[float]:
-        if v is not None and not math.isfinite(v):
-            raise ValueError(f"baseline must be a finite number or None, got {v!r}")
+        if v is not None:
+            warnings.warn("Triplet.baseline is deprecated: pass the baselines to lightning_nb.credit.assign("
+                          "rule, triplets, baselines={rollout_id: b}), which sets Triplet.advantages; the field goes "
+                          "in the next release", DeprecationWarning, stacklevel=2)
+            if not math.isfinite(v):
+                raise ValueError(f"baseline must be a finite number or None, got {v!r}")
         return v
+
+    @field_validator("advantages")
+    @classmethod
+    def _finite_advantages(cls, v: Optional[list[float]]) -> Optional[list[float]]:
+        if v is not None and not all(math.isfinite(a) for a in v):
+            raise ValueError("advantages must be finite numbers (one per response token); got a NaN or an infinity")
+        return v
+
+    @model_validator(mode="after")
+    def _one_advantage_per_token(self) -> "Triplet":
+        if self.advantages is not None and len(self.advantages) != len(self.response_ids):
+            raise ValueError(f"Triplet.advantages has {len(self.advantages)} values for {len(self.response_ids)} "
+                             "response tokens: give one per token of response_ids (or one float to "
+                             "lightning_nb.credit.with_advantages, which repeats it)")
+        return self
 
 
 # ----- notebook display ------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainers.advantages import group_relative_advantages
+from lightning_nb.credit import group_relative_advantages
 from lightning_nb.trainers.grpo.losses import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,

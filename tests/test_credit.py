@@ -22,7 +22,7 @@ from lightning_nb.errors import ConfigError, InvalidRewardError, LightningNbErro
 from lightning_nb.semconv import LLM_SPAN as LLM_SPAN_NAME
 from lightning_nb.runners.runner import Runner
 from lightning_nb.tracing.tracer import Tracer
-from lightning_nb.trainers.credit import group_advantages, reward_to_go
+from lightning_nb.credit import group_advantages, reward_to_go
 from lightning_nb.types import Span, Triplet
 
 pytestmark = pytest.mark.slow

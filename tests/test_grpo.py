@@ -12,7 +12,7 @@ import torch
 
 from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL
 from lightning_nb.errors import ConfigError
-from lightning_nb.trainers.credit import group_advantages
+from lightning_nb.credit import group_advantages
 from lightning_nb.trainers.grpo.trainer import response_logprobs
 from lightning_nb.types import Triplet
 

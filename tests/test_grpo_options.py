@@ -16,7 +16,7 @@ import torch
 from lightning_nb import GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, semconv
 from lightning_nb.errors import ConfigError
 from lightning_nb.trainers.config import lr_factor
-from lightning_nb.trainers.credit import group_advantages, overlong_penalty
+from lightning_nb.credit import group_advantages, overlong_penalty
 from lightning_nb.trainers.grpo.trainer import pack_episode, response_logprobs
 from lightning_nb.types import Triplet
 

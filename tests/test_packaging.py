@@ -53,7 +53,7 @@ def test_verl_is_an_extra_not_a_core_dependency():
 
 
 def test_grpo_trainer_never_imports_verl():
-    """GRPOTrainer's math is its own (lightning_nb/trainers/advantages.py, trainers/grpo/losses.py): no module of the
+    """GRPOTrainer's math is its own (lightning_nb/credit/normalize.py, trainers/grpo/losses.py): no module of the
     GRPO trainer imports verl, not even inside a function, so it trains where verl is not installed (the shared
     modules it uses: tests/test_trainer_imports.py)."""
     for path in sorted((ROOT / "lightning_nb" / "trainers" / "grpo").rglob("*.py")):

@@ -89,7 +89,7 @@ def test_groups_with_signal_counts_only_groups_the_trainer_can_learn_from(engine
         runners.stop()
     assert len(ids) == 2 and len({t.rollout_id for t in triplets}) == 1
     assert algo.last_groups_with_signal == 0  # {1.0, crash} is not a signal the trainer can use
-    assert trainer.signal_groups(triplets) == set()
+    assert algo.signal_groups(triplets) == set()
 
 
 def test_a_rollout_without_llm_calls_is_counted_in_the_step(engine, pristine, proxied_store, capsys):

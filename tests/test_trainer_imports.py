@@ -108,7 +108,7 @@ def test_the_grpo_config_loads_nothing_of_verl_and_no_trainer():
 
 
 @pytest.mark.parametrize("module", ["lightning_nb.trainers.inplace", "lightning_nb.trainers.batch",
-                                    "lightning_nb.trainers.metrics", "lightning_nb.trainers.credit"])
+                                    "lightning_nb.trainers.metrics", "lightning_nb.trainers.credit", "lightning_nb.credit"])
 def test_a_shared_module_imports_first_and_loads_neither_trainer(module):
     """Each shared module imports on its own in a fresh interpreter (``trainers.inplace`` used to close the cycle
     ``inplace -> grpo/__init__ -> grpo.trainer -> inplace`` and failed when imported first) and loads neither

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_nb.trainers.credit import group_advantages
+from lightning_nb.credit import group_advantages
 from lightning_nb.trainers.grpo.trainer import response_logprobs
 from lightning_nb.types import Triplet
 from lightning_nb.trainers.verl.bridge import VerlActor, grpo_advantages, ppo_config, triplets_to_dataproto

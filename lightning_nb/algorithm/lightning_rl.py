@@ -235,7 +235,7 @@ class LightningRL(RewardAndBranches):
         """Enqueue one step's groups, wait, and return (triplets, rollout_ids).
 
         With ``dynamic_sampling`` (DAPO, Yu et al. 2025, section 3.2), groups the trainer
-        cannot learn from (the trainer's ``signal_groups``: all rewards equal, or fewer
+        cannot learn from (:meth:`signal_groups`: all advantages 0, e.g. all rewards equal, or fewer
         than ``min_group_size`` episodes left) add nothing, so more tasks are sampled, up to
         ``max_sample_rounds`` rounds, until ``tasks_per_step`` groups carry signal. Unlike
         DAPO the groups without signal are still returned: the trainer skips them, but they
@@ -268,7 +268,7 @@ class LightningRL(RewardAndBranches):
             triplets += new
             ids += new_ids
             self.last_sample_rounds = round_ + 1
-            with_signal += len(self.trainer.signal_groups(new)) if new else 0
+            with_signal += len(self.signal_groups(new)) if new else 0
             if with_signal >= cfg.tasks_per_step:
                 break
         self.last_groups_with_signal = with_signal
@@ -421,7 +421,7 @@ class LightningRL(RewardAndBranches):
                 "inspect store.attempts_df() for agent errors")
         self.at_boundary("before update")
         self._step_start = None  # from here on the weights change: a checkpoint is of this step
-        update = self.trainer.update(triplets, on_progress=self._update_reporter())
+        update = self.train(triplets, on_progress=self._update_reporter())  # credit, then the trainer's update
         metrics = update.metrics
         row = self.record(dict(metrics), update, edits)  # global_step + 1: the step's row, completed below
         step = row["step"]
@@ -459,6 +459,11 @@ class LightningRL(RewardAndBranches):
         if self.on_step:
             self.on_step(row)
         return row
+
+    def max_response_len(self) -> Optional[int]:
+        """L_max of the soft overlong penalty (``config.overlong_buffer_len``), tokens: the trainer config's
+        ``max_response_len`` when set, else ``config.max_tokens`` (what rollouts sample with)."""
+        return super().max_response_len() or self.config.max_tokens
 
     def _update_reporter(self) -> Callable[[int, int, str], None]:
         """The trainer update's ``on_progress``: reports phase ``"update"`` of the step being updated."""

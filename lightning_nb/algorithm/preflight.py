@@ -303,7 +303,7 @@ class _Checks:
 
     def check_signal(self, triplets: list[Triplet]) -> None:
         groups = {t.group_id for t in triplets}
-        signal = self.algo.trainer.signal_groups(triplets)
+        signal = self.algo.signal_groups(triplets)
         rewards = sorted({t.reward for t in triplets})
         self.stats.update(groups=len(groups), groups_with_signal=len(signal), rewards=rewards)
         if len(signal) < len(groups):

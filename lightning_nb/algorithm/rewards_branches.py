@@ -13,7 +13,7 @@ import random
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from lightning_nb.algorithm.base import Algorithm
+from lightning_nb.algorithm.credit import CreditAssignment
 from lightning_nb.errors import ConfigError
 from lightning_nb.replay.branching import draw_branch_points, enqueue_branches
 from lightning_nb.replay.rescoring import RewardFn, rescore, score
@@ -36,7 +36,7 @@ def reward_name(fn: Any) -> Optional[str]:
     return f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', type(inner).__name__)}"
 
 
-class RewardAndBranches(Algorithm):
+class RewardAndBranches(CreditAssignment):
     """:meth:`set_reward` and the step's branch groups of a trainer-based algorithm (see the module docstring)."""
 
     store: "LightningStore"
@@ -76,7 +76,7 @@ class RewardAndBranches(Algorithm):
         if self.reward_fn is not None:
             new = self._apply_reward(new, branch_ids)
         rewards = [self._rescored.get(rid, r) for rid, r in self._finished_rewards(branch_ids).items()]
-        self.last_branch.update(branch_groups_with_signal=len(self.trainer.signal_groups(new)) if new else 0,
+        self.last_branch.update(branch_groups_with_signal=len(self.signal_groups(new)) if new else 0,
                                 branch_rollouts=len(branch_ids),
                                 branch_reward_mean=sum(rewards) / len(rewards) if rewards else math.nan)
         return new

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lightning_nb.algorithm.credit_options import CreditOptions
 from lightning_nb.errors import ConfigError
 
 __all__ = ["AlgorithmConfig", "task_key"]
@@ -36,8 +37,11 @@ def task_key(task: Any, id_key: str = "id") -> str:
 
 
 @dataclass
-class AlgorithmConfig:
-    """Sampling and scheduling of the RL loop. Validated on construction."""
+class AlgorithmConfig(CreditOptions):
+    """Sampling and scheduling of the RL loop, and its credit (:class:`~lightning_nb.algorithm.credit.CreditOptions`:
+    ``credit``, ``gamma``, ``norm_adv_by_std``, ``min_group_size``, ``overlong_buffer_len``,
+    ``overlong_penalty_factor``, keyword-only; L_max of the overlong penalty is ``max_tokens``). Validated on
+    construction."""
 
     steps: int = field(default=10, metadata={"help": "Training steps run() performs by default."})
     tasks_per_step: int = field(default=4, metadata={
@@ -87,3 +91,4 @@ class AlgorithmConfig:
                 if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
                     raise ConfigError(f"AlgorithmConfig.slice_weights[{label!r}] must be a finite number >= 0, "
                                       f"got {w!r}")
+        self.validate_credit(self.max_tokens)

@@ -16,14 +16,16 @@ Groups and baselines: each labelled rollout is compared with something, so one l
   differ form one GRPO group (group-relative advantage, as LightningRL; GRPO, Shao et al. 2024, §4.1.2);
 * every other labelled rollout (a singleton: its input seen once in the batch; or one of a group whose
   rewards are all equal, where the group mean compares nothing) trains against a **running baseline**:
-  advantage = reward − b (REINFORCE with a baseline, Williams 1992; Sutton & Barto 2018, §13.4), carried
-  to the trainer as :attr:`~lightning_nb.types.Triplet.baseline`. ``b`` is the mean final reward of the
+  advantage = reward − b (REINFORCE with a baseline, Williams 1992; Sutton & Barto 2018, §13.4), computed by
+  the learner's credit step (:meth:`TrafficLearner.assign_credit`) and carried to the trainer in
+  :attr:`~lightning_nb.types.Triplet.advantages`. ``b`` is the mean final reward of the
   earlier rollouts of the same input that updates used; for an input never used before, the mean over
   every rollout updates used; before any update, ``TrafficConfig.baseline_init``
   (:meth:`TrafficLearner.baseline`). Only rewards of earlier updates enter ``b``, never the rollout's own;
 * a rollout whose reward equals its baseline has advantage 0 (nothing to learn): it waits, pending, for
   a later batch (its baseline moves with each update). An update runs only when some rollout carries
-  signal (``trainer.signal_groups``), so advantages are never silently zero.
+  signal (:meth:`~lightning_nb.algorithm.credit.CreditAssignment.signal_groups`), so advantages are never
+  silently zero.
 
 :meth:`TrafficLearner.waiting_for` says what the learner waits for (labelled of ``min_labelled``,
 unlabelled, rewards equal to their baselines); ``wait()`` shows it and warns after a stall
@@ -53,16 +55,18 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from lightning_nb.adapter import TripletAdapter
-from lightning_nb.algorithm.base import Algorithm
+from lightning_nb.algorithm.credit import CreditAssignment
+from lightning_nb.algorithm.credit_options import CreditOptions
 from lightning_nb.algorithm.checkpoint import load_run, save_run
 from lightning_nb.algorithm.control import LoopStopped
 from lightning_nb.algorithm.rl_config import task_key
 from lightning_nb.algorithm.traffic_record import PendingMarks, first_marks, skipped_why
+from lightning_nb.credit import Credit, assign
 from lightning_nb.errors import ConfigError
 from lightning_nb.store.base import LightningStore
+from lightning_nb.store.trained import TrainedMark
 from lightning_nb.trainers.base import Trainer
 from lightning_nb.trainers.checkpoint import restore_checkpoint
-from lightning_nb.store.trained import TrainedMark
 from lightning_nb.types import GROUP_ID_KEY, TRAFFIC_KEY, Rollout, Triplet, new_id
 
 __all__ = ["TrafficConfig", "TrafficLearner", "is_traffic", "TRAFFIC_KEY"]
@@ -83,8 +87,10 @@ def is_traffic(rollout: Rollout) -> bool:
 
 
 @dataclass
-class TrafficConfig:
-    """When and on what :class:`TrafficLearner` updates. Validated on construction and before each poll."""
+class TrafficConfig(CreditOptions):
+    """When and on what :class:`TrafficLearner` updates, and the credit of its groups
+    (:class:`~lightning_nb.algorithm.credit_options.CreditOptions`, keyword-only; ``overlong_buffer_len`` must stay 0:
+    traffic has no max_tokens of its own). Validated on construction and before each poll."""
 
     min_labelled: int = field(default=8, metadata={
         "help": "Labelled, unused rollouts needed before an update (>= 1: one is enough, it trains against its "
@@ -118,9 +124,10 @@ class TrafficConfig:
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
             raise ConfigError(f"TrafficConfig.baseline_init must be a finite number of reward units (0.5 for 0/1 "
                               f"labels), got {b!r}")
+        self.validate_credit(None)
 
 
-class TrafficLearner(Algorithm):
+class TrafficLearner(CreditAssignment):
     """Train ``trainer`` on labelled traffic from ``store`` while users keep sending it (see the module docstring).
 
     The notebook verbs are every algorithm's (:class:`~lightning_nb.algorithm.base.Algorithm`):
@@ -183,6 +190,7 @@ class TrafficLearner(Algorithm):
         self.skipped: dict[str, TrainedMark] = {}  # traffic an update already trained on (store mark), not retrained
         self._marks = PendingMarks()
         self._poll_lock = threading.RLock()  # a cell's poll()/labelled() beside the loop's
+        self._baselines: dict[str, float] = {}  # the batch's baselined rollout -> its running baseline (_batch)
 
     store: LightningStore
     trainer: Trainer
@@ -305,7 +313,7 @@ class TrafficLearner(Algorithm):
         rollout_ids = list(dict.fromkeys(t.rollout_id for t in triplets))
         rewards = self.store.final_rewards(rollout_ids)
         version_before = self.trainer.engine.weight_version
-        update = self.trainer.update(triplets, on_progress=self._update_reporter())
+        update = self.train(triplets, on_progress=self._update_reporter())  # credit, then the trainer's update
         metrics = update.metrics
         with self._poll_lock:
             self._marks.add(self.store, self.name, rollout_ids, k)  # the store's record: trained once per store
@@ -316,7 +324,7 @@ class TrafficLearner(Algorithm):
                 sums[0], sums[1] = sums[0] + float(rewards[rid] or 0.0), sums[1] + 1
         row = {"update": k, "learner": self.name, "time": time.time(), "rollout_ids": rollout_ids, "n": len(rollout_ids),
                "groups": len({t.group_id for t in triplets}),
-               "baselined": len({t.rollout_id for t in triplets if t.baseline is not None}),
+               "baselined": len({t.rollout_id for t in triplets if t.rollout_id in self._baselines}),
                "reward_mean": sum(r or 0.0 for r in rewards.values()) / len(rewards),
                "weight_version_before": version_before,
                "weight_version_after": self.trainer.engine.weight_version, "trainer_step": metrics["step"],
@@ -327,10 +335,10 @@ class TrafficLearner(Algorithm):
         return row
 
     def _batch(self, ready: Sequence[str]) -> tuple[list[Triplet], dict[str, str]]:
-        """``(triplets with their update's group ids and baselines, rollout id -> task key)``: those with signal.
+        """``(triplets with their update's group ids, rollout id -> task key)``: those with signal.
 
-        Equal inputs (:func:`task_key`) whose rewards differ are one GRPO group; every other rollout carries
-        its :meth:`baseline` (module docstring). Rollouts without signal are left out (they stay pending);
+        Equal inputs (:func:`task_key`) whose rewards differ are one GRPO group; every other rollout trains against
+        its :meth:`baseline` (module docstring), kept in ``_baselines`` for :meth:`assign_credit`. Rollouts without signal are left out (they stay pending);
         rollouts the adapter cannot use are set aside.
         """
         k = self.global_step + 1
@@ -345,13 +353,19 @@ class TrafficLearner(Algorithm):
         rewards: dict[str, set[float]] = {}
         for t in triplets:
             rewards.setdefault(keys[t.rollout_id], set()).add(t.reward)
-        regrouped = [t.model_copy(update={GROUP_ID_KEY: f"{k}:task:{keys[t.rollout_id]}"})
-                     if len(rewards[keys[t.rollout_id]]) > 1 else  # a group whose rewards differ: GRPO
-                     t.model_copy(update={GROUP_ID_KEY: f"{k}:baseline:{keys[t.rollout_id]}",
-                                          "baseline": self.baseline(keys[t.rollout_id])})
-                     for t in triplets]
-        with_signal = self.trainer.signal_groups(regrouped) if regrouped else set()
+        grouped = {rid for rid, key in keys.items() if len(rewards[key]) > 1}  # a group whose rewards differ: GRPO
+        self._baselines = {rid: self.baseline(keys[rid]) for rid in adapted if rid not in grouped}
+        regrouped = [t.model_copy(update={GROUP_ID_KEY: f"{k}:{'task' if t.rollout_id in grouped else 'baseline'}:"
+                                                        f"{keys[t.rollout_id]}"}) for t in triplets]
+        with_signal = self.signal_groups(regrouped) if regrouped else set()
         return [t for t in regrouped if t.group_id in with_signal], keys
+
+    def assign_credit(self, triplets: Sequence[Triplet]) -> Credit:
+        """The batch's advantages: GRPO's within its task groups, ``reward − baseline`` for each rollout trained
+        against its running :meth:`baseline` (:func:`lightning_nb.credit.assign` with ``baselines``); stale
+        episodes left out first."""
+        return assign(self.credit_rule(), triplets, exclude=sorted(self.trainer.stale_rollouts(triplets)),
+                      baselines=self._baselines)
 
     def _update_reporter(self) -> Callable[[int, int, str], None]:
         step = self.global_step + 1

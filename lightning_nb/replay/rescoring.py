@@ -2,8 +2,8 @@
 
 :func:`what_if` runs ``reward_fn(task, episode)`` over episodes already in the store
 (:class:`~lightning_nb.store.episode.Episode`) and sets the new reward beside the recorded one, with the advantage
-each would give under the algorithm's own estimator (its trainer's ``credit``, group normalisation, group-size rule:
-:func:`lightning_nb.trainers.batch.advantages`) and whether each GRPO group carries signal under each.
+each would give under the algorithm's own estimator (its ``credit``, group normalisation, group-size rule:
+:func:`lightning_nb.credit.advantages`) and whether each GRPO group carries signal under each.
 :func:`rescore` is the same substitution on a step's triplets, which
 :meth:`LightningRL.set_reward <lightning_nb.algorithm.lightning_rl.LightningRL.set_reward>` applies from its next
 step on.
@@ -25,8 +25,7 @@ import pandas as pd
 from lightning_nb.errors import ConfigError
 from lightning_nb.slices import slice_labels
 from lightning_nb.store.episode import Episode
-from lightning_nb.trainers.config import TrainerConfig
-from lightning_nb.trainers.packing import episodes_of
+from lightning_nb.credit import CREDIT_FIELDS, CreditRule, advantages, episodes_of
 from lightning_nb.types import GROUP_ID_KEY, Triplet
 
 __all__ = ["what_if", "what_if_groups", "what_if_slices", "rescore", "score", "RewardFn"]
@@ -70,33 +69,37 @@ def rescore(triplets: Sequence[Triplet], rewards: dict[str, float]) -> list[Trip
             for t in triplets if t.rollout_id in rewards]
 
 
-def _resolve(algo: Any, store: Any, config: Optional[TrainerConfig], by: Any, group_key: Optional[str]
-             ) -> tuple[Any, TrainerConfig, Any, str, Any]:
+def _resolve(algo: Any, store: Any, config: Any, by: Any, group_key: Optional[str]
+             ) -> tuple[Any, CreditRule, Any, str, Any]:
+    rule: Optional[CreditRule] = None
     if algo is not None:
         store = store if store is not None else algo.store
-        config = config if config is not None else getattr(getattr(algo, "trainer", None), "config", None)
+        if config is None and callable(getattr(algo, "credit_rule", None)):
+            rule = algo.credit_rule()
+        elif config is None:
+            config = getattr(getattr(algo, "trainer", None), "config", None)
         by = by if by is not None else getattr(algo, "slice_by", None)
         adapter = getattr(algo, "adapter", None)
         group_key = group_key or getattr(adapter, "group_key", None)
     if store is None:
         raise ConfigError("what_if needs the store the episodes are in: pass algo=... (its store and trainer config) "
                           "or store=...")
-    if config is None:
-        config = TrainerConfig()
-    if not isinstance(config, TrainerConfig):
-        raise ConfigError(f"what_if(config=...) is a {type(config).__name__}; pass a trainer config "
-                          "(GRPOConfig, VerlConfig) or algo=...")
+    if rule is None and config is not None and not all(hasattr(config, f) for f in CREDIT_FIELDS):
+        raise ConfigError(f"what_if(config=...) is a {type(config).__name__}; pass a config with the credit fields "
+                          "(AlgorithmConfig, or a trainer config of earlier versions) or algo=...")
+    if rule is None:
+        rule = CreditRule.from_config(config) if config is not None else CreditRule()
     from lightning_nb.adapter import TripletAdapter
 
     # a copy of the algorithm's adapter (its group key and agent_match): a what-if is not a step, so the
     # algorithm's adapter keeps its running skip counts as they were
     agent_match = getattr(getattr(algo, "adapter", None), "agent_match", None) if algo is not None else None
     adapter = TripletAdapter(group_key=group_key or GROUP_ID_KEY, agent_match=agent_match)
-    return store, config, by, group_key or GROUP_ID_KEY, adapter
+    return store, rule, by, group_key or GROUP_ID_KEY, adapter
 
 
 def what_if(reward_fn: RewardFn, episodes: Optional[Sequence[Union[Episode, str]]] = None, algo: Any = None, *,
-            store: Any = None, config: Optional[TrainerConfig] = None, by: Any = None,
+            store: Any = None, config: Any = None, by: Any = None,
             group_key: Optional[str] = None) -> pd.DataFrame:
     """Re-score stored episodes with ``reward_fn`` and compare rewards, advantages and group signal, old and new.
 
@@ -106,10 +109,11 @@ def what_if(reward_fn: RewardFn, episodes: Optional[Sequence[Union[Episode, str]
         reward_fn: ``reward_fn(task, episode) -> float | dict`` (:func:`score`); ``task`` is the rollout's input,
             ``episode`` its :class:`~lightning_nb.store.episode.Episode`.
         episodes: Episodes or rollout ids; None: every finished ``train`` rollout of the store.
-        algo: a LightningRL (or any algorithm with ``store``, ``trainer.config``, ``adapter`` and ``slice_by``):
-            its store, its trainer's config (the advantage estimator: ``credit``, ``norm_adv_by_std``,
-            ``min_group_size``, ``gamma``, the soft overlong penalty), its adapter's group key and its slices.
-        store, config, by, group_key: each instead of ``algo``'s (``config`` default: ``TrainerConfig()``; ``by``:
+        algo: a LightningRL (or any algorithm with ``store``, ``credit_rule()``, ``adapter`` and ``slice_by``):
+            its store, its credit (``algo.credit_rule()``: ``credit``, ``norm_adv_by_std``, ``min_group_size``,
+            ``gamma``, the soft overlong penalty), its adapter's group key and its slices.
+        store, config, by, group_key: each instead of ``algo``'s (``config``: any config with the credit fields,
+            ``AlgorithmConfig``; default: those fields' defaults; ``by``:
             a task field or ``task -> label`` function adding a ``slice`` column; ``group_key``: the rollout
             metadata key of the group, default ``group_id``).
 
@@ -126,7 +130,7 @@ def what_if(reward_fn: RewardFn, episodes: Optional[Sequence[Union[Episode, str]
         ConfigError: no store or a wrong config; ``reward_fn`` returned a non-number (:func:`score`).
         NotFoundError: a rollout id is not in the store.
     """
-    store, config, by, group_key, adapter = _resolve(algo, store, config, by, group_key)
+    store, rule, by, group_key, adapter = _resolve(algo, store, config, by, group_key)
     if episodes is None:
         eps = store.episodes(mode="train")
     else:
@@ -137,8 +141,8 @@ def what_if(reward_fn: RewardFn, episodes: Optional[Sequence[Union[Episode, str]
     comps: dict[str, dict[str, float]] = {}
     for e in eps:
         new[e.rollout_id], comps[e.rollout_id] = score(reward_fn, e)
-    old_adv, old_signal = _advantages(config, triplets)
-    new_adv, new_signal = _advantages(config, rescore(triplets, new))
+    old_adv, old_signal = _advantages(rule, triplets)
+    new_adv, new_signal = _advantages(rule, rescore(triplets, new))
     trained = {t.rollout_id for t in triplets}
     groups = {t.rollout_id: t.group_id for t in triplets}
     names = sorted({k for c in comps.values() for k in c})
@@ -166,15 +170,13 @@ def what_if(reward_fn: RewardFn, episodes: Optional[Sequence[Union[Episode, str]
     return df
 
 
-def _advantages(config: TrainerConfig, triplets: Sequence[Triplet]) -> tuple[dict[str, float], set[str]]:
-    """(episode -> advantage, groups with signal) under ``config``'s estimator (the trainer's rule)."""
-    from lightning_nb.trainers.batch import advantages  # on first use: `import lightning_nb` loads no trainer module
-
+def _advantages(rule: CreditRule, triplets: Sequence[Triplet]) -> tuple[dict[str, float], set[str]]:
+    """(episode -> advantage, groups with signal) under ``rule`` (the algorithm's credit)."""
     if not triplets:
         return {}, set()
     episodes = episodes_of(triplets)
     groups = {r: ts[0].group_id for r, ts in episodes.items()}
-    per_episode, by_turn, _ = advantages(config, episodes, groups)
+    per_episode, by_turn, _ = advantages(rule, episodes, groups)
     signal = {groups[r] for r, advs in by_turn.items() if any(a != 0.0 for a in advs.values())}
     return per_episode, signal
 

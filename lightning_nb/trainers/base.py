@@ -71,8 +71,8 @@ class Update(MutableMapping[str, Any]):
         metrics: the update's metrics row, a flat dict with :attr:`Trainer.METRIC_KEYS` among its keys.
         config_changes: the edits of the trainer's config this update applied
             (:class:`~lightning_nb.trainers.edits.ConfigChange`: field, old, new).
-        triplets: the batch it was given.
-        advantages: kept episode (rollout id) -> advantage (``credit="reward_to_go"``: the mean over its turns).
+        triplets: the batch it was given (the trained triplets, then the ``left_out`` ones).
+        advantages: kept episode (rollout id) -> advantage (turns whose advantages differ: the mean over its turns).
         turn_advantages: ``(rollout_id, Triplet.turn)`` -> advantage of each kept triplet.
         batch: one dict per trained sequence (``GRPOTrainer.update`` lists the keys), the optimizer's-eye view
             that :meth:`batch_df` shows.
@@ -127,7 +127,9 @@ class Trainer(abc.ABC):
     """The contract every trainer implements: update the engine's weights from triplets.
 
     **What update takes and returns.** :meth:`update` takes one batch of triplets (one per LLM call,
-    those of several episodes, ``Triplet.group_id`` naming each episode's GRPO group) and returns an
+    those of several episodes, ``Triplet.group_id`` naming each episode's group) that carry their per-token
+    advantages (:attr:`Triplet.advantages`: rewards → credit → advantages is the algorithm's step,
+    :mod:`lightning_nb.credit`; the trainer computes none) and returns an
     :class:`Update`: the update's metrics row (indexing the Update reads it), the config edits it applied, the
     advantages it trained with and the trained sequences. The algorithm keeps what it records; the trainer keeps
     no record of its updates. Every implementation reports at least :data:`METRIC_KEYS` with these meanings;
@@ -229,19 +231,45 @@ class Trainer(abc.ABC):
 
     # ----- the contract -------------------------------------------------------------------
     @abc.abstractmethod
-    def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None) -> Update:
-        """One update on ``triplets``; returns its :class:`Update` (the metrics row, with :data:`METRIC_KEYS` among
-        its keys, and what else the algorithm records) and advances :attr:`updates_applied` by one.
+    def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None,
+               left_out: Sequence[Triplet] = ()) -> Update:
+        """One update on ``triplets``, which carry their per-token advantages (:attr:`Triplet.advantages`, the
+        algorithm's credit: :mod:`lightning_nb.credit`); returns its :class:`Update` (the metrics row, with
+        :data:`METRIC_KEYS` among its keys, and what else the algorithm records) and advances :attr:`updates_applied`
+        by one. The trainer trains on the advantages as given and computes none.
 
-        ``on_progress(done, total, unit)`` is called as the update advances (0 of the total first).
+        ``left_out``: triplets of the same batch that the credit does not train (a group under its
+        ``min_group_size``); counted in the metrics (``groups_dropped``, ``episodes_dropped``, ``transitions``), not
+        trained. Episodes sampled more than ``config.max_staleness`` weight versions ago are dropped either way
+        (:meth:`stale_rollouts`). ``on_progress(done, total, unit)`` is called as the update advances (0 of the
+        total first).
+
+        Deprecated, for one release: triplets without advantages (and no ``left_out``) are credited as earlier
+        versions did, from the config's credit fields (a DeprecationWarning).
 
         Raises:
-            ConfigError: no triplets, a triplet with an empty response, or a batch the config refuses.
+            ConfigError: no triplets, a triplet with an empty response, some triplets with advantages and some
+                without, or a batch the config refuses.
         """
 
-    @abc.abstractmethod
+    def stale_rollouts(self, triplets: Sequence[Triplet]) -> set[str]:
+        """Rollout ids of ``triplets`` sampled more than ``config.max_staleness`` weight versions before the engine's
+        (``engine.weight_version``): :meth:`update` drops them, so the algorithm's credit leaves them out of its
+        group statistics."""
+        from lightning_nb.trainers.batch import staleness_of
+
+        ages = staleness_of(triplets, self.engine.weight_version)
+        return {r for r, age in ages.items() if age > self.config.max_staleness}
+
     def signal_groups(self, triplets: Sequence[Triplet]) -> set[str]:
-        """Group ids of ``triplets`` that :meth:`update` would learn from (the algorithm's dynamic sampling)."""
+        """Deprecated: ``algo.signal_groups(triplets)`` (credit is the algorithm's); here, the groups with a non-zero
+        advantage under this config's deprecated credit fields (DeprecationWarning)."""
+        from lightning_nb.trainers.batch import signal_groups
+
+        warnings.warn("trainer.signal_groups(triplets) is deprecated: credit is the algorithm's step, use "
+                      "algo.signal_groups(triplets) (AlgorithmConfig.credit); it goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return signal_groups(self.config, triplets)
 
     @abc.abstractmethod
     def check_config(self) -> None:

@@ -93,9 +93,9 @@ class TrainerConfig:
                 "step that is a multiple of kl_every (1 = every update), and kl is NaN on the others. With "
                 "kl_coef > 0 the KL term needs the reference on every update, so kl is reported on every update. "
                 f"Any value but the default ({KL_EVERY_DEFAULT}) needs track_reference_kl=True."})
-    norm_adv_by_std: bool = field(default=True, metadata={"help": "Divide group-relative advantages by the group std."})
+    norm_adv_by_std: bool = field(default=True, metadata={"help": "Deprecated: the algorithm's option now, AlgorithmConfig.norm_adv_by_std (set here, it is forwarded there with a DeprecationWarning for one release; the trainer trains on the advantages the algorithm gives). Divide group-relative advantages by the group std."})
     credit: str = field(default="episode", metadata={
-        "help": "How rewards become per-turn credit (Triplet.reward = final reward R, Triplet.step_reward = s_t, the "
+        "help": "Deprecated: the algorithm's option now, AlgorithmConfig.credit (set here, it is forwarded there with a DeprecationWarning for one release; the trainer trains on the advantages the algorithm gives). How rewards become per-turn credit (Triplet.reward = final reward R, Triplet.step_reward = s_t, the "
                 "intermediate rewards of turn t, emit_intermediate_reward). 'episode' (LightningRL, Agent Lightning "
                 "§3.2): every turn of episode i gets A_i, GRPO's group-normalised R_i = R + Σ_t s_t (+ overlong "
                 "penalty, + KL penalty with kl_mode='reward'); without intermediate rewards exactly the plain "
@@ -106,10 +106,10 @@ class TrainerConfig:
                 "in the group statistics. min_group_size still counts episodes; kl_mode='reward' is refused "
                 "(use kl_mode='loss')."})
     gamma: float = field(default=1.0, metadata={
-        "help": "Discount γ in (0, 1] of credit='reward_to_go' per turn (LLM call), not per token; 1 = undiscounted. "
+        "help": "Deprecated: the algorithm's option now, AlgorithmConfig.gamma (set here, it is forwarded there with a DeprecationWarning for one release; the trainer trains on the advantages the algorithm gives). Discount γ in (0, 1] of credit='reward_to_go' per turn (LLM call), not per token; 1 = undiscounted. "
                 "credit='episode' refuses any other value."})
     min_group_size: int = field(default=2, metadata={
-        "help": "Groups with fewer episodes than this (after failures, timeouts and adapter skips) are dropped "
+        "help": "Deprecated: the algorithm's option now, AlgorithmConfig.min_group_size (set here, it is forwarded there with a DeprecationWarning for one release; the trainer trains on the advantages the algorithm gives). Groups with fewer episodes than this (after failures, timeouts and adapter skips) are dropped "
                 "from the update and counted in groups_dropped; must be >= 2 (a group of one has no baseline)."})
     max_staleness: int = field(default=1, metadata={
         "help": "Episodes sampled more than this many weight versions before the current one are dropped "
@@ -147,10 +147,10 @@ class TrainerConfig:
         "help": "L_max: the max_tokens rollouts sample with (AlgorithmConfig.max_tokens). Needed by the soft "
                 "overlong penalty and by loss_agg_mode='seq-mean-token-sum-norm' (its constant divisor)."})
     overlong_buffer_len: int = field(default=0, metadata={
-        "help": "L_cache of DAPO's soft overlong punishment: responses longer than max_response_len − "
+        "help": "Deprecated: the algorithm's option now, AlgorithmConfig.overlong_buffer_len (set here, it is forwarded there with a DeprecationWarning for one release; the trainer trains on the advantages the algorithm gives). L_cache of DAPO's soft overlong punishment: responses longer than max_response_len − "
                 "overlong_buffer_len lose up to overlong_penalty_factor of reward, linearly. 0 = off."})
     overlong_penalty_factor: float = field(default=1.0, metadata={
-        "help": "Largest soft overlong penalty (reward units), reached at max_response_len tokens."})
+        "help": "Deprecated: the algorithm's option now, AlgorithmConfig.overlong_penalty_factor (set here, it is forwarded there with a DeprecationWarning for one release; the trainer trains on the advantages the algorithm gives). Largest soft overlong penalty (reward units), reached at max_response_len tokens."})
     tis_cap: Optional[float] = field(default=None, metadata={
         "help": "Truncated importance sampling (Yao et al. 2025): weight each token's loss by "
                 "min(π_trainer/π_engine, tis_cap), for engines whose log-probs differ from the trainer's "

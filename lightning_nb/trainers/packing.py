@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from lightning_nb.credit import episodes_of
 from lightning_nb.types import GROUP_ID_KEY, Triplet
 
-__all__ = ["PackedSequence", "pack_episode", "first_difference", "episodes_of"]
+__all__ = ["PackedSequence", "pack_episode", "first_difference", "episodes_of"]  # episodes_of: lightning_nb.credit
 
 
 @dataclass
@@ -62,6 +63,11 @@ class PackedSequence:
     def set_advantages(self, by_turn: dict[int, float]) -> None:
         """Give token j the advantage ``by_turn[token_turns[j]]``; ``advantage`` becomes their response-token mean."""
         self.token_advantages = [by_turn[k] for k in self.token_turns]
+        self.summarize_advantages()
+
+    def summarize_advantages(self) -> None:
+        """Set ``advantage`` to the mean of ``token_advantages`` over the response tokens (mask 1; all tokens when
+        none is), exactly their value when all are equal."""
         trained = [a for a, m in zip(self.token_advantages, self.mask) if m] or self.token_advantages
         # one value exactly when all are equal (credit="episode"): a float mean of n copies can round
         self.advantage = trained[0] if len(set(trained)) == 1 else (sum(trained) / len(trained) if trained else 0.0)
@@ -95,12 +101,17 @@ def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = Tru
     are the branch's context, trained once, in the parent.
     A turn sampled at another temperature than the sequence it extends starts a new sequence
     (not a fork: ``fork_at`` stays None), since a sequence is scored at one temperature.
-    Each token's ``token_turns`` entry is its transition's index in turn order (0..T−1), and every
-    token gets ``advantage`` (:meth:`PackedSequence.set_advantages` sets per-turn ones).
+    Each token's ``token_turns`` entry is its transition's index in turn order (0..T−1). A triplet that carries
+    :attr:`Triplet.advantages` gives its response tokens those and the context tokens it brings (its prompt, or
+    the part of it that extends the sequence) the first of them; every token of a triplet without gets
+    ``advantage`` (:meth:`PackedSequence.set_advantages` sets per-turn ones).
     """
     out: list[PackedSequence] = []
     for k, t in enumerate(sorted(triplets, key=lambda t: t.turn)):
         lp = list(t.logprobs) if t.logprobs is not None else [0.0] * len(t.response_ids)
+        given = t.advantages
+        context_adv = given[0] if given else advantage  # the tokens before this turn's response
+        response_adv = list(given) if given is not None else [advantage] * len(t.response_ids)
         keep = 0 if (mask_truncated and t.finish_reason == "length") or t.replayed else 1  # response mask value
         cur = out[-1] if out else None
         extends = cur is not None and t.prompt_ids[: len(cur.input_ids)] == cur.input_ids
@@ -112,7 +123,7 @@ def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = Tru
             cur.has_old = cur.has_old and t.logprobs is not None
             cur.weight_version = _oldest(cur.weight_version, None if t.replayed else t.weight_version)
             cur.token_turns += [k] * (len(extra) + len(t.response_ids))
-            cur.token_advantages += [advantage] * (len(extra) + len(t.response_ids))
+            cur.token_advantages += [context_adv] * len(extra) + response_adv
         else:
             fork_at = (first_difference(cur.input_ids, t.prompt_ids) if pack and cur is not None and not extends
                        else None)
@@ -122,7 +133,7 @@ def pack_episode(triplets: Sequence[Triplet], advantage: float, pack: bool = Tru
                                  rollout_id=t.rollout_id, group_id=t.group_id, turn=t.turn, fork_at=fork_at,
                                  weight_version=None if t.replayed else t.weight_version,
                                  token_turns=[k] * (len(t.prompt_ids) + len(t.response_ids)),
-                                 token_advantages=[advantage] * (len(t.prompt_ids) + len(t.response_ids))))
+                                 token_advantages=[context_adv] * len(t.prompt_ids) + response_adv))
     return out
 
 
@@ -134,11 +145,3 @@ def _oldest(a: Optional[int], b: Optional[int]) -> Optional[int]:
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
     """First index where ``a`` and ``b`` differ (the shorter length if one is a prefix of the other)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def episodes_of(triplets: Sequence[Triplet]) -> dict[str, list[Triplet]]:
-    """``rollout_id -> its triplets`` in the order they come (an episode is the triplets of one rollout)."""
-    episodes: dict[str, list[Triplet]] = {}
-    for t in triplets:
-        episodes.setdefault(t.rollout_id, []).append(t)
-    return episodes

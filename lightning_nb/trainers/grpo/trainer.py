@@ -3,8 +3,8 @@
 The trainer is the only thing that updates weights. It shares the ``nn.Module``
 with :class:`~lightning_nb.engines.transformers.TransformersEngine` (no weight copy) and holds
 the engine's lock while it changes them. :meth:`GRPOTrainer.update` reads top to bottom: build the
-batch (:mod:`~lightning_nb.trainers.batch`: kept episodes, packed sequences, advantages from
-:mod:`~lightning_nb.trainers.credit`), then PPO epochs over mini-batches of micro-batches
+batch (:mod:`~lightning_nb.trainers.batch`: kept episodes, packed sequences carrying the advantages the
+algorithm gave, :mod:`lightning_nb.credit`), then PPO epochs over mini-batches of micro-batches
 (the losses of :mod:`~lightning_nb.trainers.grpo.losses`), then the new weights to the engine.
 The loop around it (pause, resume, checkpoints of the run) is the algorithm's
 (:class:`~lightning_nb.algorithm.lightning_rl.LightningRL`), as are the notebook verbs ``algo.start()``,
@@ -19,12 +19,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from lightning_nb.credit import group_advantages, overlong_penalty, reward_to_go, transition_advantages
 from lightning_nb.engines.transformers import TransformersEngine
 from lightning_nb.trainers.agreement import agreement_metrics
 from lightning_nb.trainers.base import ProgressCallback, Update, progress_ticker
-from lightning_nb.trainers.batch import Batch, build_batch, check_batch, per_triplet_turn, signal_groups
+from lightning_nb.trainers.batch import Batch, build_batch, check_batch, per_triplet_turn
 from lightning_nb.trainers.config import lr_factor
-from lightning_nb.trainers.credit import group_advantages, overlong_penalty, reward_to_go, transition_advantages
 from lightning_nb.trainers.grpo.config import GRPOConfig
 from lightning_nb.trainers.grpo.logprobs import response_logprobs, shift_pad, tree_response_logprobs
 from lightning_nb.trainers.grpo.losses import aggregate_loss, kl_estimate, policy_loss, truncated_is_weights
@@ -35,7 +35,7 @@ from lightning_nb.trainers.packing import PackedSequence, pack_episode
 from lightning_nb.trainers.prefix_tree import PrefixTree, build_prefix_tree, tree_path
 from lightning_nb.types import Triplet
 
-# the names this module has always exported (their homes: trainers.config, trainers.credit, trainers.packing,
+# the names this module has always exported (their homes: trainers.config, lightning_nb.credit, trainers.packing,
 # grpo.config, grpo.logprobs)
 __all__ = ["GRPOConfig", "GRPOTrainer", "group_advantages", "lr_factor", "overlong_penalty", "pack_episode",
            "response_logprobs", "reward_to_go", "transition_advantages"]
@@ -105,21 +105,21 @@ class GRPOTrainer(InPlaceTrainer):
         self._batcher = MicroBatcher()  # the micro-batch rule of the running update (_micro_batcher)
 
     # ----- the RL step ----------------------------------------------------------------
-    def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None) -> Update:
-        """One GRPO step on ``triplets``; returns its :class:`~lightning_nb.trainers.base.Update` (indexing it reads
+    def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None,
+               left_out: Sequence[Triplet] = ()) -> Update:
+        """One GRPO step on ``triplets``, which carry the algorithm's advantages (``left_out``: the batch's triplets
+        its credit does not train, counted in the metrics; :meth:`Trainer.update
+        <lightning_nb.trainers.base.Trainer.update>`); returns its :class:`~lightning_nb.trainers.base.Update` (indexing it reads
         the metrics row).
 
         Steps, top to bottom:
           1. :func:`~lightning_nb.trainers.batch.build_batch`: drop episodes sampled more than
              ``max_staleness`` weight versions ago; pack each episode's turns into sequences with a
              response mask (:func:`~lightning_nb.trainers.packing.pack_episode`; forks are counted, or
-             refused with ``fail_on_fork``); episode reward (final reward + intermediate rewards, with
-             DAPO's soft overlong penalty, and the KL penalty of ``kl_mode="reward"``) → group-relative
-             advantage (:func:`~lightning_nb.trainers.credit.group_advantages`;
-             groups = ``Triplet.group_id``; groups under ``min_group_size`` are dropped), given to
-             every token of the episode (LightningRL); with ``credit="reward_to_go"`` each turn's
-             discounted return → a group-relative advantage per turn (:mod:`~lightning_nb.trainers.credit`'s
-             ``reward_to_go``, ``transition_advantages``), given to that turn's tokens;
+             refused with ``fail_on_fork``); each token gets the advantage its triplet carries
+             (:attr:`Triplet.advantages <lightning_nb.types.Triplet.advantages>`, the algorithm's credit:
+             :mod:`lightning_nb.credit`; a deprecated batch without them is credited from this config's credit
+             fields, as in earlier versions, with the KL penalty of ``kl_mode="reward"``);
           2. :meth:`_optimize`: ``ppo_epochs`` passes over mini-batches of ``mini_batch_size``
              sequences, one AdamW step each with gradient-norm clipping; each mini-batch is
              forwarded in micro-batches (:meth:`_micro_step`, gradients accumulated), each one
@@ -220,7 +220,7 @@ class GRPOTrainer(InPlaceTrainer):
                 distribution), ``kl_coef > 0`` without a reference model, or a fork with
                 ``fail_on_fork``.
         """
-        check_batch(triplets)
+        check_batch(triplets, left_out)
         report = on_progress or _no_progress
         with self._updating:
             changes = self._sync_config()
@@ -234,15 +234,15 @@ class GRPOTrainer(InPlaceTrainer):
                                     score_kl=lambda seqs: self._score_at_start(
                                         seqs, progress_ticker(report, self._batcher.count_sequences(_tokens(seqs)),
                                                         "micro-batches"),
-                                        with_reference=True))
+                                        with_reference=True), left_out=left_out)
                 stats = self._optimize(batch.seqs, report)
                 if stats["optimizer_steps"]:
                     self.engine.load_weights(self.model)  # in place, or pushed to a server (VLLMEngine)
                 self._advance_schedule()
                 self.updates_applied += 1
-            metrics = self._step_metrics(triplets, batch, stats, time.perf_counter() - t0, lr,
+            metrics = self._step_metrics(list(triplets) + list(left_out), batch, stats, time.perf_counter() - t0, lr,
                                          [c.text for c in changes])
-            self._last = Update(metrics, changes, list(triplets), batch.advantages,
+            self._last = Update(metrics, changes, list(triplets) + list(left_out), batch.advantages,
                                 per_triplet_turn(triplets, batch.turn_advantages), [s.as_row() for s in batch.seqs])
             return self._last
 
@@ -347,11 +347,6 @@ class GRPOTrainer(InPlaceTrainer):
                                        else math.nan),
                 "tis_weight_mean": tis_weight / tokens if self.config.tis_cap is not None and tokens else math.nan,
                 **tail}
-
-    def signal_groups(self, triplets: Sequence[Triplet]) -> set[str]:
-        """Group ids of ``triplets`` that :meth:`update` would learn from: kept groups with a non-zero advantage
-        (:func:`lightning_nb.trainers.batch.signal_groups` with this config)."""
-        return signal_groups(self.config, triplets)
 
     def _inputs(self, micro: list[PackedSequence]) -> _Micro:
         """The tensors of a micro-batch: its prefix tree when the batcher forwards trees, else its rows right-padded

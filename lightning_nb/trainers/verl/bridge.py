@@ -66,8 +66,10 @@ def triplets_to_dataproto(triplets: Sequence[Triplet], *, pad_token_id: int, max
                                                    every triplet has ``logprobs``
     ``temperature``              (B,)      float32 the sampling temperature (1.0 for greedy), which
                                                    verl's forward divides the logits by, per row
-    ``advantages``               (B, R)    float32 only with ``advantages=``: the value of the row's
-                                                   episode (or of the turn a token came with) × mask
+    ``advantages``               (B, R)    float32 with ``advantages=`` (the value of the row's
+                                                   episode, or of the turn a token came with), or when
+                                                   every triplet carries ``Triplet.advantages`` (each
+                                                   token's own); × mask
     ============================ ========= ======= ================================================
 
     ``non_tensor_batch`` (numpy object arrays of length B): ``uid`` (= ``Triplet.group_id``, verl's
@@ -125,7 +127,7 @@ def triplets_to_dataproto(triplets: Sequence[Triplet], *, pad_token_id: int, max
     }
     if all(r["has_logprobs"] for r in rows):
         tensors["rollout_log_probs"] = torch.tensor([right(r["logprobs"], R, 0.0) for r in rows], dtype=torch.float32)
-    if advantages is not None:
+    if all(r["advantages"] for r in rows):
         tensors["advantages"] = torch.tensor([right(r["advantages"], R, 0.0) for r in rows], dtype=torch.float32)
     non_tensors = {
         "uid": np.array([r[GROUP_ID_KEY] for r in rows], dtype=object),
@@ -171,7 +173,7 @@ def _rows(triplets: Sequence[Triplet], pack_turns: bool,
                 "logprobs": [lp if m else 0.0 for lp, m in zip(s.old_logprobs[p:], mask)],
                 "has_logprobs": s.has_old, "scores": scores,
                 "temperature": _temperature(first),
-                "advantages": _row_advantages(advantages, rollout_id, ordered, turns, mask),
+                "advantages": _row_advantages(advantages, rollout_id, ordered, turns, mask, s.token_advantages[p:]),
                 GROUP_ID_KEY: first.group_id, "rollout_id": rollout_id, "turn": first.turn,
             })
     return rows
@@ -183,9 +185,13 @@ def _temperature(t: Triplet) -> float:
 
 
 def _row_advantages(advantages: Optional[Mapping[Any, float]], rollout_id: str, ordered: list[Triplet],
-                    turns: list[int], mask: list[int]) -> list[float]:
+                    turns: list[int], mask: list[int], carried: list[float]) -> list[float]:
+    """The row's response advantages × mask: from ``advantages`` when given, else those the triplets carry
+    (``carried``, the packed sequence's per-token ones; [] when a triplet carries none)."""
     if advantages is None:
-        return []
+        if any(t.advantages is None for t in ordered):
+            return []
+        return [a * m for a, m in zip(carried, mask)]
     out = []
     for k, m in zip(turns, mask):
         key = rollout_id if rollout_id in advantages else (rollout_id, ordered[k].turn)
@@ -217,7 +223,7 @@ def grpo_advantages(data: Any, *, norm_adv_by_std: bool = True, min_group_size: 
     per episode, and every row of the episode gets its advantage times its ``response_mask``. With one
     row per episode this is the same as calling verl on the batch's ``token_level_scores``,
     ``response_mask`` and ``uid`` directly; per episode, a forked episode does not count twice in its
-    group. The values equal :func:`lightning_nb.trainers.credit.group_advantages` of the episodes' rewards.
+    group. The values equal :func:`lightning_nb.credit.group_advantages` of the episodes' rewards.
     The result is on the batch's device (that of ``token_level_scores``).
 
     Raises:

@@ -6,14 +6,13 @@ transformers, or vLLM through :class:`~lightning_nb.engines.vllm.VLLMEngine`) se
 spans become triplets, and each :meth:`VerlTrainer.update` hands the batch to verl
 (Agent Lightning's "Inside an RL Algorithm (VERL Example)", reference doc 000):
 
-1. the kept episodes (fresh enough, groups of ``min_group_size`` or more: the same rule as
-   ``GRPOTrainer``) → verl's ``DataProto`` (:func:`~lightning_nb.trainers.verl.bridge.triplets_to_dataproto`:
+1. the kept episodes (fresh enough: the same rule as ``GRPOTrainer``) → verl's ``DataProto`` (:func:`~lightning_nb.trainers.verl.bridge.triplets_to_dataproto`:
    the engine's token IDs, multi-turn packing under ``response_mask``, ``token_level_scores``,
    ``uid`` = group);
 2. the reference policy's log-probs (``ref_log_prob``) when KL is penalised, or measured on this step
    (``track_reference_kl``, every ``kl_every`` steps); with more than one optimizer step, the old
    log-probs recomputed by verl's actor first (``compute_log_prob``, as verl's ``_compute_old_log_prob`` does);
-3. GRPO advantages by verl's ``compute_grpo_outcome_advantage``;
+3. the advantages the triplets carry (the algorithm's credit, :mod:`lightning_nb.credit`), per token;
 4. verl's PPO update (``FSDPEngineWithLMHead.train_batch`` with ``ppo_loss``: PPO clip with dual
    clip, the KL loss, verl's loss aggregation, gradient clipping, the optimizer step); with one
    optimizer step π_old is that update's own forward, detached (no scoring pass before it);
@@ -46,7 +45,7 @@ from typing import Any, Optional, Sequence
 from lightning_nb.errors import ConfigError
 from lightning_nb.trainers.base import ProgressCallback, Update, progress_ticker
 from lightning_nb.trainers.checkpoint import write_file
-from lightning_nb.trainers.batch import Batch, build_batch, check_batch, signal_groups
+from lightning_nb.trainers.batch import Batch, build_batch, check_batch, per_triplet_turn
 from lightning_nb.trainers.inplace import InPlaceTrainer
 from lightning_nb.trainers.metrics import batch_metrics
 from lightning_nb.trainers.verl.config import MAPPED_KEYS, VerlConfig
@@ -104,15 +103,18 @@ class VerlTrainer(InPlaceTrainer):
                                 if self.reference is not None else None)
 
     # ----- the RL step ----------------------------------------------------------------
-    def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None) -> Update:
-        """One GRPO step by verl on ``triplets``; returns its :class:`~lightning_nb.trainers.base.Update`.
+    def update(self, triplets: Sequence[Triplet], *, on_progress: Optional[ProgressCallback] = None,
+               left_out: Sequence[Triplet] = ()) -> Update:
+        """One PPO step by verl on ``triplets``, which carry the algorithm's advantages (``left_out``: as
+        :meth:`Trainer.update <lightning_nb.trainers.base.Trainer.update>`); returns its
+        :class:`~lightning_nb.trainers.base.Update`.
 
-        Episodes are kept as :meth:`GRPOTrainer.update` keeps them (``max_staleness``, ``min_group_size``,
-        forks counted or refused with ``fail_on_fork``), converted by
-        :func:`~lightning_nb.trainers.verl.bridge.triplets_to_dataproto` (one row per packed sequence), scored by
+        Episodes are kept as :meth:`GRPOTrainer.update` keeps them (``max_staleness``, forks counted or refused
+        with ``fail_on_fork``), converted by
+        :func:`~lightning_nb.trainers.verl.bridge.triplets_to_dataproto` (one row per packed sequence, its
+        ``advantages`` the triplets' own per token), scored by
         verl's actor (π_ref when the reference is active; π_old recomputed as verl does when the update takes more
-        than one optimizer step, else taken from the update's own forward), given
-        verl's GRPO advantages (:func:`~lightning_nb.trainers.verl.bridge.grpo_advantages`), and updated by verl
+        than one optimizer step, else taken from the update's own forward), and updated by verl
         (:meth:`~lightning_nb.trainers.verl.bridge.VerlActor.update_policy`: ``ppo_epochs`` × mini-batches of
         ``mini_batch_size`` rows, or the whole batch). Then ``engine.load_weights(model)``.
 
@@ -137,7 +139,7 @@ class VerlTrainer(InPlaceTrainer):
             ConfigError: as ``GRPOTrainer.update`` (no triplets, empty responses, ``top_p < 1``, a fork
                 with ``fail_on_fork``), or verl refuses a config edited while paused.
         """
-        check_batch(triplets)
+        check_batch(triplets, left_out)
         report = on_progress or _no_progress
         with self._updating:
             # verl's loss reads its own config: an edited config is composed and checked by verl first (nothing is
@@ -151,8 +153,12 @@ class VerlTrainer(InPlaceTrainer):
             t0 = time.perf_counter()
             # the kept episodes, as GRPOTrainer keeps them; a VLLMEngine sharing the GPU sleeps meanwhile
             with self.engine.lock, self.engine.released_for_update():
-                batch = build_batch(self.config, triplets, self.engine.weight_version)
-                kept = [t for t in triplets if t.rollout_id in batch.advantages]
+                batch = build_batch(self.config, triplets, self.engine.weight_version, left_out=left_out)
+                turns = per_triplet_turn([t for t in triplets if t.rollout_id in batch.advantages],
+                                         batch.turn_advantages)
+                kept = [t if t.advantages is not None else  # the deprecated path credited them in build_batch
+                        t.model_copy(update={"advantages": [turns[(t.rollout_id, t.turn)]] * len(t.response_ids)})
+                        for t in triplets if t.rollout_id in batch.advantages]
                 if kept:
                     data, stats = self._verl_step(kept, report)
                     self.engine.load_weights(self.model)  # in place, or pushed to a server (VLLMEngine)
@@ -162,14 +168,13 @@ class VerlTrainer(InPlaceTrainer):
                 self.updates_applied += 1
             seconds = time.perf_counter() - t0
             rows = _batch_rows(data) if data is not None else []
-            metrics = self._verl_metrics(triplets, batch, stats, rows, seconds, lr, [c.text for c in changes])
-            advantages = _episode_advantages(rows)
-            self._last = Update(metrics, changes, list(triplets), advantages,
-                                {(t.rollout_id, t.turn): advantages[t.rollout_id] for t in kept}, rows)
+            metrics = self._verl_metrics(list(triplets) + list(left_out), batch, stats, rows, seconds, lr,
+                                         [c.text for c in changes])
+            self._last = Update(metrics, changes, list(triplets) + list(left_out), batch.advantages, turns, rows)
             return self._last
 
     def _verl_step(self, kept: list[Triplet], on_progress: ProgressCallback) -> tuple[Any, dict[str, float]]:
-        """DataProto → π_old and π_ref → verl's GRPO advantages → verl's PPO update.
+        """DataProto (with the triplets' advantages) → π_old and π_ref → verl's PPO update.
 
         π_old: with one optimizer step (:meth:`_old_from_forward`) the update's own forward, detached (verl's actor
         takes it from there, :meth:`VerlActor.update_policy`), so no pass runs before the update; otherwise verl's
@@ -179,7 +184,7 @@ class VerlTrainer(InPlaceTrainer):
         ``logprob_diff_max`` and ``tis_weight_mean``. Each stage done calls ``on_progress(done, total, "stages")``
         (π_old when it is a pass of its own, π_ref when active, verl's policy update).
         """
-        from lightning_nb.trainers.verl.bridge import grpo_advantages, triplets_to_dataproto
+        from lightning_nb.trainers.verl.bridge import triplets_to_dataproto
 
         cfg = self.config
         # on the actor's device: verl returns its log-probs there, and they meet the batch's rollout_log_probs
@@ -197,8 +202,6 @@ class VerlTrainer(InPlaceTrainer):
         if with_reference:
             data.batch["ref_log_prob"] = self._reference_log_prob(data, max_tokens)
             report()
-        data.batch["advantages"] = grpo_advantages(data, norm_adv_by_std=cfg.norm_adv_by_std,
-                                                   min_group_size=cfg.min_group_size)
         stats: dict[str, float] = {}
         if not from_forward:  # the IS weights from the π_old pass, before the update reads them
             data = self._rollout_correction(data, stats)
@@ -306,10 +309,6 @@ class VerlTrainer(InPlaceTrainer):
                 metrics.setdefault(k, v)
         return metrics
 
-    def signal_groups(self, triplets: Sequence[Triplet]) -> set[str]:
-        """Group ids of ``triplets`` that :meth:`update` would learn from (the same rule as GRPOTrainer's)."""
-        return signal_groups(self.config, triplets)
-
     # ----- config edits while paused ----------------------------------------------------
     def check_config(self) -> None:
         """GRPOTrainer's checks, then the config must stay a VerlConfig that verl accepts (``resume()`` calls it)."""
@@ -412,10 +411,3 @@ def _batch_rows(data: Any) -> list[dict[str, Any]]:
             "trainer_logprobs": zeros + [lp if m else 0.0 for lp, m in zip(b["old_log_probs"][i][:n].tolist(), mask)],
         })
     return rows
-
-
-def _episode_advantages(rows: list[dict[str, Any]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for r in rows:
-        out.setdefault(r["rollout_id"], r["advantage"])
-    return out
