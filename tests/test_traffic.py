@@ -273,7 +273,8 @@ def test_two_learners_and_a_restart_on_a_sqlite_file_train_on_each_rollout_once(
     from lightning_nb.trainers.grpo import GRPOConfig, GRPOTrainer
 
     engine, db = pristine, tmp_path / "traffic.db"
-    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False, micro_batch_size=8))
+    # max_staleness=8: all six are sent before the first update; the third update must not drop its two as stale
+    trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False, micro_batch_size=8, max_staleness=8))
     config = TrafficConfig(min_labelled=2, max_batch=2, keep_checkpoints=1)
     store = SqliteStore(db)
     with LLMProxy(engine, store) as proxy:

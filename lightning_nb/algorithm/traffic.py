@@ -38,8 +38,8 @@ update number; ``store.query_trained()``), and a learner skips marked ones, also
 kernel restart, unless made with ``retrain=True`` (:mod:`~lightning_nb.algorithm.traffic_record`); only
 ``succeeded`` rollouts are candidates (a failed one's reward is 0 by rule, and it has no triplets).
 A labelled rollout the adapter cannot use (no LLM call, no token IDs) is set aside once and counted.
-The trainer also drops episodes sampled more than its ``max_staleness`` weight versions ago
-(``stale_episodes_dropped`` in :meth:`TrafficLearner.updates_df`): label traffic soon after it is sent.
+A labelled rollout sampled more than the trainer's ``max_staleness`` weight versions ago is set aside the same
+way (the trainer would drop it, so it is neither trained on nor left pending): label traffic soon after it is sent.
 """
 
 from __future__ import annotations
@@ -182,7 +182,9 @@ class TrafficLearner(CreditAssignment):
         self._seen: set[str] = set()
         self.pending: dict[str, float] = {}  # traffic rollout id -> end_time, not yet used
         self.used: set[str] = set()
-        self.unusable: set[str] = set()  # labelled, but the adapter made no triplet of it
+        # labelled, but nothing to train: the adapter made no triplet of it, or it was sampled more than the
+        # trainer's max_staleness weight versions ago (the trainer would drop it)
+        self.unusable: set[str] = set()
         self.reward_sums: dict[str, list[float]] = {}  # task key -> [sum, count] of used rewards (baseline())
         self.last_poll: dict[str, Any] = {}
         self.name = name or new_id(_NAME_PREFIX)  # in the store's training record: which learner's update used a rollout
@@ -357,6 +359,11 @@ class TrafficLearner(CreditAssignment):
         self._baselines = {rid: self.baseline(keys[rid]) for rid in adapted if rid not in grouped}
         regrouped = [t.model_copy(update={GROUP_ID_KEY: f"{k}:{'task' if t.rollout_id in grouped else 'baseline'}:"
                                                         f"{keys[t.rollout_id]}"}) for t in triplets]
+        stale = self.trainer.stale_rollouts(regrouped) if regrouped else set()
+        for rid in stale:  # the trainer would drop them: set aside, as unusable, rather than pending for ever
+            self.unusable.add(rid)
+            self.pending.pop(rid, None)
+        regrouped = [t for t in regrouped if t.rollout_id not in stale]
         with_signal = self.signal_groups(regrouped) if regrouped else set()
         return [t for t in regrouped if t.group_id in with_signal], keys
 
