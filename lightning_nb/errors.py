@@ -17,6 +17,7 @@ __all__ = [
     "MovedAttributeError",
     "MissingDependencyError",
     "EnvRefused",
+    "ENV_REFUSAL_REASONS",
     "AttemptTimeout",
     "SpanSchemaError",
     "WaitWarning",

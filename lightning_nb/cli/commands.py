@@ -219,6 +219,16 @@ def _add_demo_command(sub: Any) -> None:
                            "WANDB_MODE is set) or MLflow (OUT/mlflow.db); repeat for several")
     demo.add_argument("--resume", type=Path, default=None,
                       help="continue from a checkpoint.pt up to --steps steps in all")
+    _add_task_options(demo)
+
+
+def _add_task_options(demo: Any) -> None:
+    """The ``demo`` options of the task set: ``--task`` and those whose default depends on it (calc's slices, slice
+    weights, shaping term and val_ood; :func:`_task_defaults` fills them in)."""
+    demo.add_argument("--task", default="calc",
+                      help="the task set to train on, by name (default calc): calc, reasoning_gym:<dataset>[?option="
+                           "value&...] (reasoning-gym's datasets, single turn), textarena:<game>[?options] or "
+                           "gem:<env>[?options] (games, multi-turn through GEMRunner); docs/tasks.md")
     demo.add_argument("--slice-by", default=None,
                       help="break the held-out reward down by this task field (default: the task's own, ops for calc: "
                            "one- vs two-operation problems; 'none' turns it off)")
@@ -234,10 +244,6 @@ def _add_demo_command(sub: Any) -> None:
                       help="sampling weights of training tasks per --slice-by label, LABEL:W[,LABEL:W] "
                            f"(default {default_weights} for calc, uniform for other tasks; slices not listed weigh 1; "
                            "'none': uniform)")
-    demo.add_argument("--task", default="calc",
-                      help="the task set to train on, by name (default calc): calc, reasoning_gym:<dataset>[?option="
-                           "value&...] (reasoning-gym's datasets, single turn), textarena:<game>[?options] or "
-                           "gem:<env>[?options] (games, multi-turn through GEMRunner); docs/tasks.md")
 
 
 def _add_eval_command(sub: Any) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from lightning_nb.slices import Slicer, slicer_name
 from lightning_nb.tasks import CalcTaskSet, TaskSet
 from lightning_nb.types import MAIN_LLM
 
@@ -171,7 +172,7 @@ class DemoSettings:
     lora_rank: int = 0
     lora_alpha: float = 32.0
     trainer_kind: str = "grpo"
-    slice_by: Optional[str] = "ops"
+    slice_by: Optional[Slicer] = "ops"
     ood_size: Optional[int] = None
     all_numbers_bonus: float = DEMO_ALL_NUMBERS_BONUS
     slice_weights: Optional[dict[str, float]] = field(default_factory=lambda: dict(DEMO_SLICE_WEIGHTS))
@@ -278,7 +279,7 @@ def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict
                "tasks_per_step": s.tasks_per_step, "group_size": s.group_size, "overlong_filter": s.overlong_filter,
                "rollout_seconds_per_step": float(df["rollout_seconds"].mean()) if "rollout_seconds" in df else None,
                "step_seconds": float(df["step_seconds"].mean()) if "step_seconds" in df else None,
-               "slice_by": s.slice_by, "seed": s.seed, "all_numbers_bonus": s.all_numbers_bonus,
+               "slice_by": s.slice_by if s.slice_by is None else slicer_name(s.slice_by), "seed": s.seed, "all_numbers_bonus": s.all_numbers_bonus,
                "slice_weights": dict(s.slice_weights) if s.slice_weights else None,
                "val_slices_before": _slices_json(before_report) if before_report is not None else None,
                "val_slices_after": _slices_json(after_report) if after_report is not None else None,
@@ -296,7 +297,7 @@ def _ood_json(before: Optional[tuple], after: Optional[tuple]) -> dict:
             for part, i in (("", 0), ("_slices", 1)) for when, result in (("before", before), ("after", after))}
 
 
-def _evaluate_val(algo: Any, slice_by: Optional[str], when: str) -> tuple[float, Any]:
+def _evaluate_val(algo: Any, slice_by: Optional[Slicer], when: str) -> tuple[float, Any]:
     """Held-out reward (greedy) on the val tasks, printed, per ``slice_by`` slice too; ``(mean, SliceReport or None)``."""
     report = algo.evaluate(by=slice_by) if slice_by else None
     mean = report.mean if report is not None else algo.evaluate()
@@ -332,7 +333,7 @@ def _train(algo: Any, steps: int, checkpoint_every: int, checkpoint: Path,
     bar.close()
 
 
-def _evaluate_after_training(algo: Any, steps: int, slice_by: Optional[str]) -> tuple[float, Any]:
+def _evaluate_after_training(algo: Any, steps: int, slice_by: Optional[Slicer]) -> tuple[float, Any]:
     """Held-out reward after training, printed: the last step's when ``val_every`` evaluated it, else evaluated now
     and added to the last metrics row (with its slices). ``(mean, SliceReport or None)``."""
     after_report = None
@@ -412,7 +413,7 @@ def _print_outcome(out: Path, summary: dict) -> None:
           f"({'rose' if after > before else 'did NOT rise'}){ood} in {summary['minutes']:.1f} min")
 
 
-def _evaluate_ood(algo: Any, tasks: list, slice_by: Optional[str], who: str,
+def _evaluate_ood(algo: Any, tasks: list, slice_by: Optional[Slicer], who: str,
                   when: str) -> Optional[tuple[float, Optional[dict]]]:
     """Evaluate the ``val_ood`` tasks (none: None) and print the result; ``(mean, slices as JSON or None)``."""
     if not tasks:

@@ -55,7 +55,7 @@ class EnvChoice:
         self.runners = dict(runners)
 
     def __call__(self, task: Mapping[str, Any], llm: LLMResource) -> None:
-        runner = self.runners.get(task.get("env")) if isinstance(task, Mapping) else None
+        runner = self.runners.get(str(task.get("env"))) if isinstance(task, Mapping) else None
         if runner is None:
             raise ConfigError(f"task {task!r} has no 'env' among this task set's games {sorted(self.runners)}")
         return runner(task, llm)

@@ -91,7 +91,7 @@ def reasoning_gym_agent(task: dict[str, Any], llm: LLMResource, *, score: Callab
         raise ConfigError(f"resources[{SYSTEM_PROMPT_RESOURCE!r}] is a {type(template).__name__}; the reasoning_gym "
                           "agent reads its system prompt from a PromptTemplate there")
     prompt = template.format(question=task["question"]) if template is not None else system_prompt
-    messages = [{"role": "system", "content": prompt}, {"role": "user", "content": task["question"]}]
+    messages: Any = [{"role": "system", "content": prompt}, {"role": "user", "content": task["question"]}]
     client = openai.OpenAI(base_url=llm.endpoint, api_key=llm.api_key, max_retries=0, timeout=600)
     try:
         reply = client.chat.completions.create(model=llm.model, messages=messages,
