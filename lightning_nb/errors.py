@@ -16,6 +16,8 @@ __all__ = [
     "AttemptEnded",
     "MovedAttributeError",
     "MissingDependencyError",
+    "EnvRefused",
+    "ENV_REFUSAL_REASONS",
     "AttemptTimeout",
     "SpanSchemaError",
     "WaitWarning",
@@ -61,6 +63,28 @@ class MovedAttributeError(LightningNbError, AttributeError):
 
 class MissingDependencyError(LightningNbError, ImportError):
     """An optional package is missing; the message names the extra to install."""
+
+
+class EnvRefused(ConfigError):
+    """An environment the kit cannot play, refused when it is built; ``reason`` says why, in one word.
+
+    ``reason`` is one of :data:`ENV_REFUSAL_REASONS`: ``"players"`` (it needs other players than the agent: a
+    two-player or team game), ``"download"`` (it downloads data when built, e.g. an NLTK word list, and could not),
+    ``"api_key"`` (it calls a hosted model and needs that service's API key), ``"python"`` (its code does not
+    compile on this Python), ``"package_files"`` (files its package should ship are missing) or ``"error"``
+    (anything else; the message quotes it). The message says the same in words, with the fix where there is one.
+    """
+
+    def __init__(self, message: str, reason: str = "error") -> None:
+        super().__init__(message, reason)
+        self.message, self.reason = message, reason
+
+    def __str__(self) -> str:
+        return self.message
+
+
+#: the values of :attr:`EnvRefused.reason`
+ENV_REFUSAL_REASONS = ("players", "download", "api_key", "python", "package_files", "error")
 
 
 class AttemptTimeout(LightningNbError, TimeoutError):

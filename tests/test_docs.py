@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 250
 # the public modules whose docstrings make the API reference (docs/api/<name>.md holds `::: lightning_nb.<name>`)
 API_MODULES = ("store", "tracing", "runners", "proxy", "engines", "trainers", "algorithm", "adapter", "agents",
-               "rewards", "types", "errors", "semconv")
+               "tasks", "rewards", "types", "errors", "semconv")
 # the packages whose __all__ is the public API: the site has an entry for every name in them
 PUBLIC_PACKAGES = ("lightning_nb", *(f"lightning_nb.{name}" for name in API_MODULES), "lightning_nb.replay")
 # the notebook verbs and the calls a step makes, every algorithm's (listed under Algorithm on the site)

@@ -9,7 +9,10 @@ plays (``GEMRunner("textarena:GuessTheNumber-v0-raw")``):
 
 * **Observations.** The game's messages to player 0 since the previous call, one per line, without the
   ``PLAYER_ACTION`` echo of the agent's own move (TextArena sends every move back to its player; its
-  ``LLMObservationWrapper`` shows it as a ``[Player] [42]`` line). Game feedback such as GuessTheNumber's
+  ``LLMObservationWrapper`` shows it as a ``[Player] [42]`` line). The echo is dropped whatever its sender:
+  most games send it from player 0, TowerOfHanoi from the game (-1), and Countdown, Cryptarithm and Slitherlink
+  pass their arguments in another order, so the kind sits where the sender should (``(PLAYER_ACTION, 0,
+  move)``); in a single-player game every ``PLAYER_ACTION`` message is the agent's own move. Game feedback such as GuessTheNumber's
   "The target number is higher." and TextArena's invalid-move notes stay. The messages are read from the
   innermost game, so a wrapped id (``"GuessTheNumber-v0"``, ``"...-train"``) reads the same text as its
   ``-raw`` id: TextArena's observation wrappers rebuild the whole history each turn, which the kit's
@@ -29,9 +32,22 @@ TextArena's ``State.__init__`` calls ``random.seed(seed)`` on Python's global ge
 GuessTheNumber then draws its number from it: GEMRunner resets under its process-wide lock. Games that draw
 from ``random`` in ``step`` share that generator with every other thread of the process.
 
-Offline: ``import textarena`` opens no connection, and GuessTheNumber needs no data. Games whose module calls
-``nltk.download`` when made (Hangman, Wordle, WordSearch, WordLadder, WordChains, Codenames, DontSayIt,
-LetterAuction, Crosswords) do not run without the network.
+**Games it refuses, when built.** :func:`check_single_player` makes a game and starts one (seed 0) to learn whether
+the agent can play it alone; it raises :class:`~lightning_nb.errors.EnvRefused` naming why not (``reason``):
+
+* ``"players"``: the game needs other players. Most two-player games assert it at ``reset(num_players=1)``
+  (quoted); QuantumTicTacToe and SpiteAndMalice start with two players whatever they are asked for, and the agent
+  would play both sides, so a game whose state has more than one player after that reset is refused too (by its
+  player count, :meth:`TextArenaEnv.reset`; no list of names).
+* ``"download"``: the game's module calls ``nltk.download`` when made (Hangman, Wordle, WordSearch, WordLadder,
+  WordChains, Codenames, DontSayIt, LetterAuction, SpellingBee); without the network it cannot start.
+* ``"api_key"``: the game calls a hosted model through OpenRouter (Debate, GuessWho, TwentyQuestions,
+  ScenarioPlanning) and needs ``OPENROUTER_API_KEY``.
+* ``"python"``: the game's module does not compile on this Python (TextArena 0.7.4's Chess, Checkers, Klondike,
+  ReverseTicTacToe, IteratedStagHunt and UltimateTexasHoldem use Python 3.12 f-strings).
+* ``"package_files"``: files the game reads are missing from the textarena wheel (ScorableGames, UsedCar...).
+
+``import textarena`` opens no connection, and GuessTheNumber needs no data.
 
 Requires ``textarena`` (the ``envs`` extra: ``pip install 'lightning-nb[envs]'``).
 """
@@ -39,11 +55,13 @@ Requires ``textarena`` (the ``envs`` extra: ``pip install 'lightning-nb[envs]'``
 from __future__ import annotations
 
 import difflib
+import random
+import sys
 from typing import Any, Optional
 
-from lightning_nb.errors import ConfigError, LightningNbError, MissingDependencyError
+from lightning_nb.errors import ConfigError, EnvRefused, LightningNbError, MissingDependencyError
 
-__all__ = ["TextArenaEnv", "TEXTARENA_PREFIX"]
+__all__ = ["TextArenaEnv", "TEXTARENA_PREFIX", "check_single_player"]
 
 #: the prefix of a TextArena id in ``GEMRunner(env=...)``: ``"textarena:GuessTheNumber-v0-raw"``
 TEXTARENA_PREFIX = "textarena:"
@@ -92,6 +110,8 @@ class TextArenaEnv:
         except TypeError as exc:  # the game's constructor refused a keyword
             raise ConfigError(f"TextArenaEnv({env_id!r}): the game refused make_kwargs {sorted(make_kwargs)}: "
                               f"{exc}") from exc
+        except (SyntaxError, LookupError, ImportError, OSError, ValueError) as exc:
+            raise _refusal(env_id, exc, "made") from exc
         self.env_id, self.make_kwargs = env_id, dict(make_kwargs)
         self.game = self._env
         while isinstance(self.game, ta.Wrapper):  # the messages come from the game itself
@@ -104,13 +124,21 @@ class TextArenaEnv:
         ``(the game's opening messages, {"env_id": ...})``.
 
         Raises:
-            ConfigError: the game needs more than one player (TextArena's own assertion, quoted).
+            EnvRefused: the game needs more than one player (``reason="players"``): it refused one (TextArena's own
+                assertion, quoted), or it started with more than one all the same (QuantumTicTacToe,
+                SpiteAndMalice: the agent would play every side).
         """
         try:
             self._env.reset(num_players=1, seed=seed)
-        except AssertionError as exc:
-            raise ConfigError(f"TextArenaEnv plays single-player games; {self.env_id!r} refused one player: "
-                              f"{exc}") from exc
+        except (AssertionError, ValueError) as exc:
+            if "player" not in str(exc).lower():
+                raise
+            raise EnvRefused(f"TextArenaEnv plays single-player games; {self.env_id!r} refused one player: "
+                             f"{exc}", "players") from exc
+        players = getattr(getattr(self.game, "state", None), "num_players", 1)
+        if players != 1:
+            raise EnvRefused(f"TextArenaEnv plays single-player games; {self.env_id!r} started with {players} "
+                             f"players when asked for one (the agent would play every side)", "players")
         self._done = False
         return self._new_text(), {"env_id": self.env_id}
 
@@ -146,4 +174,55 @@ class TextArenaEnv:
         """Player 0's messages since the last call (TextArena hands each out once), less the echo of its moves."""
         _, messages = self.game.get_observation()
         return "\n".join(str(text) for sender, text, kind in messages
-                         if not (kind == self._player_action and sender == _PLAYER))
+                         if self._player_action not in (kind, sender))  # an echo, whatever its sender
+
+
+def _refusal(env_id: str, exc: BaseException, when: str) -> EnvRefused:
+    """The :class:`EnvRefused` for ``exc``, raised while ``env_id`` was ``when`` (made, reset): its reason from the
+    exception's kind (see the module docstring)."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    if isinstance(exc, SyntaxError):
+        python = ".".join(map(str, sys.version_info[:2]))
+        return EnvRefused(f"TextArena game {env_id!r} cannot be {when} here: its module does not compile on Python "
+                          f"{python} ({first}; textarena 0.7.4 writes some games with Python 3.12 f-strings)",
+                          "python")
+    if isinstance(exc, LookupError):
+        resource = next((w for w in ("words", "stopwords", "wordnet", "averaged_perceptron_tagger_eng")
+                         if w in str(exc)), "a corpus")
+        return EnvRefused(f"TextArena game {env_id!r} cannot be {when} here: it downloads NLTK data ({resource}) "
+                          f"when built, and the download failed (no network?); run nltk.download({resource!r}) "
+                          "where the network is, or pick a game that needs no data", "download")
+    if isinstance(exc, ValueError) and "api key" in str(exc).lower():
+        return EnvRefused(f"TextArena game {env_id!r} cannot be {when} here: it calls a hosted model and needs an "
+                          f"API key ({first})", "api_key")
+    if isinstance(exc, (ImportError, FileNotFoundError)):
+        return EnvRefused(f"TextArena game {env_id!r} cannot be {when} here: files it needs are missing from the "
+                          f"installed textarena package ({first})", "package_files")
+    return EnvRefused(f"TextArena game {env_id!r} could not be {when}: {first}", "error")
+
+
+def check_single_player(env_id: str, seed: int = 0, **make_kwargs: Any) -> TextArenaEnv:
+    """Make TextArena's ``env_id`` and start one game from ``seed``, to learn whether the agent can play it alone;
+    returns the :class:`TextArenaEnv`, reset (its first observation already read).
+
+    Python's global ``random``, which TextArena re-seeds at every reset, is left as it was. A reset can take long
+    for some games (Sudoku-v0-hard-raw: ~30 s at seed 0 on 2 cores; its puzzle is generated there).
+
+    Raises:
+        EnvRefused: the game needs other players, a download, an API key, another Python, or files its package
+            lacks (``reason``; the module docstring lists them), or it failed to start (``"error"``, quoted).
+        ConfigError: ``env_id`` is not a TextArena id, or the game refused ``make_kwargs``.
+        MissingDependencyError: textarena is not installed.
+    """
+    env = TextArenaEnv(env_id, **make_kwargs)
+    state = random.getstate()
+    try:
+        env.reset(seed=seed)
+    except EnvRefused:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a game's own failure at reset, classified and quoted
+        raise _refusal(env_id, exc, "reset") from exc
+    finally:
+        random.setstate(state)
+    return env

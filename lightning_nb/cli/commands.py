@@ -75,6 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     machine does not have, exits 2 with its fix before any model loads)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    task = _task_defaults(args, parser) if args.command == "demo" else None  # before anything loads
     slice_by = None if args.slice_by.lower() in ("", "none") else args.slice_by
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.command == "demo":
@@ -99,8 +100,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             trainer_kind=args.trainer, slice_by=slice_by, ood_size=args.ood_size,
             all_numbers_bonus=args.all_numbers_bonus, slice_weights=slice_weights, device=args.device,
             dtype=settings["dtype"], gradient_checkpointing=settings["gradient_checkpointing"],
-            micro_batch_size=args.micro_batch_size, overlong_filter=args.overlong_filter))
+            micro_batch_size=args.micro_batch_size, overlong_filter=args.overlong_filter, task=task))
     return 0
+
+
+def _task_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    """Load ``--task`` (a bad name exits 2 listing what exists, before any model loads) and fill in the options
+    whose default depends on it: calc's ``--slice-by ops``, ``--slice-weights ops=2:3`` and ``--all-numbers-bonus
+    0.2``; for other tasks the task set's own ``slice_by``, uniform weights, no shaping term and no val_ood (calc's
+    split: ``--ood-size`` > 0 and ``--all-numbers-bonus`` > 0 are refused there). Returns the TaskSet."""
+    from lightning_nb.errors import MissingDependencyError
+    from lightning_nb.tasks import CalcTaskSet, load_task
+
+    try:
+        task = load_task(args.task)
+    except (ConfigError, MissingDependencyError) as exc:
+        parser.error(f"--task {args.task}: {exc}")
+    calc = isinstance(task, CalcTaskSet)
+    if args.slice_by is None:
+        args.slice_by = (task.slice_by if isinstance(task.slice_by, str) else None) or "none"
+    if args.slice_weights is None:
+        args.slice_weights = ",".join(f"{k}:{v:g}" for k, v in DEMO_SLICE_WEIGHTS.items()) if calc else "none"
+    for flag, value in (("--all-numbers-bonus", args.all_numbers_bonus), ("--ood-size", args.ood_size)):
+        if not calc and value:
+            parser.error(f"{flag} is the calc task's (its shaping term, its val_ood split); --task {args.task} has "
+                         f"none: drop {flag}")
+    if args.all_numbers_bonus is None:
+        args.all_numbers_bonus = DEMO_ALL_NUMBERS_BONUS if calc else 0.0
+    if not calc:
+        args.ood_size = 0
+    return task
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,9 +170,11 @@ def _check_demo_args(args: argparse.Namespace, slice_by: Optional[str],
 
 def _add_demo_command(sub: Any) -> None:
     """The ``demo`` subcommand and its options (the fields of :class:`~lightning_nb.cli.demo.DemoSettings`)."""
-    demo = sub.add_parser("demo", help="train the calculator agent on SmolLM2-135M (CPU) and show reward rising",
-                          description="Train the default calc agent with GRPO on CPU; prints held-out reward "
-                                      "before and after and writes metrics.csv, reward_curve.png, summary.json.")
+    demo = sub.add_parser("demo", help="train the calculator agent (or --task NAME) on SmolLM2-135M (CPU) and show "
+                                       "reward rising",
+                          description="Train the default calc agent (or the task set --task names) with GRPO on CPU; "
+                                      "prints held-out reward before and after and writes metrics.csv, "
+                                      "reward_curve.png, summary.json.")
     demo.add_argument("--steps", type=int, default=16, help="training steps (default 16)")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder (default runs/demo)")
     demo.add_argument("--tasks-per-step", type=int, default=None,
@@ -188,18 +219,31 @@ def _add_demo_command(sub: Any) -> None:
                            "WANDB_MODE is set) or MLflow (OUT/mlflow.db); repeat for several")
     demo.add_argument("--resume", type=Path, default=None,
                       help="continue from a checkpoint.pt up to --steps steps in all")
-    demo.add_argument("--slice-by", default="ops", help=_SLICE_BY_HELP)
+    _add_task_options(demo)
+
+
+def _add_task_options(demo: Any) -> None:
+    """The ``demo`` options of the task set: ``--task`` and those whose default depends on it (calc's slices, slice
+    weights, shaping term and val_ood; :func:`_task_defaults` fills them in)."""
+    demo.add_argument("--task", default="calc",
+                      help="the task set to train on, by name (default calc): calc, reasoning_gym:<dataset>[?option="
+                           "value&...] (reasoning-gym's datasets, single turn), textarena:<game>[?options] or "
+                           "gem:<env>[?options] (games, multi-turn through GEMRunner); docs/tasks.md")
+    demo.add_argument("--slice-by", default=None,
+                      help="break the held-out reward down by this task field (default: the task's own, ops for calc: "
+                           "one- vs two-operation problems; 'none' turns it off)")
     demo.add_argument("--ood-size", type=int, default=None,
-                      help="also evaluate this many val_ood tasks (other wordings and number ranges than training's) "
-                           "before and after (default: as many as --val-size; 0: off)")
-    demo.add_argument("--all-numbers-bonus", type=float, default=DEMO_ALL_NUMBERS_BONUS,
-                      help="shaping term: an intermediate reward (component calc_uses_all_numbers) for a CALC that "
-                           f"uses every number of the question (default {DEMO_ALL_NUMBERS_BONUS}; 0: off). The final "
-                           "reward stays 1.0 only for the right answer")
+                      help="calc: also evaluate this many val_ood tasks (other wordings and number ranges than "
+                           "training's) before and after (default: as many as --val-size; 0: off)")
+    demo.add_argument("--all-numbers-bonus", type=float, default=None,
+                      help="calc's shaping term: an intermediate reward (component calc_uses_all_numbers) for a CALC "
+                           f"that uses every number of the question (default {DEMO_ALL_NUMBERS_BONUS} for calc; 0: "
+                           "off). The final reward stays 1.0 only for the right answer")
     default_weights = ",".join(f"{k}:{v:g}" for k, v in DEMO_SLICE_WEIGHTS.items())
-    demo.add_argument("--slice-weights", default=default_weights,
+    demo.add_argument("--slice-weights", default=None,
                       help="sampling weights of training tasks per --slice-by label, LABEL:W[,LABEL:W] "
-                           f"(default {default_weights}; slices not listed weigh 1; 'none': uniform)")
+                           f"(default {default_weights} for calc, uniform for other tasks; slices not listed weigh 1; "
+                           "'none': uniform)")
 
 
 def _add_eval_command(sub: Any) -> None:

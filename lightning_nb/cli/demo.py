@@ -1,10 +1,11 @@
-"""The demo and eval runs of the command line: :class:`DemoSettings` and :func:`run_demo` (train the calc agent on
-SmolLM2-135M, write metrics.csv, reward_curve.png and summary.json), :func:`run_eval`, and what they share (the
+"""The demo and eval runs of the command line: :class:`DemoSettings` and :func:`run_demo` (train the calc agent, or
+another task set by name, on SmolLM2-135M, write metrics.csv, reward_curve.png and summary.json), :func:`run_eval`, and what they share (the
 engine, store, proxy and runners of :func:`_serving`, the held-out evaluations, the reward curve)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from lightning_nb.slices import Slicer, slicer_name
+from lightning_nb.tasks import CalcTaskSet, TaskSet
 from lightning_nb.types import MAIN_LLM
 
 __all__ = ["DemoSettings", "run_demo", "run_eval", "DEMO_ALL_NUMBERS_BONUS", "DEMO_SLICE_WEIGHTS"]
@@ -27,7 +30,8 @@ _PLACEMENT_KEYS = ("device", "dtype", "gradient_checkpointing", "micro_batch_siz
 
 
 def _plot(metrics_csv: Path, out_png: Path, before: float, after: float,
-          before_slices: Optional[dict[str, float]] = None, ood_before: Optional[float] = None) -> list[str]:
+          before_slices: Optional[dict[str, float]] = None, ood_before: Optional[float] = None,
+          title: str = "calc agent") -> list[str]:
     """Draw the reward curve to ``out_png``; returns the legend's texts.
 
     Lines: train reward per step, its rolling mean, the held-out reward (``before`` at step 0,
@@ -35,6 +39,7 @@ def _plot(metrics_csv: Path, out_png: Path, before: float, after: float,
     ``metrics_csv`` (labelled ``held-out <slice>``, starting at ``before_slices[slice]`` when given),
     ``held-out val_ood`` from ``ood_before`` at step 0 to the ``val_ood_reward`` column, and one thin line per
     ``reward/<component>`` column (a shaping term's mean per training rollout, labelled ``shaping <component>``).
+    ``title`` names what was trained (the task set's name for other tasks than calc).
     """
     import matplotlib
 
@@ -64,7 +69,7 @@ def _plot(metrics_csv: Path, out_png: Path, before: float, after: float,
     ax.set_xlabel("training step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"calc agent on SmolLM2-135M: val {before:.2f} → {after:.2f}")
+    ax.set_title(f"{title} on SmolLM2-135M: val {before:.2f} → {after:.2f}")
     legend = ax.legend(loc="lower right", fontsize="small")
     texts = [t.get_text() for t in legend.get_texts()]
     fig.tight_layout()
@@ -80,8 +85,9 @@ def _slices_json(report) -> dict:
 
 @contextlib.contextmanager
 def _serving(runners: int, engine_kind: str = "vllm", all_numbers_bonus: float = 0.0, *, device: str = "cpu",
-             dtype: str = "float32", engine_options: Optional[dict] = None) -> Iterator[tuple]:
-    """Engine + store + LLM proxy + runner threads for the calc agent; torn down on exit (Ctrl-C included).
+             dtype: str = "float32", engine_options: Optional[dict] = None, agent: Any = None) -> Iterator[tuple]:
+    """Engine + store + LLM proxy + runner threads for ``agent`` (None: the calc agent); torn down on exit (Ctrl-C
+    included).
 
     ``engine_kind``: ``"transformers"`` (in-process, its model on ``device`` in ``dtype``) or ``"vllm"`` (a
     server from ``make setup-vllm`` on ``device`` in ``dtype``; the trainer moves the in-process copy it trains
@@ -111,7 +117,8 @@ def _serving(runners: int, engine_kind: str = "vllm", all_numbers_bonus: float =
     store = InMemoryStore()
     proxy = LLMProxy(engine, store).start()
     store.add_resources({MAIN_LLM: proxy.as_resource()})
-    agent = functools.partial(calc_agent, all_numbers_bonus=all_numbers_bonus) if all_numbers_bonus else calc_agent
+    if agent is None:
+        agent = functools.partial(calc_agent, all_numbers_bonus=all_numbers_bonus) if all_numbers_bonus else calc_agent
     group = start_runners(agent, store, n=runners)
     try:
         yield engine, store
@@ -140,7 +147,9 @@ class DemoSettings:
     ``steps`` training steps, results under ``out``; every other field is the command line's option of the same
     meaning (``python -m lightning_nb demo --help``: ``learning_rate`` is ``--lr``, ``loggers`` ``--logger``,
     ``trainer_kind`` ``--trainer``), with the CPU defaults; the command line takes one GPU's on CUDA
-    (:data:`~lightning_nb.cli.commands.DEVICE_DEFAULTS`).
+    (:data:`~lightning_nb.cli.commands.DEVICE_DEFAULTS`). ``task`` is ``--task``: a task set's name or the
+    :class:`~lightning_nb.tasks.TaskSet` itself (default ``"calc"``); ``all_numbers_bonus``, ``slice_weights`` and
+    ``ood_size`` are calc's (set them to 0, None and 0 for another task set).
     """
 
     steps: int
@@ -163,7 +172,7 @@ class DemoSettings:
     lora_rank: int = 0
     lora_alpha: float = 32.0
     trainer_kind: str = "grpo"
-    slice_by: Optional[str] = "ops"
+    slice_by: Optional[Slicer] = "ops"
     ood_size: Optional[int] = None
     all_numbers_bonus: float = DEMO_ALL_NUMBERS_BONUS
     slice_weights: Optional[dict[str, float]] = field(default_factory=lambda: dict(DEMO_SLICE_WEIGHTS))
@@ -172,10 +181,19 @@ class DemoSettings:
     gradient_checkpointing: bool = False
     micro_batch_size: Optional[int] = None
     overlong_filter: bool = False
+    task: Any = "calc"
 
 
 def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict], None]] = None) -> dict:
-    """Train the calculator agent on SmolLM2-135M and write metrics.csv, reward_curve.png, summary.json.
+    """Train the calculator agent (or the task set ``settings.task`` names) on SmolLM2-135M and write metrics.csv,
+    reward_curve.png, summary.json.
+
+    ``task``: ``"calc"`` (the default: everything below as it was), or another task set's name or
+    :class:`~lightning_nb.tasks.TaskSet` (``"reasoning_gym:basic_arithmetic"``, ``"textarena:GuessTheNumber-v0-raw"``;
+    docs/tasks.md). Such a run makes the first ``steps * tasks_per_step * sample_rounds`` training tasks and the first
+    ``val_size`` held-out ones, slices by the task set's ``slice_by`` unless told otherwise, has no shaping term and
+    no val_ood, and its summary.json adds ``task`` (:meth:`TaskSet.describe`: name, source, slice_by, and the seed
+    ranges of the training and held-out tasks it made, which never overlap).
 
     ``after_step(algo, row)``, when given, is called after every training step with the
     :class:`~lightning_nb.algorithm.lightning_rl.LightningRL` and the step's metrics row (``algo.last_update``'s
@@ -213,15 +231,20 @@ def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict
     import torch
 
     from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL, VerlConfig, VerlTrainer
-    from lightning_nb.tasks.calc import load_tasks
 
-    s = settings
+    s, task = _task_settings(settings)
+    calc = isinstance(task, CalcTaskSet)
     trainer_cls, config_cls = (VerlTrainer, VerlConfig) if s.trainer_kind == "verl" else (GRPOTrainer, GRPOConfig)
     t_start = time.time()
     torch.manual_seed(s.seed)
     s.out.mkdir(parents=True, exist_ok=True)
     micro = {"micro_batch_size": s.micro_batch_size} if s.micro_batch_size is not None else {}
-    with _serving(s.runners, s.engine, s.all_numbers_bonus, device=s.device, dtype=s.dtype) as (served, store):
+    # calc trains on its whole train file; a seeded task set makes only the tasks a run can draw
+    n_train = None if calc else min(len(task.train_seeds), s.steps * s.tasks_per_step * s.sample_rounds)
+    train_tasks, val_tasks = task.train_tasks(n_train), task.heldout_tasks(s.val_size)
+    agent = task.shaped_agent(s.all_numbers_bonus) if calc else task.agent
+    with _serving(s.runners, s.engine, s.all_numbers_bonus, device=s.device, dtype=s.dtype, agent=agent) as (served,
+                                                                                                             store):
         trainer = trainer_cls(served, config_cls(
             learning_rate=s.learning_rate, kl_coef=s.kl_coef, lora_rank=s.lora_rank, lora_alpha=s.lora_alpha, device=s.device,
             dtype=s.dtype, gradient_checkpointing=s.gradient_checkpointing, overlong_filter=s.overlong_filter,
@@ -230,8 +253,8 @@ def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict
                                  temperature=s.temperature, max_tokens=s.max_tokens, val_every=s.val_every,
                                  dynamic_sampling=s.sample_rounds > 1, max_sample_rounds=s.sample_rounds,
                                  slice_weights=dict(s.slice_weights) if s.slice_weights else None)
-        algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=s.val_size), config,
-                           loggers=_demo_loggers(s.loggers, s.out), slice_by=s.slice_by)
+        algo = LightningRL(store, trainer, train_tasks, val_tasks, config, loggers=_demo_loggers(s.loggers, s.out),
+                           slice_by=s.slice_by)
         checkpoint = s.out / ("checkpoints" if s.trainer_kind == "verl" else "checkpoint.pt")
         if s.resume is not None:
             algo.load(s.resume)
@@ -239,7 +262,7 @@ def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict
         print(f"[demo] evaluating on {s.val_size} held-out tasks (greedy) ...", flush=True)
         before, before_report = _evaluate_val(algo, s.slice_by, "before training")
         n_ood = s.val_size if s.ood_size is None else s.ood_size
-        ood_tasks = load_tasks("val_ood", limit=n_ood) if n_ood > 0 else []
+        ood_tasks = task.ood_tasks(n_ood) if calc and n_ood > 0 else []
         ood_before = _evaluate_ood(algo, ood_tasks, s.slice_by, "demo", "before training")
         _train(algo, s.steps, s.checkpoint_every, checkpoint, after_step)
         after, after_report = _evaluate_after_training(algo, s.steps, s.slice_by)
@@ -248,7 +271,7 @@ def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict
             algo.add_metrics(algo.global_step, val_ood_reward=ood_after[0])
         algo.close_loggers()
         _save_final(algo, checkpoint)
-    df = _write_metrics(algo, s.out, before, after, before_report, ood_before)
+    df = _write_metrics(algo, s.out, before, after, before_report, ood_before, "calc agent" if calc else task.name)
     summary = {"val_reward_before": before, "val_reward_after": after, "steps": s.steps, "val_size": s.val_size,
                "minutes": (time.time() - t_start) / 60, "out": str(s.out), "checkpoint": str(checkpoint),
                "engine": s.engine, "trainer": s.trainer_kind, "lora_rank": s.lora_rank, "learning_rate": s.learning_rate,
@@ -256,11 +279,13 @@ def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict
                "tasks_per_step": s.tasks_per_step, "group_size": s.group_size, "overlong_filter": s.overlong_filter,
                "rollout_seconds_per_step": float(df["rollout_seconds"].mean()) if "rollout_seconds" in df else None,
                "step_seconds": float(df["step_seconds"].mean()) if "step_seconds" in df else None,
-               "slice_by": s.slice_by, "seed": s.seed, "all_numbers_bonus": s.all_numbers_bonus,
+               "slice_by": s.slice_by if s.slice_by is None else slicer_name(s.slice_by), "seed": s.seed, "all_numbers_bonus": s.all_numbers_bonus,
                "slice_weights": dict(s.slice_weights) if s.slice_weights else None,
                "val_slices_before": _slices_json(before_report) if before_report is not None else None,
                "val_slices_after": _slices_json(after_report) if after_report is not None else None,
                "ood_size": len(ood_tasks), **_ood_json(ood_before, ood_after)}
+    if not calc:  # calc's summary stays as it was; another task set says what it is and which seeds it drew
+        summary["task"] = task.describe(len(train_tasks), len(val_tasks))
     (s.out / "summary.json").write_text(json.dumps(summary, indent=2))
     _print_outcome(s.out, summary)
     return summary
@@ -272,7 +297,7 @@ def _ood_json(before: Optional[tuple], after: Optional[tuple]) -> dict:
             for part, i in (("", 0), ("_slices", 1)) for when, result in (("before", before), ("after", after))}
 
 
-def _evaluate_val(algo: Any, slice_by: Optional[str], when: str) -> tuple[float, Any]:
+def _evaluate_val(algo: Any, slice_by: Optional[Slicer], when: str) -> tuple[float, Any]:
     """Held-out reward (greedy) on the val tasks, printed, per ``slice_by`` slice too; ``(mean, SliceReport or None)``."""
     report = algo.evaluate(by=slice_by) if slice_by else None
     mean = report.mean if report is not None else algo.evaluate()
@@ -308,7 +333,7 @@ def _train(algo: Any, steps: int, checkpoint_every: int, checkpoint: Path,
     bar.close()
 
 
-def _evaluate_after_training(algo: Any, steps: int, slice_by: Optional[str]) -> tuple[float, Any]:
+def _evaluate_after_training(algo: Any, steps: int, slice_by: Optional[Slicer]) -> tuple[float, Any]:
     """Held-out reward after training, printed: the last step's when ``val_every`` evaluated it, else evaluated now
     and added to the last metrics row (with its slices). ``(mean, SliceReport or None)``."""
     after_report = None
@@ -337,16 +362,44 @@ def _save_final(algo: Any, checkpoint: Path) -> None:
 
 
 def _write_metrics(algo: Any, out: Path, before: float, after: float, before_report: Any,
-                   ood_before: Optional[tuple[float, Optional[dict]]]) -> Any:
-    """Write ``out/metrics.csv`` (main columns first) and ``out/reward_curve.png``; returns the metrics DataFrame."""
+                   ood_before: Optional[tuple[float, Optional[dict]]], title: str = "calc agent") -> Any:
+    """Write ``out/metrics.csv`` (main columns first) and ``out/reward_curve.png`` (titled ``title``); returns the
+    metrics DataFrame."""
     df = algo.metrics_df()
     cols = ["step", "reward_mean", "val_reward", "loss", "kl", "step_seconds"]
     df = df.reindex(columns=cols + [c for c in df.columns if c not in cols])
     df.to_csv(out / "metrics.csv", index=False)
     _plot(out / "metrics.csv", out / "reward_curve.png", before, after,
           {k: v[0] for k, v in before_report.slices.items()} if before_report is not None else None,
-          ood_before=ood_before[0] if ood_before is not None else None)
+          ood_before=ood_before[0] if ood_before is not None else None, title=title)
     return df
+
+
+def _task_settings(settings: DemoSettings) -> tuple[DemoSettings, Any]:
+    """``settings`` with its task set loaded, and that task set. For a task set other than calc, calc's defaults
+    (``slice_by="ops"``, ``slice_weights`` :data:`DEMO_SLICE_WEIGHTS`, ``all_numbers_bonus``
+    :data:`DEMO_ALL_NUMBERS_BONUS`, ``ood_size`` None) become the task set's own (its ``slice_by``, uniform, 0, 0).
+
+    Raises:
+        ConfigError: for a task set other than calc, a shaping bonus, val_ood tasks or slice weights other than
+            calc's defaults (they are calc's).
+    """
+    from lightning_nb.errors import ConfigError
+    from lightning_nb.tasks import load_task
+
+    task = settings.task if isinstance(settings.task, TaskSet) else load_task(settings.task)
+    if isinstance(task, CalcTaskSet):
+        return settings, task
+    s = dataclasses.replace(settings, task=task)
+    if s.slice_by == "ops" and s.slice_weights == DEMO_SLICE_WEIGHTS and s.all_numbers_bonus == DEMO_ALL_NUMBERS_BONUS:
+        s = dataclasses.replace(s, slice_by=task.slice_by, slice_weights=None, all_numbers_bonus=0.0)
+    if s.ood_size is None:
+        s = dataclasses.replace(s, ood_size=0)
+    for name, value in (("all_numbers_bonus", s.all_numbers_bonus), ("ood_size", s.ood_size)):
+        if value:
+            raise ConfigError(f"DemoSettings.{name}={value!r} is the calc task's (its shaping term, its val_ood "
+                              f"split); task {task.name!r} has none: set it to 0")
+    return s, task
 
 
 def _print_outcome(out: Path, summary: dict) -> None:
@@ -360,7 +413,7 @@ def _print_outcome(out: Path, summary: dict) -> None:
           f"({'rose' if after > before else 'did NOT rise'}){ood} in {summary['minutes']:.1f} min")
 
 
-def _evaluate_ood(algo: Any, tasks: list, slice_by: Optional[str], who: str,
+def _evaluate_ood(algo: Any, tasks: list, slice_by: Optional[Slicer], who: str,
                   when: str) -> Optional[tuple[float, Optional[dict]]]:
     """Evaluate the ``val_ood`` tasks (none: None) and print the result; ``(mean, slices as JSON or None)``."""
     if not tasks:
