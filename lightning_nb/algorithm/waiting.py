@@ -3,13 +3,13 @@
 :func:`wait_loop` is :meth:`~lightning_nb.algorithm.base.Algorithm.wait`: it shows the loop's phase
 (``algo.progress``) and what the algorithm's ``waiting_for()`` adds, at once in a notebook kernel (``progress``
 None, the default: :func:`lightning_nb._notebook.show_progress`). When nothing moved for well past the wait's own
-pace (:data:`PACE_FACTOR` times the longest time between two moves it saw, and at least its ``stall_s`` seconds;
-:data:`PACE_FACTOR` × ``stall_s`` before it saw any move), or its ``timeout`` expired, it warns with the algorithm's ``stall_advice()`` (why the loop may not move, and what
-to do). It reads the algorithm through :class:`Waited`, the part of the contract it needs. The
-defaults of those two hooks, for any loop whose phase counts rollouts of a store, are the functions here
-(:func:`rollouts_waiting_for`, :func:`default_stall_advice`); an algorithm overrides the hooks with its own
-(``TrafficLearner``: labelled and unlabelled traffic). :func:`wait_for_rollouts` is the loop's own wait for
-the rollouts it enqueued.
+pace (:data:`PACE_FACTOR` times the longest time between two moves it saw, and at least its ``stall_s``
+seconds; :data:`PACE_FACTOR` × ``stall_s`` before it saw any move), or its ``timeout`` expired, it warns with the
+algorithm's ``stall_advice()`` (why the loop may not move, and what to do). It reads the algorithm through
+:class:`Waited`, the part of the contract it needs. The defaults of those two hooks, for any loop whose phase
+counts rollouts of a store, are the functions here (:func:`rollouts_waiting_for`, :func:`default_stall_advice`);
+an algorithm overrides the hooks with its own (``TrafficLearner``: labelled and unlabelled traffic).
+:func:`wait_for_rollouts` is the loop's own wait for the rollouts it enqueued.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class _Waiter:
             self.bar.move(*self.position(self.bar.first))
         key, now = (self.host.global_step, self.host.loop.progress), time.monotonic()
         if key != self.seen:
-            if self.seen is not None:
+            if self.seen is not None and not self.warned:  # (a stall it warned about is no pace)
                 self.longest = max(self.longest or 0.0, now - self.since)
             self.seen, self.since, self.warned = key, now, False
         elif not self.warned and now - self.since >= self.stall_after():
