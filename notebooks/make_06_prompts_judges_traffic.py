@@ -165,8 +165,9 @@ People already send the agent work. Requests to the proxy's opt-in `/traffic/v1`
 unlabelled; the response names its rollout in the `X-Rollout-Id` header. A person labels some replies with
 `store.label(rollout_id, reward)`, and `TrafficLearner` trains on labelled traffic it has not used yet, while people
 keep working. Equal requests whose labels differ form GRPO groups; every other labelled request (seen once, or
-labelled like its equals) trains against a running baseline, so one label is enough. `learner.wait()` says what
-it waits for (labelled, unlabelled) and, after a minute without progress, why and what to do."""),
+labelled like its equals) trains against a running baseline, so one label is enough. `learner.wait()` shows what
+it waits for (labelled, unlabelled) on its bar and, when nothing moves well past its own pace, says why and what
+to do."""),
     ("code", """import pandas as pd
 
 client = OpenAI(base_url=proxy.traffic_endpoint(), api_key="not-needed")

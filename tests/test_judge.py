@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import warnings
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -222,6 +223,37 @@ def test_a_judge_failure_is_recorded_and_the_agents_own_reward_stands(fixed_repl
         Judge(out_of_scale, "fixed", on_error="ignore")
     with pytest.raises(ConfigError, match="set on_error and clamp on the Judge"):
         judge_reward("42", judge=judge, on_error="raise")
+
+
+def test_a_judge_failure_warns_once_per_configuration_however_many_judges_and_quotes_the_reason_whole(
+        fixed_reply):
+    """Issue 53: ``judge_reward(llm=...)`` builds a Judge per call, so "the first failure warns" gave a warning box
+    per call, each with its reason cut mid-word at 300 characters."""
+    verdict = "The summary is fine, I think. " * 4  # no SCORE line: a JudgeError that quotes this verdict
+    url = fixed_reply(verdict)
+    store = InMemoryStore()
+    store.add_resources({"main_llm": LLMResource(endpoint=url, model="fixed")})
+
+    def agent(task, llm):
+        return judge_reward("The library closes.", task=task, llm=llm) or 0.5  # a new Judge per call
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with start_runners(agent, store, n=2) as group:
+            ids = [store.enqueue_rollout(f"text {i}").rollout_id for i in range(6)]
+            assert len(store.wait_for_rollouts(ids, timeout=60)) == 6
+            assert group.status().judge_errors.sum() == 6  # every failure counted
+    told = [str(w.message) for w in caught if "gave no score" in str(w.message)]
+    assert len(told) == 1, told  # one warning for 6 failures of 6 Judge objects of one configuration
+    [error] = store.rewards_df().query("component == 'judge'").judge_error.unique()
+    assert error in told[0] and error.endswith("(Judge(examples=...))") and len(error) > 300  # whole
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert Judge(url, "fixed").score("x") is None  # the same configuration again: quiet
+        assert Judge(url, "fixed", scale=(0, 10)).score("x") is None  # another scale: warned
+        assert Judge(url, "other-model").score("x") is None  # another model: warned
+    told = [str(w.message) for w in caught if "gave no score" in str(w.message)]
+    assert len(told) == 2 and "scale=(0.0, 10.0)" in told[0] and "model='other-model'" in told[1], told
 
 
 def test_a_group_reply_without_one_score_per_trajectory_keeps_the_agents_rewards(fixed_reply):

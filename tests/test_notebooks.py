@@ -43,6 +43,19 @@ EXPECTED = {
                                    "replayed exactly: True",  # the replay reached the same tokens
                                    "branches of", "'branch_groups': 1"],  # branch(); one step on branch groups
 }
+# Issue 53: a wait in a notebook shows its live line at once, without progress=True. The first frame of each bar is
+# a widget output whose text/plain these read: what it waits for and how far it is.
+LIVE_LINES = {
+    "05_any_agent.ipynb": ["rollouts:   0%",  # store.wait_for_rollouts(ids): the finished rollouts...
+                           " running]",  # ...and, after the time, how many of the others are queued and running
+                           "0/? rollouts ["],  # algo.step(): the step's bar, its phase from the first frame
+    "06_prompts_judges_traffic.ipynb": ["training: ",  # apo.wait(): the rounds' bar...
+                                        "steps [00:00, step 1 · ",  # ...with the loop's step and phase after the time
+                                        "training to step 1: "],  # learner.wait(until_step=1)
+}
+# what a healthy smoke run never shows: a stall warning (issue 53: APO's held-out rollouts that all finish together
+# after a minute are its pace, not a stall)
+NEVER = {"06_prompts_judges_traffic.ipynb": ["WaitWarning"]}
 # notebooks written by a script: notebooks/make_<notebook name>.py writes notebooks/<notebook name>.ipynb (its OUT)
 GENERATORS = sorted((ROOT / "notebooks").glob("make_*.py"))
 BIG_FILE = 10_000_000  # bytes: a smoke run may leave small temp files, never a checkpoint (~1.6 GB)
@@ -92,5 +105,9 @@ def test_notebook_executes(path, monkeypatch, tmp_path):
     assert not [o for o in outputs if o.get("output_type") == "error"]
     text = "\n".join(str(o.get("text", "")) + "".join(f"{k}\n{v}" for k, v in o.get("data", {}).items())
                      for o in outputs)
-    for expected in EXPECTED[path.name]:
+    for expected in EXPECTED[path.name] + LIVE_LINES.get(path.name, []):
         assert expected in text, f"{path.name}: no {expected!r} in the outputs"
+    for unexpected in NEVER.get(path.name, []):
+        assert unexpected not in text, f"{path.name}: {unexpected!r} in the outputs"
+    # a judge configuration's failures warn once, however many Judge objects the agent made (one per call)
+    assert text.count("gave no score") <= 1, f"{path.name}: more than one judge-failure warning"

@@ -8,6 +8,7 @@ real threads, the real ``openai`` client; faults are injected (a store whose
 from __future__ import annotations
 
 import gc
+import logging
 import re
 import socket
 import threading
@@ -156,14 +157,19 @@ def test_lost_span_then_retry_attempt_succeeds():
 
 
 # ----- item 14: re-running start_runners replaces the group on the same store -----------------
-def test_rerunning_start_runners_replaces_the_previous_group(resourced):
+def test_rerunning_start_runners_replaces_the_previous_group(resourced, caplog):
+    """Issue 53: replacing the group on a re-run is what re-running is for: an info line, not a warning."""
     store = resourced
     group_a = start_runners(lambda task, llm: 1.0, store, n=2)
+    assert group_a.replaced == ""
     try:
-        with pytest.warns(UserWarning, match=r"stopped the previous group of 2 runner\(s\) on this store") as rec:
+        with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="lightning_nb.runners.group"):
+            warnings.simplefilter("error", UserWarning)  # no warning box for a plain replacement
             group_b = start_runners(lambda task, llm: 2.0, store, n=2)
-        (message,) = [str(w.message) for w in rec if "previous group" in str(w.message)]
+        message = group_b.replaced
+        assert re.match(r"start_runners: stopped the previous group of 2 runner\(s\) on this store", message)
         assert all(r.worker_id in message for r in group_a.runners) and "replace=False" in message
+        assert message in caplog.messages  # the info line (printed too under a notebook cell)
         try:
             assert not any(r.alive for r in group_a.runners)
             assert all(r.stats.state == "stopped" for r in group_a.runners)
@@ -190,13 +196,43 @@ def test_replace_lets_the_old_runner_finish_its_attempt():
     first = store.enqueue_rollout("in flight").rollout_id
     group_a = start_runners(old_agent, store, n=1)
     assert started.wait(10)
-    with pytest.warns(UserWarning, match="stopped the previous group of 1 runner"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # it finished its attempt: nothing lost, no warning
         group_b = start_runners(lambda task, llm: 2.0, store, n=1)
     try:
+        assert "stopped the previous group of 1 runner" in group_b.replaced
         assert store.get_rollout_by_id(first).status == "succeeded"  # finished before start_runners returned
         assert store.final_reward(first) == 1.0
         assert not group_a.runners[0].alive
     finally:
+        group_b.stop()
+
+
+def test_a_replacement_that_ends_an_attempt_in_flight_is_still_a_warning(monkeypatch):
+    """Issue 53: the replacement that costs a rollout's attempt stays a warning (the plain one is an info line)."""
+    from lightning_nb.runners import group as group_module
+
+    monkeypatch.setattr(group_module, "REPLACE_STOP_TIMEOUT_S", 0.3)  # the old runner's grace, from 60 s
+    store = _resources(InMemoryStore())
+    started, release = threading.Event(), threading.Event()
+
+    def stuck_agent(task, llm):
+        started.set()
+        release.wait(30)
+        return 1.0
+
+    rid = store.enqueue_rollout("in flight").rollout_id
+    group_a = start_runners(stuck_agent, store, n=1)
+    assert started.wait(10)
+    try:
+        with pytest.warns(UserWarning, match=r"stopped the previous group of 1 runner.*1 did not finish their "
+                                             r"attempt within 0\.3 s and were aborted") as rec:
+            group_b = start_runners(lambda task, llm: 2.0, store, n=1)
+        assert group_b.replaced in [str(w.message) for w in rec if w.category is UserWarning]
+        assert store.query_attempts(rid)[0].status == "failed"  # the attempt in flight was ended
+    finally:
+        release.set()
+        group_a.stop()
         group_b.stop()
 
 
@@ -261,8 +297,7 @@ def test_live_runner_group_is_the_latest_and_outlives_a_dropped_handle():
     store = _resources(InMemoryStore())
     first = start_runners(lambda task, llm: 1.0, store, n=1)
     assert live_runner_group(store) is first
-    with pytest.warns(UserWarning, match="stopped the previous group"):
-        start_runners(lambda task, llm: 1.0, store, n=2)  # the handle is not kept, as in a cell without `=`
+    assert "stopped the previous group" in start_runners(lambda task, llm: 1.0, store, n=2).replaced  # not kept
     gc.collect()
     group = live_runner_group(store)
     try:

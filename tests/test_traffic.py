@@ -170,7 +170,7 @@ def test_equal_labels_and_a_lone_label_train_against_the_running_baseline_and_wa
         algo = TrafficLearner(store, trainer, TrafficConfig(min_labelled=4, poll_s=0.2), checkpoint_dir=tmp_path)
         algo.start()
         stall, timeout = _waits(algo, 1)  # nothing labelled: it says so, why, and what to do
-        assert re.search(r"TrafficLearner\.wait\(\): no progress for 0\.\d s\. "
+        assert re.search(r"TrafficLearner\.wait\(\): still waiting, no progress for [01]\.\d s( \(.*\))?\. "
                          r"Waiting at: step 1 · waiting 0/4 labelled", stall), stall
         assert "0 of 4 labelled, 4 unlabelled: waiting for 4 more labelled rollouts" in stall
         assert "store.label(rollout_id, reward)" in stall and pairs[0] in stall and "min_labelled" in stall
@@ -208,6 +208,29 @@ def test_equal_labels_and_a_lone_label_train_against_the_running_baseline_and_wa
 
 def llm_model(store):
     return store.get_latest_resources().resources["main_llm"].model
+
+
+def test_wait_never_advises_labelling_when_nothing_is_unlabelled(pristine, tmp_path):
+    """Issue 53: a learner short of labels advised ``store.label(...) (0 unlabelled, e.g. [])``."""
+    from lightning_nb.proxy.proxy import LLMProxy
+    from lightning_nb.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    engine, store = pristine, InMemoryStore()
+    with LLMProxy(engine, store) as proxy:
+        client = OpenAI(base_url=proxy.traffic_endpoint(), api_key="x", max_retries=0)
+        sent = [_ask(client, proxy.served_models[0], q) for q in ("What is 12 + 7?", "What is 9 * 3?")]
+        for rid in sent:
+            store.label(rid, 1.0)
+        trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False))
+        algo = TrafficLearner(store, trainer, TrafficConfig(min_labelled=4, poll_s=0.2), checkpoint_dir=tmp_path)
+        algo.start()
+        try:
+            stall, _ = _waits(algo, 1)
+        finally:
+            assert algo.stop(timeout=60)
+    assert "2 of 4 labelled, 0 unlabelled: waiting for 2 more labelled rollouts" in stall
+    assert "All 2 unused traffic rollouts are labelled: more traffic is needed" in stall, stall
+    assert "store.label" not in stall and "min_labelled (now 4" in stall
 
 
 def test_traffic_config_refuses_what_it_cannot_do():

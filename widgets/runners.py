@@ -19,8 +19,8 @@ def restart_runners(group: RunnerGroup) -> Optional[RunnerGroup]:
     """Start ``group``'s agent and settings again as a new group; None when all its runners are running.
 
     Goes through :meth:`~lightning_nb.runners.RunnerGroup.restart`, so the replace rule
-    of ``start_runners`` applies (running threads on the store are stopped first, with
-    its ``UserWarning``) and the new group becomes the store's live runner group.
+    of ``start_runners`` applies (running threads on the store are stopped first, and said so: the new group's
+    ``replaced``) and the new group becomes the store's live runner group.
     """
     if not isinstance(group, RunnerGroup) or all(r.alive for r in group.runners):
         return None
@@ -86,13 +86,17 @@ class RunnerPanel(LivePanel):
     def start_runners(self) -> int:
         """What the Start button does: :func:`restart_runners` on the group shown. Returns how many started.
 
-        A warning raised by the replace rule (running threads stopped) is shown in the panel.
+        What the replace rule did (running threads stopped: the new group's ``replaced``) and any warning are
+        shown in the panel.
         """
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             group = restart_runners(self.runners)
         n = 0 if group is None else len(group.runners)
         notes = [str(w.message) for w in caught]
+        replaced = getattr(group, "replaced", "")
+        if replaced and replaced not in notes:  # an info line, not a warning: the panel shows it all the same
+            notes.append(replaced)
         self.notify("; ".join([f"started {n} runner threads"] + notes) if n else "all runners are already running")
         for w in caught:  # still a warning for logs and tests, as start_runners gives it
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

@@ -14,7 +14,7 @@ The notebook verbs are every algorithm's; the background thread behind them is t
     algo.start(steps=10)      # returns at once; the loop runs in a background thread
     algo.pause()              # parks at the next step boundary; algo.state == "paused"
     algo.metrics_df()         # one row per step
-    algo.save("run.pt"); algo.resume(); algo.wait(progress=True); algo.stop()
+    algo.save("run.pt"); algo.resume(); algo.wait(); algo.stop()   # wait(): a live bar in a notebook
 
 Earlier versions spelt the verbs on the trainer; ``trainer.start(algo, steps)`` is now ``algo.start(steps)``.
 """
@@ -185,14 +185,16 @@ class Algorithm(abc.ABC):
         (:meth:`LoopControl.at_boundary <lightning_nb.algorithm.control.LoopControl.at_boundary>`)."""
         self.loop.at_boundary(where)
 
-    def report_progress(self, phase: str, done: int, total: int, *, unit: str, step: int) -> None:
+    def report_progress(self, phase: str, done: int, total: int, *, unit: str, step: int,
+                        sample_round: int = 0) -> None:
         """Where the loop is now: :attr:`progress` becomes this snapshot
         (:meth:`LoopControl.report_progress <lightning_nb.algorithm.control.LoopControl.report_progress>`)."""
-        self.loop.report_progress(phase, done, total, unit=unit, step=step)
+        self.loop.report_progress(phase, done, total, unit=unit, step=step, sample_round=sample_round)
 
-    def step_bar(self, show: bool) -> contextlib.AbstractContextManager[None]:
-        """A bar of the step's phases while the block runs, for a step run from a cell (``show`` False: none)."""
-        return self.loop.step_bar(show)
+    def step_bar(self, show: Optional[bool]) -> contextlib.AbstractContextManager[None]:
+        """A bar of the step's phases while the block runs, for a step run from a cell (``show`` False: none; None:
+        in a notebook kernel only)."""
+        return self.loop.step_bar(show, f"step {self.global_step + 1}")
 
     def wait_for(self, rollout_ids: list[str], desc: Optional[str] = None, start_timeout_s: Optional[float] = None,
                  on_progress: Optional[Callable[[int, int], None]] = None) -> bool:
@@ -208,9 +210,10 @@ class Algorithm(abc.ABC):
         return wait_for_rollouts(self.store, self.loop, rollout_ids, desc, start_timeout_s, on_progress)
 
     # ----- the notebook's verbs -------------------------------------------------------------------
-    def pause(self, wait: bool = True, timeout: Optional[float] = None, progress: bool = False) -> bool:
+    def pause(self, wait: bool = True, timeout: Optional[float] = None, progress: Optional[bool] = None) -> bool:
         """Pause the loop at its next step boundary; True once parked (or no loop runs), False after ``timeout``
-        seconds (:meth:`LoopControl.pause <lightning_nb.algorithm.control.LoopControl.pause>`)."""
+        seconds (:meth:`LoopControl.pause <lightning_nb.algorithm.control.LoopControl.pause>`; its bar, by default,
+        in a notebook kernel only)."""
         return self.loop.pause(wait, timeout, progress)
 
     def resume(self) -> None:
@@ -227,12 +230,13 @@ class Algorithm(abc.ABC):
         Rollouts the loop is waiting for are cancelled."""
         return self.loop.stop(timeout)
 
-    def wait(self, timeout: Optional[float] = None, progress: bool = False,
+    def wait(self, timeout: Optional[float] = None, progress: Optional[bool] = None,
              until_step: Optional[int] = None, *, stall_s: Optional[float] = None) -> bool:
         """Block until the loop ends (or ``timeout`` seconds pass); re-raise its error if it failed.
 
         ``until_step`` also returns once ``global_step >= until_step`` (that step's update is done;
-        the loop goes on: e.g. ``wait(until_step=1)`` then :meth:`pause`). ``progress`` shows a
+        the loop goes on: e.g. ``wait(until_step=1)`` then :meth:`pause`). ``progress`` (None, the default: in a
+        notebook kernel, not in a script; True/False as given) shows at once a
         tqdm.auto bar of training steps (to ``until_step`` when given) that moves inside a step:
         completed steps plus the fraction of the current one (its rollouts, then its update
         micro-batches, weighed by :meth:`rollout_share`), with the step and phase after the time
@@ -240,11 +244,13 @@ class Algorithm(abc.ABC):
         step's worth of progress was measured since the call, and its clock leaves out the time the loop spent
         paused.
 
-        It says why it waits: when neither the step nor :attr:`progress` moved for ``stall_s`` seconds
-        (default :attr:`STALL_S`, 60 s), it warns once (:class:`~lightning_nb.errors.WaitWarning`, shown
-        under the cell) with what the loop waits for, why it may not move and what to do
-        (:meth:`stall_advice`), and again after each later stall. A ``timeout`` that expires warns the same
-        way (the loop goes on) and returns False.
+        It says why it waits: when neither the step nor :attr:`progress` moved for well past the wait's own
+        pace (:data:`~lightning_nb.algorithm.waiting.PACE_FACTOR` times the longest time between two moves it
+        saw so far) and at least ``stall_s`` seconds (default :attr:`STALL_S`, 60 s; before it saw the loop move
+        at all, ``PACE_FACTOR × stall_s``), it warns once
+        (:class:`~lightning_nb.errors.WaitWarning`, shown under the cell) with what the loop waits for, why it may
+        not move and what to do (:meth:`stall_advice`), and again after each later stall. A ``timeout`` that
+        expires warns the same way (the loop goes on) and returns False.
 
         Interrupting this call (Jupyter's "interrupt kernel") leaves the loop running, and
         :attr:`state` true. Returns True when the loop has ended or ``until_step`` was reached,

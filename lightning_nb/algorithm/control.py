@@ -7,8 +7,8 @@ between dynamic-sampling rounds, before the weight update and before an evaluati
 while paused and where it ends when stopped (:class:`LoopStopped`). As it works, the loop also calls
 :meth:`LoopControl.report_progress`: :attr:`LoopControl.progress` says which step and phase it is in and how
 far that phase is (rollouts finished of enqueued, micro-batches done of the update's), and the bars of
-``wait(progress=True)`` and ``pause(progress=True)`` move with it inside a step. What ``wait()`` shows and says
-while it waits is :mod:`lightning_nb.algorithm.waiting`'s.
+``wait()`` and ``pause()`` (shown by default in a notebook kernel) move with it inside a step. What ``wait()``
+shows and says while it waits is :mod:`lightning_nb.algorithm.waiting`'s.
 
 Why an event and not ``Thread.is_alive()``: a ``KeyboardInterrupt`` (Jupyter's
 "interrupt kernel") that lands inside ``Thread.join()`` can leave CPython believing a live
@@ -26,6 +26,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Iterator, Optional
 
+from lightning_nb._notebook import show_progress
 from lightning_nb.algorithm.progress import LoopBar, LoopProgress
 from lightning_nb.errors import LightningNbError
 # the config-edit rule lives with the trainers, which apply their own config's edits too (kept importable here)
@@ -145,33 +146,41 @@ class LoopControl:
         if self._stop.is_set():
             raise LoopStopped(f"stopped while paused {where}".strip())
 
-    def report_progress(self, phase: str, done: int, total: int, *, unit: str, step: int) -> None:
+    def report_progress(self, phase: str, done: int, total: int, *, unit: str, step: int,
+                        sample_round: int = 0) -> None:
         """Called by the loop as it works: :attr:`progress` becomes this snapshot (:class:`LoopProgress`).
 
         Cheap (one small object, no I/O, no lock): the algorithm calls it at each poll of its
         rollouts (about once a second) and the trainer's update after each micro-batch. A call
         from another thread while a background loop runs (a cell's ``evaluate()`` while the loop
-        is paused) is ignored, so the record stays the loop's.
+        is paused) is ignored, so the record stays the loop's. ``sample_round`` (1, 2, ...): the step's
+        sample round, when ``done`` and ``total`` count every round so far (the bar of a step keeps one
+        count and one clock across them); 0: the phase is not counted in rounds.
         """
         if not self._done.is_set() and threading.current_thread() is not self._thread:
             return
-        self._progress = LoopProgress(step=step, phase=phase, done=done, total=total, unit=unit)
+        self._progress = LoopProgress(step=step, phase=phase, done=done, total=total, unit=unit,
+                                      sample_round=sample_round)
         bar = self._cell_bar
         if bar is not None:  # a step run from a cell: its bar follows the phase
-            if bar.key != (step, phase, total):
-                bar.key = (step, phase, total)
+            key = (step, phase, total) if not sample_round else (step, phase, "rounds")
+            if bar.key != key:
+                bar.key = key
                 bar.restart(total or None, done, f"step {step}: {phase}", unit)
-            bar.move(done, "")
+            elif total:
+                bar.retotal(total)  # the next sample round: one total, one clock
+            bar.move(done, f"sample round {sample_round}" if sample_round > 1 else "")
 
     @contextlib.contextmanager
-    def step_bar(self, show: bool) -> Iterator[None]:
-        """While the block runs, a tqdm.auto bar that :meth:`report_progress` moves: the phase of the step being
-        run (``step N: rollouts``, then ``step N: update`` micro-batches, then ``evaluate``). ``show`` False, or a
-        bar already open: none."""
-        if not show or self._cell_bar is not None:
+    def step_bar(self, show: Optional[bool], desc: str = "step") -> Iterator[None]:
+        """While the block runs, a tqdm.auto bar named ``desc`` that :meth:`report_progress` moves: the phase of the
+        step being run (``step N: rollouts``, its sample rounds as a postfix, then ``step N: update`` micro-batches,
+        then ``evaluate``). ``show`` False, or a bar already open: none; None: in a notebook kernel only
+        (:func:`lightning_nb._notebook.show_progress`)."""
+        if not show_progress(show) or self._cell_bar is not None:
             yield
             return
-        self._cell_bar = LoopBar(self.paused_total, None, 0, "step", "rollouts", decimals=0)
+        self._cell_bar = LoopBar(self.paused_total, None, 0, desc, "rollouts", decimals=0)
         try:
             yield
         finally:
@@ -197,7 +206,7 @@ class LoopControl:
             return self.paused_seconds + now
 
     # ----- the notebook's side ----------------------------------------------------------
-    def pause(self, wait: bool = True, timeout: Optional[float] = None, progress: bool = False) -> bool:
+    def pause(self, wait: bool = True, timeout: Optional[float] = None, progress: Optional[bool] = None) -> bool:
         """Pause the loop at its next step boundary.
 
         With ``wait`` this returns once the loop is parked there: no weight update is
@@ -206,7 +215,8 @@ class LoopControl:
         ``engine.chat()`` at once. A pause during a collection round therefore waits for
         that round's rollouts (seconds to a minute on CPU), one during the update for its
         remaining micro-batches. ``progress`` (with ``wait``) shows a tqdm.auto bar of what the
-        pause waits for: the phase's rollouts or micro-batches (:attr:`progress`).
+        pause waits for: the phase's rollouts or micro-batches (:attr:`progress`); None (the default): in a
+        notebook kernel, not in a script (:func:`lightning_nb._notebook.show_progress`).
 
         Returns True when the loop is parked (or no loop runs), False if ``timeout``
         seconds passed first (the pause stays requested; :attr:`state` is ``pausing``).
@@ -218,6 +228,7 @@ class LoopControl:
             return self._parked or self._done.is_set()
         deadline = None if timeout is None else time.monotonic() + timeout
         bar = None
+        progress = show_progress(progress)
         try:
             while True:
                 with self._control:

@@ -255,8 +255,9 @@ class LightningRL(RewardAndBranches):
             if round_ > 0:
                 self.at_boundary("between sample rounds")
             new_ids = self._enqueue_groups(cfg.tasks_per_step - with_signal, round_, taken)
+            rounds = cfg.max_sample_rounds if cfg.dynamic_sampling else 1  # (counted on the bars when > 1)
             self.wait_for(new_ids, on_progress=self._reporter("rollouts", self.global_step + 1, len(new_ids),
-                                                              before=len(ids)))
+                                                              before=len(ids), round_=round_ + 1 if rounds > 1 else 0))
             if self.group_judge is not None:  # the judge's rewards replace the agent's before the adapter reads them
                 for k, v in self.group_judge.judge_rollouts(self.store, new_ids).items():
                     self.last_judge[k] = self.last_judge.get(k, 0) + v
@@ -277,12 +278,15 @@ class LightningRL(RewardAndBranches):
             triplets = triplets + self._collect_branches(ids)
         return triplets, ids
 
-    def _reporter(self, phase: str, step: int, n: int, before: int = 0) -> Callable[[int, int], None]:
+    def _reporter(self, phase: str, step: int, n: int, before: int = 0,
+                  round_: int = 0) -> Callable[[int, int], None]:
         """The ``on_progress`` of :meth:`wait_for` that reports ``phase`` of ``step`` to the loop
         (:meth:`~lightning_nb.algorithm.base.Algorithm.report_progress`), ``before`` finished rollouts counted ahead of the ``n`` waited
-        for (earlier sample rounds of the step); reports 0 of ``n`` at once."""
+        for (earlier sample rounds of the step; ``round_`` this one's number, 0: not counted); reports 0 of ``n``
+        at once."""
         def report(finished: int, total: int) -> None:
-            self.report_progress(phase, before + finished, before + total, unit="rollouts", step=step)
+            self.report_progress(phase, before + finished, before + total, unit="rollouts", step=step,
+                                 sample_round=round_)
 
         report(0, n)
         return report
@@ -370,13 +374,14 @@ class LightningRL(RewardAndBranches):
             self._reward_applied = name
         return edits
 
-    def step(self, progress: bool = True) -> dict[str, Any]:
+    def step(self, progress: Optional[bool] = None) -> dict[str, Any]:
         """One full step: collect → update (→ evaluate when due). Returns the metrics row (the trainer's
         :class:`~lightning_nb.trainers.base.Update` is kept as :attr:`last_update`).
 
-        ``progress`` (default True): a tqdm.auto bar of the step's phase while it runs (its rollouts, then
-        the update's micro-batches, then the evaluation when due), for a step run from a cell; :meth:`run`
-        (the background loop, whose bar is ``wait(progress=True)``'s) passes False.
+        ``progress``: a tqdm.auto bar of the step's phase while it runs (its rollouts, one count and one clock
+        across the sample rounds, the round as a postfix; then the update's micro-batches, then the evaluation when
+        due); None (the default): shown in a notebook kernel, not in a script. :meth:`run` (the background loop,
+        whose bar is ``wait()``'s) passes False.
 
         Step boundaries (where ``pause()`` parks the loop and ``stop()``
         ends it): before the step collects, between sample rounds, before the update and

@@ -2,8 +2,8 @@
 
 :class:`LoopProgress` is the snapshot ``algo.progress`` returns (step, phase, done of total); the loop
 (:class:`~lightning_nb.algorithm.control.LoopControl`) replaces it as it works. :class:`LoopBar` is the tqdm.auto
-bar of ``wait(progress=True)``, ``pause(progress=True)`` and a step run from a cell, whose ETA leaves out the
-time the loop spent parked.
+bar of ``wait()``, ``pause()`` and a step run from a cell (in a notebook kernel by default), whose ETA leaves out
+the time the loop spent parked.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ class LoopProgress:
             passes) done of the update's; ``evaluate``: evaluation rollouts finished of enqueued.
         unit: what ``done``/``total`` count (``"rollouts"``, ``"micro-batches"``, ...).
         boundary: the step boundary the loop is parked at (``"before update"``) when ``phase`` is ``"paused"``.
+        sample_round: the step's sample round (1, 2, ...) while ``rollouts`` counts a step that may take
+            more than one (dynamic sampling); 0 otherwise.
     """
 
     step: int = 0
@@ -44,6 +46,7 @@ class LoopProgress:
     total: int = 0
     unit: str = ""
     boundary: str = ""
+    sample_round: int = 0
 
     @property
     def fraction(self) -> float:
@@ -51,15 +54,16 @@ class LoopProgress:
         return min(1.0, self.done / self.total) if self.total > 0 else 0.0
 
     def __str__(self) -> str:
-        """``"step 2 · update 3/4 micro-batches"``, ``"step 2 · rollouts 5/16"``, ``"step 2 · paused before update"``,
-        ``"ended in step 3"``."""
+        """``"step 2 · update 3/4 micro-batches"``, ``"step 2 · rollouts 5/16"``,
+        ``"step 2 · rollouts 20/24 · sample round 2"``, ``"step 2 · paused before update"``, ``"ended in step 3"``."""
         if self.phase == "paused":
             return f"step {self.step} · paused {self.boundary}".rstrip()
         if self.phase in ("idle", "ended"):
             return self.phase if self.phase == "idle" else f"ended in step {self.step}"
         unit = "" if self.unit == self.phase else f" {self.unit}"
         counts = f" {self.done}/{self.total}{unit}" if self.total else ""
-        return f"step {self.step} · {self.phase}{counts}"
+        rounds = f" · sample round {self.sample_round}" if self.sample_round > 1 else ""
+        return f"step {self.step} · {self.phase}{counts}{rounds}"
 
     def paused_at(self, boundary: str) -> "LoopProgress":
         """This snapshot as it reads while the loop is parked at ``boundary``."""
@@ -82,17 +86,18 @@ class LoopBar:
     """
 
     def __init__(self, paused_total: Callable[[], float], total: Optional[float], initial: float, desc: str,
-                 unit: str, decimals: int) -> None:
+                 unit: str, decimals: int, postfix: str = "") -> None:
         """``paused_total()``: seconds the loop spent parked so far (:meth:`LoopControl.paused_total`), left out of
-        the bar's clock; ``total`` None: a bar without an end; ``decimals``: digits of the count shown."""
+        the bar's clock; ``total`` None: a bar without an end; ``decimals``: digits of the count shown; ``postfix``:
+        the live line shown from the first frame (what the bar waits for)."""
         from tqdm.auto import tqdm
 
         self.paused_total, self.decimals, self.initial = paused_total, decimals, initial
         self.eta = False
         self.paused = paused_total()
         self.tqdm = tqdm(total=total, initial=initial, desc=desc, unit=unit, smoothing=0,
-                         bar_format=_NO_ETA % decimals)
-        self.postfix = ""
+                         bar_format=_NO_ETA % decimals, postfix=postfix or None)
+        self.postfix = postfix
         self.shown = time.monotonic()
         self.first = 0  # wait(): the step the count starts at
         self.key: Any = None  # pause(): the (step, phase, total) counted
@@ -117,13 +122,25 @@ class LoopBar:
             self.shown = time.monotonic()
 
     def restart(self, total: Optional[float], n: float, desc: str, unit: str) -> None:
-        """Count another quantity from ``n`` (the rate and ETA start over)."""
-        self.tqdm.reset(total=total)
-        self.tqdm.total = total
-        self.tqdm.n = self.tqdm.initial = self.initial = n
+        """Count another quantity from ``n`` (the rate and ETA start over; the postfix is cleared)."""
+        self.tqdm.set_description_str(desc, refresh=False)  # before reset(), whose frame shows the new quantity
+        self.tqdm.set_postfix_str("", refresh=False)
+        self.postfix = ""
         self.tqdm.unit, self.eta = unit, False
         self.tqdm.bar_format = _NO_ETA % self.decimals
-        self.tqdm.set_description_str(desc, refresh=False)
+        self.tqdm.initial = self.initial = n
+        self.tqdm.reset(total=total)
+        self.tqdm.total = total
+        self.tqdm.n = n
+
+    def retotal(self, total: float) -> None:
+        """The same count to a new ``total`` (a step's next sample round): the clock, the rate and the count go on."""
+        if self.tqdm.disable or total == self.tqdm.total:
+            return
+        self.tqdm.total = total  # (tqdm's reset(total) would restart the clock)
+        container = getattr(self.tqdm, "container", None)  # tqdm.notebook's widget: [description, bar, counts]
+        if container is not None:
+            container.children[-2].max = total
 
     def close(self) -> None:
         """Close the tqdm bar."""

@@ -237,10 +237,15 @@ class TrafficLearner(CreditAssignment):
             return ("No unused finished traffic: requests to proxy.traffic_endpoint() or Runner.step(task) are "
                     f"traffic (select= picks which); traffic an update used is never used again{skipped}.")
         if poll["labelled"] < self.config.min_labelled:
+            lower = (f"lower TrafficConfig.min_labelled (now {self.config.min_labelled}; 1 is enough: a lone label "
+                     "trains against its baseline)")
             ids = [rid for rid, reward in self.store.final_rewards(list(self.pending)).items() if reward is None]
+            if not ids:  # nothing to label: only more traffic (or a lower bar) brings the update
+                return (f"All {poll['labelled']} unused traffic rollouts are labelled: more traffic is needed "
+                        "(requests to proxy.traffic_endpoint() or Runner.step(task)), then its labels, or "
+                        f"{lower}.")
             return (f"Label traffic with store.label(rollout_id, reward) ({len(ids)} unlabelled, e.g. {ids[:3]}), "
-                    f"or lower TrafficConfig.min_labelled (now {self.config.min_labelled}; 1 is enough: a lone "
-                    "label trains against its baseline).")
+                    f"or {lower}.")
         return (f"Each labelled reward equals its baseline (learner.baseline(), now {self.baseline():.3g} over all "
                 "used traffic), so an update would learn nothing: label more traffic, with rewards that differ.")
 

@@ -1,13 +1,15 @@
 """Waiting on an algorithm's loop: ``wait()``'s bar and warnings, and waiting for a step's rollouts.
 
 :func:`wait_loop` is :meth:`~lightning_nb.algorithm.base.Algorithm.wait`: it shows the loop's phase
-(``algo.progress``) and what the algorithm's ``waiting_for()`` adds; when nothing moved for its ``stall_s``
-seconds, or its ``timeout`` expired, it warns with the algorithm's ``stall_advice()`` (why the loop may not
-move, and what to do). It reads the algorithm through :class:`Waited`, the part of the contract it needs. The
-defaults of those two hooks, for any loop whose phase counts rollouts of a store, are the functions here
-(:func:`rollouts_waiting_for`, :func:`default_stall_advice`); an algorithm overrides the hooks with its own
-(``TrafficLearner``: labelled and unlabelled traffic). :func:`wait_for_rollouts` is the loop's own wait for
-the rollouts it enqueued.
+(``algo.progress``) and what the algorithm's ``waiting_for()`` adds, at once in a notebook kernel (``progress``
+None, the default: :func:`lightning_nb._notebook.show_progress`). When nothing moved for well past the wait's own
+pace (:data:`PACE_FACTOR` times the longest time between two moves it saw, and at least its ``stall_s``
+seconds; :data:`PACE_FACTOR` × ``stall_s`` before it saw any move), or its ``timeout`` expired, it warns with the
+algorithm's ``stall_advice()`` (why the loop may not move, and what to do). It reads the algorithm through
+:class:`Waited`, the part of the contract it needs. The defaults of those two hooks, for any loop whose phase
+counts rollouts of a store, are the functions here (:func:`rollouts_waiting_for`, :func:`default_stall_advice`);
+an algorithm overrides the hooks with its own (``TrafficLearner``: labelled and unlabelled traffic).
+:func:`wait_for_rollouts` is the loop's own wait for the rollouts it enqueued.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
+from lightning_nb._notebook import show_progress
 from lightning_nb.algorithm.control import LoopControl, LoopStopped
 from lightning_nb.algorithm.progress import LoopBar, LoopProgress
 from lightning_nb.errors import ConfigError, LightningNbError, WaitWarning
@@ -25,12 +28,16 @@ if TYPE_CHECKING:
     from lightning_nb.store.base import LightningStore
 
 __all__ = ["Waited", "wait_loop", "wait_for_rollouts", "store_queue", "rollouts_waiting_for",
-           "default_stall_advice", "rollout_share", "STALL_S"]
+           "default_stall_advice", "rollout_share", "STALL_S", "PACE_FACTOR"]
 
 log = logging.getLogger(__name__)
 
-#: Seconds without progress after which ``wait()`` says what it waits for and why (``wait(stall_s=...)``).
+#: Seconds without progress before ``wait()`` may say what it waits for and why (``wait(stall_s=...)``): the floor
+#: of its stall warning, which waits for :data:`PACE_FACTOR` times the wait's own pace when that is longer.
 STALL_S = 60.0
+#: ``wait()`` warns of a stall only after this many times the longest time between two moves of the loop it saw
+#: (a step's rollouts that all finish together after a minute are its pace, not a stall).
+PACE_FACTOR = 3.0
 
 _QUEUED = ("queuing", "requeuing")
 _STARTED = ("preparing", "running")
@@ -67,8 +74,8 @@ def default_stall_advice(progress: LoopProgress, store: "Optional[LightningStore
             return (f"{queued} rollouts queued, none started: are runners running? start_runners(agent, store) runs "
                     f"them ({alive} runner(s) not stopped in store.workers_df()).")
         if running:
-            return (f"{running} rollouts running: the agent or the engine is slow; store.attempts_df() shows their "
-                    "attempts (the rollout's timeout ends one).")
+            return (f"{running} rollouts running, none finished meanwhile: long agent runs, or a busy engine; "
+                    "store.attempts_df() shows their attempts (the rollout's timeout ends one).")
     if progress.phase == "update":
         return ("The weight update runs: each micro-batch is a forward and backward pass, minutes on a CPU for long "
                 "sequences (a smaller micro_batch_size or max_tokens is faster).")
@@ -91,7 +98,7 @@ class Waited(Protocol):
         """The share of a step's time its rollouts take, in [0, 1] (the rest is the update)."""
 
 
-def wait_loop(host: Waited, timeout: Optional[float] = None, progress: bool = False,
+def wait_loop(host: Waited, timeout: Optional[float] = None, progress: Optional[bool] = None,
               until_step: Optional[int] = None, *, stall_s: Optional[float] = None, stacklevel: int = 3) -> bool:
     """``host.wait(...)``: block until the loop ends, ``until_step`` is reached or ``timeout`` seconds pass.
 
@@ -108,7 +115,7 @@ def wait_loop(host: Waited, timeout: Optional[float] = None, progress: bool = Fa
                           f"STALL_S = {STALL_S:g}), got {stall_s!r}")
     waiter = _Waiter(host, until_step, stall, stacklevel)
     t0 = time.monotonic()
-    bar = waiter.step_bar() if progress and not waiter.reached() else None
+    bar = waiter.step_bar() if show_progress(progress) and not waiter.reached() else None
     waiter.bar = bar
     try:
         done = host.loop.wait_done(timeout, until=waiter.reached, tick=waiter.tick)
@@ -134,6 +141,7 @@ class _Waiter:
         self.bar: Optional[LoopBar] = None
         self.seen: Any = None  # (step, progress) last seen
         self.since = time.monotonic()
+        self.longest: Optional[float] = None  # the longest time between two moves seen (seconds): the wait's pace
         self.warned = False
         self.live: Optional[tuple[float, LoopProgress, str]] = None
 
@@ -141,16 +149,30 @@ class _Waiter:
         return self.until_step is not None and self.host.global_step >= self.until_step
 
     def tick(self) -> None:
-        """Move the bar; warn once when the step and the progress stayed as last seen for ``stall_s`` seconds."""
+        """Move the bar; warn once when the step and the progress stayed as last seen for longer than
+        :meth:`stall_after`."""
         if self.bar is not None:
             self.bar.move(*self.position(self.bar.first))
         key, now = (self.host.global_step, self.host.loop.progress), time.monotonic()
         if key != self.seen:
+            if self.seen is not None and not self.warned:  # (a stall it warned about is no pace)
+                self.longest = max(self.longest or 0.0, now - self.since)
             self.seen, self.since, self.warned = key, now, False
-        elif not self.warned and now - self.since >= self.stall_s:
+        elif not self.warned and now - self.since >= self.stall_after():
             self.warned, quiet = True, now - self.since
+            pace = (" (it has not moved since the wait began)" if self.longest is None else
+                    f" (before, at most {_secs(self.longest)} s between two moves)"
+                    if PACE_FACTOR * self.longest > self.stall_s else "")
             # frames: warn, tick, LoopControl.wait_done, wait_loop, then wait_loop's caller
-            self.warn(f"no progress for {quiet:.{1 if quiet < 10 else 0}f} s", self.stacklevel + 2)
+            self.warn(f"still waiting, no progress for {_secs(quiet)} s{pace}", self.stacklevel + 2)
+
+    def stall_after(self) -> float:
+        """Seconds without a move before the stall warning: ``stall_s``, or :data:`PACE_FACTOR` times the longest
+        time between two moves seen so far when that is longer; before the wait saw any move (no pace yet), the
+        generous :data:`PACE_FACTOR` × ``stall_s`` (3 minutes by default)."""
+        if self.longest is None:
+            return PACE_FACTOR * self.stall_s
+        return max(self.stall_s, PACE_FACTOR * self.longest)
 
     def warn(self, what: str, stacklevel: int) -> None:
         """Warn (:class:`~lightning_nb.errors.WaitWarning`) with ``what``, the live line and the stall advice."""
@@ -177,8 +199,9 @@ class _Waiter:
         first = loop.loop_steps[0] if loop.loop_steps is not None else self.host.global_step
         last = self.until_step if self.until_step is not None else (loop.loop_steps or (0, None))[1]
         desc = "training" if self.until_step is None else f"training to step {self.until_step}"
-        n, _ = self.position(first)
-        bar = LoopBar(loop.paused_total, None if last is None else last - first, n, desc, "steps", decimals=2)
+        n, live = self.position(first)
+        bar = LoopBar(loop.paused_total, None if last is None else last - first, n, desc, "steps", decimals=2,
+                      postfix=live)
         bar.first = first
         return bar
 
@@ -196,6 +219,11 @@ class _Waiter:
             share = self.host.rollout_share()
             within = share * p.fraction if p.phase == "rollouts" else share + (1 - share) * p.fraction
         return max(0.0, step - first + min(within, 0.999)), self.live_line()
+
+
+def _secs(seconds: float) -> str:
+    """``"0.4"``, ``"12"``: seconds with a decimal below 10."""
+    return f"{seconds:.{1 if seconds < 10 else 0}f}"
 
 
 def _hook_text(hook: Callable[[], str]) -> str:
@@ -238,7 +266,7 @@ def wait_for_rollouts(store: "LightningStore", loop: LoopControl, rollout_ids: l
     try:
         t0 = time.monotonic()
         while True:
-            done = store.wait_for_rollouts(rollout_ids, timeout=1.0)
+            done = store.wait_for_rollouts(rollout_ids, timeout=1.0, progress=False)
             if bar is not None:
                 bar.update(len(done) - bar.n)
             if on_progress is not None:

@@ -140,7 +140,7 @@ def _enqueue(store: Any, parent: Rollout, attempt_id: str, calls: int, n: int, *
 
 
 def _wait(store: Any, ids: list[str], timeout: float, what: str) -> list[Episode]:
-    done = store.wait_for_rollouts(ids, timeout=timeout, progress=len(ids) > 1)
+    done = store.wait_for_rollouts(ids, timeout=timeout, progress=None if len(ids) > 1 else False)
     if len(done) < len(ids):
         raise LightningNbError(f"{what}: {len(ids) - len(done)} of {len(ids)} rollouts did not finish in {timeout:g} s "
                                f"(ids {ids}); are runners running on this store (start_runners(agent, store))? They "

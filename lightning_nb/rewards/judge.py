@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
@@ -44,6 +45,26 @@ JUDGE_SOURCE = "judge"
 ON_ERROR = ("record", "raise")
 _SCORE = re.compile(r"SCORE\s*[:=]\s*\**\s*([-+]?\d+(?:\.\d+)?)", re.IGNORECASE)
 _ATTRIBUTED = re.compile(r"^(?P<base>https?://.+?)/rollout/[^/]+/attempt/[^/]+(?P<v1>/v1)/?$")
+
+
+class _Once:
+    """The judge configurations whose first failure was warned about, so that every later failure of the same
+    endpoint, model and scale stays quiet, however many :class:`Judge` objects ask (``judge_reward(llm=...)``
+    builds one per call). Per process, thread-safe."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[Any, ...]] = set()
+        self._lock = threading.Lock()
+
+    def first(self, key: tuple[Any, ...]) -> bool:
+        """True the first time ``key`` is asked about."""
+        with self._lock:
+            new = key not in self._seen
+            self._seen.add(key)
+            return new
+
+
+_WARNED = _Once()
 
 
 class JudgeError(LightningNbError, ValueError):
@@ -216,7 +237,6 @@ class Judge:
             raise ConfigError(f"Judge(on_error={on_error!r}) must be one of {ON_ERROR}: 'record' keeps the agent's "
                               "reward and records the failure, 'raise' fails the attempt")
         self.on_error, self.clamp = on_error, bool(clamp)
-        self._warned = False
         self.base_url, self.model, self.api_key = resolve_endpoint(endpoint, model, api_key, "Judge")
         self.scale = check_scale(scale, "Judge")
         check_common(max_tokens, temperature, "Judge")
@@ -254,8 +274,9 @@ class Judge:
         Inside an attempt (an agent run by a runner) it records a :data:`~lightning_nb.semconv.JUDGE_SPAN` span:
         prompt, verdict, model, component ``name`` and the score (as ``semconv.REWARD``; with ``clamp``, a note of the
         score written). A judge that gave no score leaves the span's status ``error`` with the error text (and
-        no score); the first one of this judge warns once (``RuntimeWarning``). Outside a rollout nothing is
-        recorded.
+        no score); the first one of a judge configuration (endpoint, model, scale) warns once per process
+        (``RuntimeWarning``, quoting the error whole), whatever the number of ``Judge`` objects made with it.
+        Outside a rollout nothing is recorded.
 
         Raises:
             JudgeError: with ``on_error="raise"``: the reply has no usable score.
@@ -292,11 +313,11 @@ class Judge:
             span.set_status(Status(StatusCode.ERROR, text[:200]))
         if self.on_error == "raise" or not isinstance(exc, (JudgeError, openai.APIError)):
             return False
-        if not self._warned:
-            self._warned = True
-            warnings.warn(f"{self!r} gave no score ({text[:300]}); recorded, the agent's own reward stands. Every "
-                          "such call: store.rewards_df().judge_error and the runner group's status().judge_errors; "
-                          "Judge(on_error='raise') fails the attempt instead", RuntimeWarning, stacklevel=4)
+        if _WARNED.first((self.base_url, self.model, self.scale)):
+            warnings.warn(f"{self!r} gave no score ({text}); recorded, the agent's own reward stands. Later failures "
+                          "of this endpoint, model and scale are not warned about: store.rewards_df().judge_error and "
+                          "the runner group's status().judge_errors count every one; Judge(on_error='raise') fails "
+                          "the attempt instead", RuntimeWarning, stacklevel=4)
         return True
 
 

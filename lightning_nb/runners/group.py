@@ -9,9 +9,10 @@ Re-running ``start_runners``
 ----------------------------
 ``start_runners(agent, store)`` stops the runner threads still running on the same
 ``store`` object before starting the new ones (they finish their current attempt,
-for at most :data:`REPLACE_STOP_TIMEOUT_S` seconds) and says so in a ``UserWarning``: re-running
-the cell no longer leaves the old group, with the old agent, pulling from the
-same queue. ``replace=False`` keeps both. Runner threads are tracked per store
+for at most :data:`REPLACE_STOP_TIMEOUT_S` seconds): re-running the cell no longer leaves the old group, with the
+old agent, pulling from the same queue. That is what re-running is for, so it says so in an info line (a plain
+line under the cell, :func:`lightning_nb._notebook.info_line`); only a replacement that ended attempts in flight
+(runners aborted or abandoned) is a ``UserWarning``. ``replace=False`` keeps both. Runner threads are tracked per store
 with weak references only. The group ``start_runners`` started last on a store is its
 :func:`~lightning_nb.runners.live.live_runner_group`, which the dashboard's runner panel follows; the panel's
 **Start runners** button (:meth:`RunnerGroup.restart`) goes through the same rule.
@@ -43,6 +44,7 @@ from typing import Any, Optional
 
 import pandas as pd
 
+from lightning_nb._notebook import info_line
 from lightning_nb.errors import ConfigError
 from lightning_nb.runners.failures import FailureNotices
 from lightning_nb.runners.calling import declares_model_calls
@@ -86,6 +88,8 @@ class RunnerGroup(GroupLifecycle):
     Attributes:
         runners: the :class:`Runner` objects, one per thread.
         started_at: when the group was made (seconds since the epoch).
+        replaced: what starting it did to the runners it replaced on its store (``"start_runners: stopped the
+            previous group of 2 runner(s) ..."``, the line it printed or warned), ``""`` when it replaced none.
     """
 
     def __init__(self, runners: list[Runner]) -> None:
@@ -93,6 +97,7 @@ class RunnerGroup(GroupLifecycle):
             raise ConfigError("a RunnerGroup needs at least one Runner")
         self.runners = runners
         self.started_at = time.time()
+        self.replaced = ""
 
     @property
     def store(self) -> LightningStore:
@@ -105,8 +110,8 @@ class RunnerGroup(GroupLifecycle):
         A Python thread cannot be started twice, so this makes a new group of as many
         runners, each carrying on its predecessor's counts, and it goes through the same
         rule as re-running a ``start_runners`` cell: runner threads still running on the
-        store (this group's, or a newer group's) are stopped first, with the same
-        ``UserWarning``. The new group becomes the store's :func:`live_runner_group`.
+        store (this group's, or a newer group's) are stopped first, said the same way (an info line, or a
+        ``UserWarning`` when attempts in flight were ended; the new group's :attr:`replaced`). The new group becomes the store's :func:`live_runner_group`.
         This is what the runner panel's **Start runners** button does.
 
         Returns:
@@ -197,9 +202,9 @@ def start_thread_runners(agent: Agent, store: LightningStore, n: int, *, tracer:
     for old, new in zip(carry_from or [], runners):
         for counter in ("succeeded", "failed", "timed_out", "judge_errors", "no_llm_call"):
             setattr(new.stats, counter, getattr(old.stats, counter))
-    if replace:
-        _replace_running(store, n)
+    replaced = _replace_running(store, n) if replace else ""
     group = RunnerGroup(runners)
+    group.replaced = replaced
     LIVE.register_group(group)
     for r in runners:
         r.group = group  # a running thread keeps its group alive, so live_runner_group finds it
@@ -207,11 +212,13 @@ def start_thread_runners(agent: Agent, store: LightningStore, n: int, *, tracer:
     return group
 
 
-def _replace_running(store: LightningStore, n_new: int) -> None:
-    """Stop the runner threads running on ``store`` (see ``start_runners(replace=True)``) and warn once."""
+def _replace_running(store: LightningStore, n_new: int) -> str:
+    """Stop the runner threads running on ``store`` (see ``start_runners(replace=True)``) and say so: an info line,
+    or a warning when attempts in flight were ended (runners aborted or abandoned). Returns what it said (``""``:
+    nothing was running)."""
     previous = LIVE.running(store)
     if not previous:
-        return
+        return ""
     ids = [r.worker_id for r in previous]
     t0 = time.monotonic()
     abandoned = RunnerGroup(previous).stop(timeout=REPLACE_STOP_TIMEOUT_S)
@@ -220,6 +227,11 @@ def _replace_running(store: LightningStore, n_new: int) -> None:
             f"(their rollouts are requeued per retry policy)" if late else "")
     if abandoned:
         note += f"; {len(abandoned)} could not be stopped and were abandoned: {', '.join(abandoned)}"
-    warnings.warn(f"start_runners: stopped the previous group of {len(previous)} runner(s) on this store "
-                  f"({', '.join(ids)}) in {time.monotonic() - t0:.1f} s and replaced it with {n_new} new one(s)"
-                  f"{note}; pass replace=False to keep both", UserWarning, stacklevel=4)
+    message = (f"start_runners: stopped the previous group of {len(previous)} runner(s) on this store "
+               f"({', '.join(ids)}) in {time.monotonic() - t0:.1f} s and replaced it with {n_new} new one(s)"
+               f"{note}; pass replace=False to keep both")
+    if late or abandoned:  # attempts in flight were ended: news that costs rollouts
+        warnings.warn(message, UserWarning, stacklevel=4)
+    else:
+        info_line(message, log)
+    return message

@@ -34,8 +34,9 @@ def start_runners(agent: Agent, store: LightningStore, n: int = 4, *, tracer: Op
     object (typically the group of an earlier run of the same notebook cell, whose handle
     was overwritten) are stopped first, so no rollout is run by an outdated agent or
     reward function: they finish their current attempt (up to ``REPLACE_STOP_TIMEOUT_S``
-    seconds, then they are aborted as by ``group.stop``) and a ``UserWarning`` names
-    them. ``replace=False`` keeps them running beside the new group, both pulling from the
+    seconds, then they are aborted as by ``group.stop``), and an info line names them (printed under the cell
+    in a notebook, logged at INFO; the new group's ``replaced``), a ``UserWarning`` instead when attempts in
+    flight were ended. ``replace=False`` keeps them running beside the new group, both pulling from the
     same queue. Re-run the ``start_runners`` cell after redefining the agent or its reward
     function: running runners keep the function they were given. With ``backend="ray"``
     ``replace`` does not apply; stop the previous group yourself (``group.stop()``).

@@ -172,12 +172,15 @@ class LightningStore(FrameViews, TrainingRecord, ABC):
 
     @abstractmethod
     def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None,
-                          progress: bool = False) -> list[Rollout]:
+                          progress: Optional[bool] = None) -> list[Rollout]:
         """Block until every listed rollout is terminal or ``timeout`` seconds pass.
 
         Returns the rollouts that are terminal (all of them unless it timed out).
-        Raises NotFoundError for an unknown id before waiting. With ``progress``,
-        implementations must delegate to :meth:`_wait_with_progress` (a tqdm.auto bar).
+        Raises NotFoundError for an unknown id before waiting. ``progress``: a tqdm.auto bar of the finished
+        rollouts, with the others' queued and running counts; None (the default): shown in a notebook kernel's
+        cell, not in a script nor on another thread (:func:`lightning_nb._notebook.show_progress`).
+        Implementations must delegate to :meth:`_wait_with_progress` when ``show_progress(progress)`` holds;
+        the kit's own waits pass ``progress=False``.
         """
 
     @abstractmethod
@@ -483,18 +486,34 @@ class LightningStore(FrameViews, TrainingRecord, ABC):
         return sorted(fresh, key=lambda r: r.end_time or 0.0)  # (every end_time is set: filtered above)
 
     def _wait_with_progress(self, rollout_ids: Sequence[str], timeout: Optional[float]) -> list[Rollout]:
-        """:meth:`wait_for_rollouts` in slices of at most 0.5 s, updating a tqdm.auto bar of finished rollouts."""
+        """:meth:`wait_for_rollouts` in slices of at most 0.5 s, updating a tqdm.auto bar of finished rollouts whose
+        postfix, from the first frame, says how many of the others are queued and running (read once a second)."""
         from tqdm.auto import tqdm
 
         ids = list(rollout_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with tqdm(total=len(ids), desc="rollouts", unit="rollout") as bar:
+        read = time.monotonic()
+        with tqdm(total=len(ids), desc="rollouts", unit="rollout", postfix=self._unfinished(ids)) as bar:
             while True:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                done = self.wait_for_rollouts(ids, timeout=0.5 if left is None else min(0.5, left))
-                bar.update(len(done) - bar.n)
+                done = self.wait_for_rollouts(ids, timeout=0.5 if left is None else min(0.5, left), progress=False)
                 if len(done) == len(ids) or left == 0.0:
+                    bar.set_postfix_str("0 queued, 0 running" if len(done) == len(ids) else self._unfinished(ids),
+                                        refresh=False)
+                    bar.update(len(done) - bar.n)
+                    bar.refresh()
                     return done
+                if time.monotonic() - read >= 1.0:
+                    read = time.monotonic()
+                    bar.set_postfix_str(self._unfinished(ids), refresh=False)
+                bar.update(len(done) - bar.n)
+
+    def _unfinished(self, rollout_ids: list[str]) -> str:
+        """``"2 queued, 3 running"``: the rollouts of ``rollout_ids`` that wait for a runner, and those one took."""
+        statuses = [r.status for r in self.query_rollouts(rollout_ids=rollout_ids)]
+        queued = sum(1 for s in statuses if s in ("queuing", "requeuing"))
+        running = sum(1 for s in statuses if s in ("preparing", "running"))
+        return f"{queued} queued, {running} running"
 
     def enqueue_rollouts(self, inputs: Iterable[Any], *, mode: RolloutMode = "train",
                          resources_id: Optional[str] = None, config: Optional[RolloutConfig] = None,

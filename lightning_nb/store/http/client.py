@@ -28,6 +28,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError, from_json, to_json, to_jsonable_python
 
 from lightning_nb import errors
+from lightning_nb._notebook import show_progress
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.http.curl import CurlTransport, TransportError
@@ -193,8 +194,8 @@ class StoreClient(LightningStore):
         return [Rollout.model_validate(x) for x in self._request("POST", "/rollouts/query", body=body)]
 
     def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None,
-                          progress: bool = False) -> list[Rollout]:
-        if progress:
+                          progress: Optional[bool] = None) -> list[Rollout]:
+        if show_progress(progress):
             return self._wait_with_progress(rollout_ids, timeout)
         ids = list(rollout_ids)
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)

@@ -128,7 +128,8 @@ async def _wait_for_rollouts(request: Request) -> StoreJSONResponse:
     server = _server(request)
     store = server.store
     budget = server.max_wait_s if req.timeout is None else req.timeout
-    return await server._wait(request, budget, lambda s: store.wait_for_rollouts(req.rollout_ids, timeout=s),
+    return await server._wait(request, budget,
+                              lambda s: store.wait_for_rollouts(req.rollout_ids, timeout=s, progress=False),
                               lambda done: len(done) == len(req.rollout_ids))
 
 

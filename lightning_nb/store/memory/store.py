@@ -13,6 +13,7 @@ from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from lightning_nb._notebook import show_progress
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, NotFoundError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.copies import construct, deepen, snapshot
@@ -238,8 +239,8 @@ class InMemoryStore(InMemorySpans, LightningStore):
         return [deepen(r) for r in copies]
 
     def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None,
-                          progress: bool = False) -> list[Rollout]:
-        if progress:
+                          progress: Optional[bool] = None) -> list[Rollout]:
+        if show_progress(progress):
             return self._wait_with_progress(rollout_ids, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:

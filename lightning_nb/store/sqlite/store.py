@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
+from lightning_nb._notebook import show_progress
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import (
@@ -251,8 +252,8 @@ class SqliteStore(SqliteSpans, SqliteTrained, LightningStore):
             return [r for r in items if status is None or r.status in status]
 
     def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None,
-                          progress: bool = False) -> list[Rollout]:
-        if progress:
+                          progress: Optional[bool] = None) -> list[Rollout]:
+        if show_progress(progress):
             return self._wait_with_progress(rollout_ids, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         ids = list(rollout_ids)
