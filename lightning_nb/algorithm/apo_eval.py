@@ -43,7 +43,8 @@ class CandidateEvaluation:
         @property
         def round(self) -> int: ...
 
-        def report_progress(self, phase: str, done: int, total: int, *, unit: str, step: int) -> None: ...
+        def report_progress(self, phase: str, done: int, total: int, *, unit: str, step: int,
+                            sample_round: int = 0) -> None: ...
 
         def wait_for(self, rollout_ids: list[str], desc: Optional[str] = None,
                      start_timeout_s: Optional[float] = None,

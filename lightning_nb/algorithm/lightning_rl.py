@@ -26,11 +26,12 @@ from lightning_nb.algorithm.control import LoopStopped
 from lightning_nb.algorithm.rewards_branches import RewardAndBranches, reward_name
 from lightning_nb.algorithm.rl_config import AlgorithmConfig, task_key
 from lightning_nb.algorithm.slice_report import SliceReport
+from lightning_nb.algorithm.task_draw import TaskDraw
 from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.loggers import MetricLogger, make_loggers
 from lightning_nb.replay.branching import BranchConfig
 from lightning_nb.replay.rescoring import RewardFn
-from lightning_nb.slices import Slicer, ordered_labels, slice_keys, slice_labels, slicer_name
+from lightning_nb.slices import Slicer, ordered_labels, slice_keys, slicer_name
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import reward_or_zero
 from lightning_nb.trainers.base import Trainer
@@ -124,9 +125,7 @@ class LightningRL(RewardAndBranches):
         self.last_groups_with_signal = 0
         self.last_skipped: dict[str, int] = {}
         self.config_watch = ConfigWatch(self.config)  # what the last step applied of the config
-        self._train_labels: Optional[list[str]] = None
-        self._train_keys: Optional[list[str]] = None
-        self._weights: tuple[Any, Optional[list[float]]] = (None, None)
+        self.task_draw = TaskDraw(self.train_tasks, id_key, slice_by)  # which tasks a sample round enqueues
         if branch is not None and not isinstance(branch, BranchConfig):
             raise ConfigError(f"LightningRL(branch=...) is a {type(branch).__name__}; pass a "
                               "BranchConfig(parents=2, n=4) or None")
@@ -164,66 +163,18 @@ class LightningRL(RewardAndBranches):
         return RolloutConfig(max_attempts=self.config.max_attempts, timeout_seconds=self.config.rollout_timeout_s)
 
     def _task_weights(self) -> Optional[list[float]]:
-        """Each training task's sampling weight under ``config.slice_weights`` (None: uniform)."""
-        sw = self.config.slice_weights
-        if sw is None:
-            return None
-        key = tuple(sorted(sw.items()))
-        if self._weights[0] == key:
-            return self._weights[1]
-        if self.slice_by is None:
-            raise ConfigError("AlgorithmConfig.slice_weights weighs tasks by slice label, so it needs "
-                              "LightningRL(..., slice_by='ops') (a task field or a function task -> label); "
-                              "or set slice_weights=None")
-        if self._train_labels is None:
-            self._train_labels = slice_labels(self.train_tasks, self.slice_by, what="train task")
-        present = sorted(set(self._train_labels))
-        unknown = [label for label in sw if label not in present]
-        if unknown:
-            raise ConfigError(f"AlgorithmConfig.slice_weights: {unknown[0]!r} is not a slice of the training tasks "
-                              f"(by={slicer_name(self.slice_by)}); their slices are {present}")
-        weights = [float(sw.get(label, 1.0)) for label in self._train_labels]
-        if not any(weights):
-            raise ConfigError("AlgorithmConfig.slice_weights weighs every training task 0; give some slice a weight > 0")
-        self._weights = (key, weights)
-        return weights
+        """Each training task's sampling weight under ``config.slice_weights`` (None: uniform; :class:`TaskDraw`)."""
+        return self.task_draw.weights(self.config.slice_weights)
 
     def _task_keys(self) -> list[str]:
         """Each training task's :func:`task_key` (its GRPO group's name), computed once."""
-        if self._train_keys is None:
-            self._train_keys = [task_key(t, self.id_key) for t in self.train_tasks]
-        return self._train_keys
-
-    def _draw_tasks(self, n: int, taken: set[str]) -> list[int]:
-        """Indices of ``n`` distinct training tasks for one sample round (no task key twice), uniformly or by
-        ``slice_weights``: first tasks whose key is not in ``taken`` (the step's earlier rounds; this updates it),
-        then, once every task ran in this step, tasks of earlier rounds again (each a new group of this round).
-        Fewer only where the weights leave too few tasks."""
-        keys = self._task_keys()
-        seen: set[str] = set()
-        distinct = [i for i, k in enumerate(keys) if not (k in seen or seen.add(k))]  # type: ignore[func-returns-value]
-        picked = self._draw_from([i for i in distinct if keys[i] not in taken], n)
-        if len(picked) < n:  # every task already ran in this step (a dynamic-sampling round): draw them again
-            chosen = set(picked)
-            picked += self._draw_from([i for i in distinct if i not in chosen], n - len(picked))
-        taken.update(keys[i] for i in picked)
-        return picked
-
-    def _draw_from(self, pool: list[int], n: int) -> list[int]:
-        """Up to ``n`` of ``pool`` (task indices) without replacement, uniformly or by ``slice_weights``."""
-        weights = self._task_weights()
-        if weights is None:
-            return self._rng.sample(pool, min(n, len(pool)))
-        picked: list[int] = []
-        while pool and len(picked) < n and any(weights[i] for i in pool):
-            picked.append(pool.pop(self._rng.choices(range(len(pool)), [weights[i] for i in pool])[0]))
-        return picked
+        return self.task_draw.keys()
 
     def _enqueue_groups(self, n_tasks: int, round_: int, taken: set[str]) -> list[str]:
         cfg = self.config
         sampling = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
         ids = []
-        for i in self._draw_tasks(n_tasks, taken):
+        for i in self.task_draw.draw(n_tasks, taken, cfg.slice_weights, self._rng):
             group = f"{self.global_step + 1}.{round_}:{self._task_keys()[i]}"
             # one call per group: one transaction (and one fsync) in a SqliteStore, one lock in memory
             ids += [r.rollout_id for r in self.store.enqueue_rollouts(

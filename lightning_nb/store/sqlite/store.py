@@ -1,9 +1,9 @@
 """Durable store in one SQLite file: what a call acknowledged survives a crash.
 
-This module holds the store's rollouts, attempts, workers and resources, and how a write
+This module holds the store's rollouts, attempts and workers, and how a write
 becomes durable (one transaction per call, the WAL fsync shared by concurrent commits).
-Its spans are in :mod:`lightning_nb.store.sqlite.spans`, its training record in
-:mod:`lightning_nb.store.sqlite.trained`; the file's schema
+Its spans are in :mod:`lightning_nb.store.sqlite.spans`, its resources in :mod:`lightning_nb.store.sqlite.resources`,
+its training record in :mod:`lightning_nb.store.sqlite.trained`; the file's schema
 (:data:`MIGRATIONS`) and its one-writer lock in :mod:`lightning_nb.store.sqlite.file`.
 """
 
@@ -22,22 +22,22 @@ from lightning_nb._notebook import show_progress
 from lightning_nb.errors import ConfigError, InvalidStatusTransition, LightningNbError, NotFoundError
 from lightning_nb.store.base import LightningStore
 from lightning_nb.store.rules import (
-    DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, check_manual_attempt, coerce_resources,
-    follow_attempt, new_rollout, next_resources, overdue, resources_not_found, start_attempt, updated_rollout,
+    DEFAULT_WATCHDOG_INTERVAL_S, SweepClock, apply_attempt_update, check_manual_attempt, follow_attempt,
+    new_rollout, overdue, start_attempt, updated_rollout,
     worker_on_attempt, worker_on_dequeue, worker_update,
 )
 from lightning_nb.store.sqlite.file import MIGRATIONS, lock_file, statements, to_json
+from lightning_nb.store.sqlite.resources import SqliteResources
 from lightning_nb.store.sqlite.spans import SqliteSpans
 from lightning_nb.store.sqlite.trained import SqliteTrained
 from lightning_nb.types import (
-    ROLLOUT_TERMINAL, Attempt, AttemptedRollout, AttemptStatus, ResourcesUpdate, Rollout, RolloutConfig, RolloutMode,
-    Worker, new_id,
+    ROLLOUT_TERMINAL, Attempt, AttemptedRollout, AttemptStatus, Rollout, RolloutConfig, RolloutMode, Worker,
 )
 
 __all__ = ["SqliteStore", "MIGRATIONS"]
 
 
-class SqliteStore(SqliteSpans, SqliteTrained, LightningStore):
+class SqliteStore(SqliteSpans, SqliteTrained, SqliteResources, LightningStore):
     """All tables in one SQLite file; same behaviour as :class:`InMemoryStore`.
 
     Durability: the file is in WAL mode and every public write is one transaction,
@@ -425,42 +425,6 @@ class SqliteStore(SqliteSpans, SqliteTrained, LightningStore):
                 rows = self._rows("SELECT a.data FROM attempts a JOIN rollouts r ON r.rollout_id = a.rollout_id "
                                   "ORDER BY r.seq, a.sequence_id")
             return [Attempt.model_validate_json(data) for (data,) in rows]
-
-    # ----- resources ------------------------------------------------------------------
-    def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
-        update = ResourcesUpdate(resources_id=resources_id or new_id("res"), resources=coerce_resources(resources))
-        with self._locked(), self._tx():
-            rows = self._rows("SELECT data FROM resources WHERE resources_id = ?", update.resources_id)
-            update = next_resources(update, ResourcesUpdate.model_validate_json(rows[0][0]) if rows else None,
-                                    time.time())
-            # delete + insert gives it the highest seq: re-adding an id makes it the latest again
-            self._rows("DELETE FROM resources WHERE resources_id = ?", update.resources_id)
-            self._rows("INSERT INTO resources (resources_id, data) VALUES (?, ?)",
-                       update.resources_id, update.model_dump_json())
-            self._resources_commit = self._commits + 1  # this transaction's commit: resources reads wait for it
-            return update.model_copy()
-
-    def query_resources(self) -> list[ResourcesUpdate]:
-        with self._locked(resources_only=True):
-            return [ResourcesUpdate.model_validate_json(d) for (d,) in self._rows(
-                "SELECT data FROM resources ORDER BY seq")]
-
-    def get_latest_resources(self) -> Optional[ResourcesUpdate]:
-        with self._locked(resources_only=True):
-            rows = self._rows("SELECT data FROM resources ORDER BY seq DESC LIMIT 1")
-            return ResourcesUpdate.model_validate_json(rows[0][0]) if rows else None
-
-    def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate:
-        with self._locked(resources_only=True):
-            rows = self._rows("SELECT data FROM resources WHERE resources_id = ?", resources_id)
-            if not rows:
-                self._check_resources(resources_id)
-            return ResourcesUpdate.model_validate_json(rows[0][0])
-
-    def _check_resources(self, resources_id: str) -> None:
-        """NotFoundError naming ``resources_id`` if it is not stored (lock held)."""
-        if not self._rows("SELECT 1 FROM resources WHERE resources_id = ?", resources_id):
-            raise resources_not_found(resources_id)
 
     # ----- opening and helpers (lock held) ---------------------------------------------
     def _migrate(self) -> None:
