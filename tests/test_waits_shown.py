@@ -40,6 +40,7 @@ store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", m
 def agent(task, llm):
     time.sleep(0.3)
     return 1.0
+agent.calls_model = False  # it never calls the (dead) endpoint: the runners must not hold the queue for it
 class NoConfig:
     def validate(self):
         pass
