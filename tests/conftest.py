@@ -425,3 +425,19 @@ def pytest_runtest_setup(item):
     loads += [mark for mark in ("slow", "browser", "gpu") if item.get_closest_marker(mark)]
     if loads and not any(key == "loads" for key, _ in item.user_properties):
         item.user_properties.append(("loads", " ".join(loads)))
+
+
+def run_cell(kc, code: str, timeout: float = 180) -> str:
+    """Run ``code`` in a real kernel through the jupyter_client ``kc``; returns its printed output (and the error's
+    name and value, if any). Fails the test unless the cell's status is ``ok``."""
+    out: list[str] = []
+
+    def hook(msg):
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            out.append(f"{msg['content']['ename']}: {msg['content']['evalue']}")
+
+    reply = kc.execute_interactive(code, output_hook=hook, timeout=timeout)
+    assert reply["content"]["status"] == "ok", "".join(out)
+    return "".join(out)

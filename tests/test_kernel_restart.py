@@ -14,7 +14,7 @@ import time
 from lightning_nb.store import SqliteStore
 from lightning_nb.types import LLMResource, RolloutConfig
 
-from conftest import FixedChatServer
+from conftest import FixedChatServer, run_cell
 
 CELL_OPEN = """
 import warnings
@@ -39,17 +39,7 @@ print("\\n".join(str(w.message) for w in said))
 
 
 def _run_cell(kc, code: str, timeout: float = 60) -> str:
-    out: list[str] = []
-
-    def hook(msg):
-        if msg["msg_type"] == "stream":
-            out.append(msg["content"]["text"])
-        elif msg["msg_type"] == "error":
-            out.append(f"{msg['content']['ename']}: {msg['content']['evalue']}")
-
-    reply = kc.execute_interactive(code, output_hook=hook, timeout=timeout)
-    assert reply["content"]["status"] == "ok", "".join(out)
-    return "".join(out)
+    return run_cell(kc, code, timeout)
 
 
 def _closed_port() -> int:

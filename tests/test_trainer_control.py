@@ -15,6 +15,8 @@ from lightning_nb.algorithm.base import Algorithm
 from lightning_nb.algorithm.control import LoopProgress
 from lightning_nb.errors import ConfigError, LightningNbError, WaitWarning
 
+from conftest import run_cell
+
 pytestmark = pytest.mark.slow
 
 
@@ -196,27 +198,13 @@ class Sleeper(Algorithm):
 """
 
 
-def _run_cell(kc, code: str, timeout: float = 180) -> str:
-    out: list[str] = []
-
-    def hook(msg):
-        if msg["msg_type"] == "stream":
-            out.append(msg["content"]["text"])
-        elif msg["msg_type"] == "error":
-            out.append(f"{msg['content']['ename']}: {msg['content']['evalue']}")
-
-    reply = kc.execute_interactive(code, output_hook=hook, timeout=timeout)
-    assert reply["content"]["status"] == "ok", "".join(out)
-    return "".join(out)
-
-
 def test_interrupting_wait_in_a_real_kernel_keeps_state_true():
     """Kernel ▸ Interrupt during ``algo.wait()`` (cpython#90882 would mark the live thread dead)."""
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="python3")
     try:
-        _run_cell(kc, KERNEL_SETUP)
+        run_cell(kc, KERNEL_SETUP)
         # stop_on_error=False: ipykernel 7 aborts requests that arrive between an error's
         # reply and its "stop aborting" message, so the next cell could come back 'aborted'
         # (a race of the kernel, not of wait(); CI hit it once at 95803ba).
@@ -229,17 +217,17 @@ def test_interrupting_wait_in_a_real_kernel_keeps_state_true():
             if reply["parent_header"].get("msg_id") == msg_id:
                 break
         assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
-        out = _run_cell(kc, "s0 = algo.global_step; time.sleep(1.5)\n"
+        out = run_cell(kc, "s0 = algo.global_step; time.sleep(1.5)\n"
                             "print(algo.state, algo.running, algo.global_step > s0)")
         assert out.split() == ["running", "True", "True"], out
-        out = _run_cell(kc, "try:\n    Sleeper().start(steps=5)\nexcept Exception as e:\n"
+        out = run_cell(kc, "try:\n    Sleeper().start(steps=5)\nexcept Exception as e:\n"
                             "    print('refused:', type(e).__name__)")
         assert out.strip() == "refused: LightningNbError", out
-        out = _run_cell(kc, "print(algo.pause(timeout=30), algo.state)")
+        out = run_cell(kc, "print(algo.pause(timeout=30), algo.state)")
         assert out.split() == ["True", "paused"], out
-        out = _run_cell(kc, "s = algo.global_step; time.sleep(1); print(algo.global_step == s)")
+        out = run_cell(kc, "s = algo.global_step; time.sleep(1); print(algo.global_step == s)")
         assert out.strip() == "True", out
-        out = _run_cell(kc, "print(algo.stop(timeout=30), algo.state, algo.running)")
+        out = run_cell(kc, "print(algo.stop(timeout=30), algo.state, algo.running)")
         assert out.split() == ["True", "stopped", "False"], out
     finally:
         kc.stop_channels()

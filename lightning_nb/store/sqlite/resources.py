@@ -4,34 +4,21 @@ one transaction per call; resources reads wait only for the commit of the latest
 
 from __future__ import annotations
 
-import sqlite3
 import time
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from lightning_nb.store.rules import coerce_resources, next_resources, resources_not_found
+from lightning_nb.store.sqlite.helpers import SqliteHelpers
 from lightning_nb.types import ResourcesUpdate, new_id
 
 __all__ = ["SqliteResources"]
 
 
-class SqliteResources:
+class SqliteResources(SqliteHelpers):
     """``add_resources``/``query_resources``/``get_latest_resources``/``get_resources_by_id`` of ``SqliteStore``,
-    whose helpers and commit counters these use (declared below)."""
+    whose helpers and commit counters these use (declared in
+    :class:`~lightning_nb.store.sqlite.helpers.SqliteHelpers`)."""
 
-    if TYPE_CHECKING:  # SqliteStore's
-        _commits: int
-        _resources_commit: int
-
-        def _rows(self, sql: str, *params: Any) -> list[Any]: ...
-
-        def _conn(self) -> sqlite3.Connection: ...
-
-        def _tx(self) -> AbstractContextManager[None]: ...
-
-        def _locked(self, resources_only: bool = False) -> AbstractContextManager[None]: ...
-
-    # ----- resources ------------------------------------------------------------------
     def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
         update = ResourcesUpdate(resources_id=resources_id or new_id("res"), resources=coerce_resources(resources))
         with self._locked(), self._tx():

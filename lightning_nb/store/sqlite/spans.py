@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-import sqlite3
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -28,7 +26,8 @@ from lightning_nb.store.copies import span_with_sequence_id
 from lightning_nb.store.rules import check_span_types, check_span_writable, same_span, span_beats, span_sequence_id
 from lightning_nb.store.spanframe import CATEGORY_COLUMNS, Flatten, check_flatten, spans_frame
 from lightning_nb.store.sqlite.file import to_json
-from lightning_nb.types import Attempt, Rollout, Span
+from lightning_nb.store.sqlite.helpers import SqliteHelpers
+from lightning_nb.types import Span
 
 __all__ = ["SqliteSpans"]
 
@@ -36,27 +35,9 @@ _SPAN_FIELDS = ("rollout_id", "attempt_id", "sequence_id", "name", "status", "tr
                 "start_time", "end_time", "attributes")
 
 
-class SqliteSpans:
+class SqliteSpans(SqliteHelpers):
     """``add_span``/``add_spans``/``query_spans``, ``spans_df`` and the reward lookup of ``SqliteStore``, whose
-    methods these call (declared below for the type checker)."""
-
-    if TYPE_CHECKING:  # SqliteStore's
-        def _rows(self, sql: str, *params: Any) -> list[Any]: ...
-
-        def _conn(self) -> sqlite3.Connection: ...
-
-        def _tx(self) -> AbstractContextManager[None]: ...
-
-        def _locked(self, resources_only: bool = False) -> AbstractContextManager[None]: ...
-
-        def _rollout(self, rollout_id: str) -> Rollout: ...
-
-        def _attempt(self, rollout_id: str, attempt_id: str) -> Attempt: ...
-
-        def _latest_attempt_id(self, rollout_id: str) -> Optional[str]: ...
-
-        def _update(self, attempt: Attempt, *, status: Optional[str], worker_id: Optional[str], error: Optional[str],
-                    heartbeat: bool, now: float, by_worker: bool = True) -> None: ...
+    methods these call (declared for the type checker in :class:`~lightning_nb.store.sqlite.helpers.SqliteHelpers`)."""
 
     def add_span(self, span: Span) -> Span:
         check_span_types([span], batch=False)

@@ -4,29 +4,17 @@ transaction, so they survive reopening the file like the rollouts they name."""
 
 from __future__ import annotations
 
-import sqlite3
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Optional, Sequence
 
+from lightning_nb.store.sqlite.helpers import SqliteHelpers
 from lightning_nb.store.trained import TrainedMark, new_marks
-from lightning_nb.types import Rollout
 
 __all__ = ["SqliteTrained"]
 
 
-class SqliteTrained:
-    """``mark_trained``/``query_trained`` of ``SqliteStore``, whose helpers these call (declared below)."""
-
-    if TYPE_CHECKING:  # SqliteStore's
-        def _rows(self, sql: str, *params: Any) -> list[Any]: ...
-
-        def _conn(self) -> sqlite3.Connection: ...
-
-        def _tx(self) -> AbstractContextManager[None]: ...
-
-        def _locked(self, resources_only: bool = False) -> AbstractContextManager[None]: ...
-
-        def _rollout(self, rollout_id: str) -> Rollout: ...
+class SqliteTrained(SqliteHelpers):
+    """``mark_trained``/``query_trained`` of ``SqliteStore``, whose helpers these call (declared in
+    :class:`~lightning_nb.store.sqlite.helpers.SqliteHelpers`)."""
 
     def mark_trained(self, rollout_ids: Sequence[str], *, learner: str, update: int) -> list[TrainedMark]:
         marks = new_marks(list(rollout_ids), learner, update)
