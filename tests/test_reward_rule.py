@@ -101,11 +101,11 @@ def test_a_rollout_without_llm_calls_is_counted_in_the_step(engine, pristine, pr
     try:
         algo = LightningRL(store, trainer, [{"id": "t"}], config=AlgorithmConfig(
             tasks_per_step=1, group_size=3, max_sample_rounds=1, max_tokens=3))
-        row = algo.step()
+        row = algo.step(progress=True)  # a script asks for the bars a notebook cell shows by default (issue 53)
     finally:
         runners.stop()
     assert row["skipped_no_llm_calls"] == 1 and row["rollouts"] == 3 and row["episodes"] == 2
-    # a step run from a cell shows its phases (issue 43): the rollouts, then the update's micro-batches
+    # a step with its bars shows its phases (issue 43): the rollouts, then the update's micro-batches
     shown = capsys.readouterr().err
     assert "step 1: rollouts" in shown and "3/3 rollouts" in shown and "step 1: update" in shown
     assert row["reward_mean"] == pytest.approx(1 / 3)  # every rollout of the step counts in the train reward
