@@ -441,3 +441,14 @@ def run_cell(kc, code: str, timeout: float = 180) -> str:
     reply = kc.execute_interactive(code, output_hook=hook, timeout=timeout)
     assert reply["content"]["status"] == "ok", "".join(out)
     return "".join(out)
+
+
+def closed_port() -> int:
+    """A local TCP port nobody listens on (bound, then closed): a dead endpoint's port."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port

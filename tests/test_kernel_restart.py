@@ -8,13 +8,12 @@ is published: a small real OpenAI-compatible server (``conftest.FixedChatServer`
 
 from __future__ import annotations
 
-import socket
 import time
 
 from lightning_nb.store import SqliteStore
 from lightning_nb.types import LLMResource, RolloutConfig
 
-from conftest import FixedChatServer, run_cell
+from conftest import FixedChatServer, closed_port, run_cell
 
 CELL_OPEN = """
 import warnings
@@ -42,18 +41,10 @@ def _run_cell(kc, code: str, timeout: float = 60) -> str:
     return run_cell(kc, code, timeout)
 
 
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def test_a_restarted_kernel_holds_the_queue_of_a_reopened_store_until_a_live_endpoint_is_published(tmp_path):
     from jupyter_client.manager import start_new_kernel
 
-    db, dead = tmp_path / "run.db", f"http://127.0.0.1:{_closed_port()}/v1"
+    db, dead = tmp_path / "run.db", f"http://127.0.0.1:{closed_port()}/v1"
     with SqliteStore(db) as before:  # the kernel before the restart: its proxy, one rollout queued
         before.add_resources({"main_llm": LLMResource(endpoint=dead, model="m")})
         rid = before.enqueue_rollout("What is 2 + 2?", config=RolloutConfig(max_attempts=1)).rollout_id

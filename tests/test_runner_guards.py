@@ -26,7 +26,7 @@ from lightning_nb.runners.live import LIVE as _LIVE
 from lightning_nb.store import InMemoryStore, SqliteStore, StoreClient, StoreServer
 from lightning_nb.tracing.tracer import Tracer
 from lightning_nb.types import LLMResource, RolloutConfig
-from conftest import IDLE_LLM
+from conftest import IDLE_LLM, closed_port
 
 
 def _resources(store, endpoint=IDLE_LLM):
@@ -41,14 +41,6 @@ def resourced(store):
 
 def _runner_warnings(record):
     return [str(w.message) for w in record if "see store.attempts_df()" in str(w.message)]
-
-
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 # ----- item 11: a span the store cannot take fails the attempt --------------------------------
@@ -334,7 +326,7 @@ def test_dead_llm_endpoint_at_start_holds_the_whole_queue_until_published(store,
     """Issue 53 item 4: no rollout runs against an endpoint start_runners found dead, not even the first."""
     from lightning_nb import LLMProxy
 
-    endpoint = f"http://127.0.0.1:{_closed_port()}/v1"
+    endpoint = f"http://127.0.0.1:{closed_port()}/v1"
     _resources(store, endpoint)
     ids = [store.enqueue_rollout(f"task {i}", config=RolloutConfig(max_attempts=1)).rollout_id for i in range(2)]
     with warnings.catch_warnings(record=True) as record:
@@ -361,7 +353,7 @@ def test_dead_llm_endpoint_at_start_holds_the_whole_queue_until_published(store,
 def test_an_endpoint_that_dies_after_the_start_fails_one_line_and_requeues_when_published(store, engine):
     from lightning_nb import LLMProxy
 
-    endpoint = f"http://127.0.0.1:{_closed_port()}/v1"
+    endpoint = f"http://127.0.0.1:{closed_port()}/v1"
     _resources(store, endpoint)
     ids = [store.enqueue_rollout(f"task {i}", config=RolloutConfig(max_attempts=1)).rollout_id for i in range(2)]
     runner = Runner(_openai_agent, store, Tracer(store))  # not start_runners: its gate was not closed at the start
@@ -395,7 +387,7 @@ def test_an_endpoint_that_dies_after_the_start_fails_one_line_and_requeues_when_
 def test_reopened_sqlite_store_with_a_dead_proxy_holds_its_queue_and_says_publish_again(tmp_path, engine):
     from lightning_nb import LLMProxy
 
-    endpoint = f"http://127.0.0.1:{_closed_port()}/v1"
+    endpoint = f"http://127.0.0.1:{closed_port()}/v1"
     before = SqliteStore(tmp_path / "run.db")
     _resources(before, endpoint)  # the proxy of the previous kernel
     rid = before.enqueue_rollout("t", config=RolloutConfig(max_attempts=1)).rollout_id  # queued before the restart
@@ -424,7 +416,7 @@ def test_start_runners_does_not_warn_about_an_endpoint_that_answers(proxied_stor
 
 
 def test_an_agent_that_never_calls_the_llm_keeps_working_with_a_dead_endpoint():
-    store = _resources(InMemoryStore(), f"http://127.0.0.1:{_closed_port()}/v1")
+    store = _resources(InMemoryStore(), f"http://127.0.0.1:{closed_port()}/v1")
     ids = [r.rollout_id for r in store.enqueue_rollouts(range(3))]
 
     def agent(task, llm):
@@ -440,8 +432,8 @@ def test_an_agent_that_never_calls_the_llm_keeps_working_with_a_dead_endpoint():
 
 
 def test_connect_error_to_another_host_gets_no_llm_hint():
-    store = _resources(InMemoryStore(), f"http://127.0.0.1:{_closed_port()}/v1")
-    tool_url = f"http://127.0.0.1:{_closed_port()}/search"  # the agent's own tool service, also down
+    store = _resources(InMemoryStore(), f"http://127.0.0.1:{closed_port()}/v1")
+    tool_url = f"http://127.0.0.1:{closed_port()}/search"  # the agent's own tool service, also down
 
     def agent(task, llm):
         httpx.get(tool_url, timeout=2.0)
@@ -469,7 +461,7 @@ def test_read_timeout_is_not_called_unreachable():
         with pytest.raises(openai.APITimeoutError) as info:
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
         assert unreachable_endpoint_hint(info.value, endpoint) is None
-        refused = openai.OpenAI(base_url=f"http://127.0.0.1:{_closed_port()}/v1", api_key="none", max_retries=0)
+        refused = openai.OpenAI(base_url=f"http://127.0.0.1:{closed_port()}/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.APIConnectionError) as info:
             refused.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
         other = str(refused.base_url)
