@@ -134,7 +134,7 @@ class LightningRL(RewardAndBranches):
         self.reward_fn = None  # set_reward(): the reward from the next step on
         self._reward_applied = None  # the name of the reward function the last step used
         self._rescored = {}  # the step's rollouts' rewards under reward_fn
-        self._task_weights()  # a bad slice_weights fails here
+        self.task_draw.weights(self.config.slice_weights)  # a bad slice_weights fails here
         self.loggers = make_loggers(loggers, config=self._logged_config()) if loggers else []
 
     config: AlgorithmConfig
@@ -153,7 +153,7 @@ class LightningRL(RewardAndBranches):
         """Raise ConfigError when ``tasks_per_step`` exceeds the distinct training tasks (a step draws each once).
         Checked before a step collects and on ``resume()``, not at construction: an algorithm built only to
         :meth:`evaluate` may have fewer training tasks."""
-        distinct = len(set(self._task_keys()))
+        distinct = len(set(self.task_draw.keys()))
         if self.config.tasks_per_step > distinct:
             raise ConfigError(f"AlgorithmConfig.tasks_per_step={self.config.tasks_per_step}, but train_tasks has "
                               f"{distinct} distinct task(s) (by task_key, id_key={self.id_key!r}) and a step draws "
@@ -162,20 +162,12 @@ class LightningRL(RewardAndBranches):
     def _rollout_config(self) -> RolloutConfig:
         return RolloutConfig(max_attempts=self.config.max_attempts, timeout_seconds=self.config.rollout_timeout_s)
 
-    def _task_weights(self) -> Optional[list[float]]:
-        """Each training task's sampling weight under ``config.slice_weights`` (None: uniform; :class:`TaskDraw`)."""
-        return self.task_draw.weights(self.config.slice_weights)
-
-    def _task_keys(self) -> list[str]:
-        """Each training task's :func:`task_key` (its GRPO group's name), computed once."""
-        return self.task_draw.keys()
-
     def _enqueue_groups(self, n_tasks: int, round_: int, taken: set[str]) -> list[str]:
         cfg = self.config
         sampling = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
         ids = []
         for i in self.task_draw.draw(n_tasks, taken, cfg.slice_weights, self._rng):
-            group = f"{self.global_step + 1}.{round_}:{self._task_keys()[i]}"
+            group = f"{self.global_step + 1}.{round_}:{self.task_draw.keys()[i]}"
             # one call per group: one transaction (and one fsync) in a SqliteStore, one lock in memory
             ids += [r.rollout_id for r in self.store.enqueue_rollouts(
                 [self.train_tasks[i]] * cfg.group_size, mode="train", config=self._rollout_config(),
@@ -317,7 +309,7 @@ class LightningRL(RewardAndBranches):
         """Edits of :attr:`config` since the last step (validated first), and of the reward function
         (:meth:`set_reward`: field ``"reward"``)."""
         self.config.validate()
-        self._task_weights()
+        self.task_draw.weights(self.config.slice_weights)
         edits = self.config_watch.take(self.config)
         name = reward_name(self.reward_fn)
         if name != self._reward_applied:
