@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import itertools
 import json
-import threading
 import warnings
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from openai import OpenAI
@@ -23,7 +21,7 @@ from lightning_nb.errors import ConfigError, LightningNbError
 from lightning_nb.rewards import (GroupJudge, Judge, JudgeError, judge_reward, parse_group_scores, parse_score,
                                   trajectory_messages)
 from lightning_nb.types import LLMResource
-from conftest import IDLE_LLM
+from conftest import IDLE_LLM, FixedChatServer
 
 JUDGED_KEYS = [semconv.JUDGE_PROMPT, semconv.JUDGE_VERDICT, semconv.JUDGE_SCORE, semconv.JUDGE_MODEL,
                semconv.REWARD_NAME, semconv.ERROR]
@@ -32,38 +30,18 @@ JUDGED_KEYS = [semconv.JUDGE_PROMPT, semconv.JUDGE_VERDICT, semconv.JUDGE_SCORE,
 @pytest.fixture
 def fixed_reply():
     """``start(text) -> base_url``: a real OpenAI-compatible HTTP server on 127.0.0.1 whose every chat completion is
-    ``text`` (it records the request bodies it got in ``.requests``)."""
+    ``text`` (``conftest.FixedChatServer``; the request bodies it got are in ``start.requests``)."""
     servers = []
 
     def start(text):
-        requests = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server's name)
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                requests.append(body)
-                out = json.dumps({"id": "fixed", "object": "chat.completion", "created": 0, "model": body["model"],
-                                  "choices": [{"index": 0, "finish_reason": "stop",
-                                               "message": {"role": "assistant", "content": text}}]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *args):
-                pass
-
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        server = FixedChatServer(lambda _last_message: text)
         servers.append(server)
-        start.requests = requests
-        return f"http://127.0.0.1:{server.server_port}/v1"
+        start.requests = server.requests
+        return server.url
 
     yield start
     for server in servers:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 def _say(llm, content, max_tokens=6):
