@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -88,8 +89,12 @@ def test_ray_actors_use_a_store_client_and_its_token(ray_cluster):
 
 
 def slow_agent(task, llm):
-    """Long enough to be killed mid-rollout (seconds), then a reward."""
-    time.sleep(task)
+    """The first attempt sleeps far past the kill (so only the SIGKILL can end it, however loaded the machine); the
+    retry returns its reward at once. ``task`` is a marker file's path: the first attempt creates it."""
+    marker = Path(task)
+    if not marker.exists():
+        marker.touch()
+        time.sleep(120)
     return 1.0
 
 
@@ -106,12 +111,13 @@ def _kill_the_runner_of(store, group, rid):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("max_restarts", [1, 0])
-def test_a_killed_actor_ends_its_attempt_at_once_and_the_rollout_is_retried(ray_cluster, max_restarts):
+def test_a_killed_actor_ends_its_attempt_at_once_and_the_rollout_is_retried(ray_cluster, max_restarts, tmp_path):
     """SIGKILL one of two actors mid-rollout: its attempt ends unresponsive within seconds (not at the rollout's
     60 s timeout) and the retry succeeds on a live runner; Ray restarts the actor, or the group warns it runs one
     short."""
     store = _resourced(InMemoryStore())
-    rid = store.enqueue_rollout(2.0, config=RolloutConfig(max_attempts=2, timeout_seconds=60)).rollout_id
+    config = RolloutConfig(max_attempts=2, timeout_seconds=60)
+    rid = store.enqueue_rollout(str(tmp_path / "first"), config=config).rollout_id
     with start_runners(slow_agent, store, n=2, backend="ray", num_cpus=0.5, max_restarts=max_restarts) as group:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
