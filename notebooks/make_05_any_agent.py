@@ -36,15 +36,17 @@ attempt, so the spans, the triplets and the training step do not care which shap
 At full size (the defaults: one round of 8 rollouts, then one training step of 32) the notebook took 6.7 min on an
 idle 2-core CPU (2026-11-28, `bench/notebook_cell_times.py`): the round 51 s, the training step 335 s, the rest 15 s.
 With other jobs sharing the two cores (load average 5-8) it took 22 min: the round 300 s (six of its eight rollouts
-ran past the runners' 300 s timeout), the training step 992 s. A smoke run (the tests use it) took 140 s (one round of 4 rollouts, then one step of 8). Set
-`LIGHTNING_NB_SMOKE=1` before the first code cell runs for it: uncomment its `%env` line, or start Jupyter with `LIGHTNING_NB_SMOKE=1 jupyter lab`. The
-LangGraph cell needs the `agents` extra (`pip install -e '.[agents]'`), the gym cell the `envs` extra."""),
+ran past the runners' 300 s timeout), the training step 992 s. A smoke run (the tests use it: one round of 4
+rollouts, then one step of 8 with one sampling round) took 131 s with other jobs on the cores. Set
+`LIGHTNING_NB_SMOKE=1` before the first code cell runs for it: uncomment its `%env` line, or start Jupyter with
+`LIGHTNING_NB_SMOKE=1 jupyter lab`. The LangGraph cell needs the `agents` extra (`pip install -e '.[agents]'`), the gym cell the `envs` extra."""),
     ("code", """# %env LIGHTNING_NB_SMOKE=1      # uncomment for the smoke run with small sizes
 import os
 
 SMOKE = os.environ.get("LIGHTNING_NB_SMOKE") == "1"
 TASKS_PER_SHAPE = 1 if SMOKE else 2   # tasks of each shape per step (each run GROUP_SIZE times)
 GROUP_SIZE = 2 if SMOKE else 4        # rollouts per task: the GRPO group
+SAMPLE_ROUNDS = 1 if SMOKE else 3     # DAPO dynamic sampling: resample groups whose rewards are all equal
 MAX_TOKENS = 48 if SMOKE else 64      # completion tokens per LLM call
 N_RUNNERS = 4 if SMOKE else 8         # runner threads (and the engine's batch)"""),
     ("md", """## 1. One engine, one proxy, one store
@@ -139,7 +141,8 @@ token that several of them share after the same tokens (a group's prompt, a syst
 
 trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=2e-5))
 algo = LightningRL(store, trainer, TASKS, config=AlgorithmConfig(
-    tasks_per_step=len(TASKS), group_size=GROUP_SIZE, max_tokens=MAX_TOKENS, temperature=0.7))
+    tasks_per_step=len(TASKS), group_size=GROUP_SIZE, max_tokens=MAX_TOKENS, temperature=0.7,
+    max_sample_rounds=SAMPLE_ROUNDS))
 row = algo.step()
 print("training step 1:", {k: row[k] for k in ("reward_mean", "sequences_trained", "turn_forks", "loss",
                                                "forwarded_tokens", "prefix_shared_tokens") if k in row})"""),
