@@ -61,7 +61,9 @@ def core_python(tmp_path_factory):
     base = tmp_path_factory.mktemp("core-venv")
     venv = base / "venv"
     python = venv / "bin" / "python"
-    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    # --no-compile: pip would byte-compile every installed module (torch's alone: 21 s of CPU of its 22 s install
+    # here); Python compiles only what the checks import, once, on first import
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile"]
     t0 = time.perf_counter()
     # the base interpreter's venv module (sys.executable may itself be a venv's python: -m venv still makes a
     # fresh one, without the main venv's packages)
