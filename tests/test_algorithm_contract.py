@@ -9,6 +9,7 @@ threads, the in-memory store, at smoke size.
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -91,11 +92,19 @@ def test_every_algorithm_owns_its_run_and_a_trainer_knows_none(run):
         assert all(v is not algo for v in vars(algo.trainer).values())
 
 
-def test_a_step_from_a_cell_records_one_row_numbered_by_the_algorithm(run):
+# the first phase each kind's step shows on its bar (issue 53: APO's and TrafficLearner's step() had none)
+FIRST_PHASE = {"LightningRL": "rollouts", "TrafficLearner": "waiting", "APO": "rollouts"}
+
+
+def test_a_step_from_a_cell_records_one_row_numbered_by_the_algorithm(run, capsys):
     algo = run.make()
     run.feed()
-    row = algo.step()
+    row = algo.step(progress=True)  # the bar a notebook kernel shows by default (a script: when asked)
     assert row is not None and row["step"] == 1 == algo.global_step
+    frames = [f for f in re.split(r"[\r\n]+", capsys.readouterr().err) if re.match(r"step 1: \w", f)]  # named phases
+    assert frames and frames[0].startswith(f"step 1: {FIRST_PHASE[run.kind]}"), frames
+    if algo.trainer is not None:
+        assert any(re.match(r"step 1: update.*\| \d+/\d+ micro-batches", f) for f in frames), frames
     assert algo.metrics == [row] and algo.metrics_df()["step"].tolist() == [1]
     if algo.trainer is not None:
         assert algo.trainer.updates_applied == 1  # its own count of updates applied

@@ -213,3 +213,36 @@ def test_a_steps_bar_keeps_one_total_and_one_clock_across_sample_rounds(pristine
     with start_runners(agent_with_reward([0.5]), proxied_store, n=2):
         algo.step()
     assert "step 2" not in capsys.readouterr().err
+
+
+class _Sleeper(Algorithm):
+    """A step that works 3.5 s without reporting, as one long micro-batch of an update on a CPU does."""
+
+    def __init__(self):
+        super().__init__(InMemoryStore(), None, _NoConfig())
+
+    def step(self, progress=None):
+        with self.step_bar(progress):
+            self.report_progress("update", 0, 1, unit="micro-batches", step=1)
+            time.sleep(3.5)
+            self.report_progress("update", 1, 1, unit="micro-batches", step=1)
+        return self.record({})
+
+    run = state_dict = load_state_dict = save = load = None
+
+
+class _NoConfig:
+    def validate(self):
+        pass
+
+
+def test_a_steps_bar_clock_moves_while_the_step_reports_nothing(capsys):
+    """Issue 53: a cell is never silent for long. The step's bar is redrawn each second by its own clock thread, so
+    its time moves while the step's thread reports nothing (measured: nb05's step cell was silent 10.7 s, one
+    micro-batch)."""
+    _Sleeper().step(progress=True)
+    frames = [f for f in re.split(r"[\r\n]+", capsys.readouterr().err) if "0/1 micro-batches" in f]
+    clocks = {re.search(r"\[(\d\d:\d\d)", f).group(1) for f in frames}
+    assert {"00:00", "00:01", "00:02", "00:03"} <= clocks, frames
+    _Sleeper().step()  # a script: quiet by default, no clock thread drawing
+    assert capsys.readouterr().err == ""

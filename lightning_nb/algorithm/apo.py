@@ -185,7 +185,7 @@ class APO(CandidateEvaluation, Algorithm):
         for _ in range(self.config.rounds if steps is None else steps):
             if self.stop_requested:
                 raise LoopStopped(f"stopped after round {self.round}")
-            self.step()
+            self.step(progress=False)
         self.at_boundary("before held-out evaluation")
         if not self.val_tasks:
             return
@@ -194,11 +194,20 @@ class APO(CandidateEvaluation, Algorithm):
         if self.config.publish:
             self.publish(best.candidate_id)
 
-    def step(self) -> dict[str, Any]:
+    def step(self, progress: Optional[bool] = None) -> dict[str, Any]:
         """One round (see the module docstring); returns its metrics row (:meth:`metrics_df`): ``step`` (the round),
         ``best_score`` and ``best_candidate`` (the round's top of the beam, its mean reward on the round's tasks),
         ``candidates`` (scored this round), ``new_candidates`` (the editor's), ``beam`` (the kept ids),
-        ``round_seconds``. Its candidates' rows are in :meth:`beam_df`."""
+        ``round_seconds``. Its candidates' rows are in :meth:`beam_df`.
+
+        ``progress``: a tqdm.auto bar of the round's phase while it runs (the parents' rollouts, the proposals,
+        the children's rollouts); None (the default): shown in a notebook kernel, not in a script. :meth:`run`
+        (the background loop, whose bar is ``wait()``'s) passes False."""
+        with self.step_bar(progress):
+            return self._step()
+
+    def _step(self) -> dict[str, Any]:
+        """:meth:`step`'s work."""
         r = self.round + 1
         t0 = time.perf_counter()
         self.report_progress("rollouts", 0, 0, unit="rollouts", step=r)

@@ -115,8 +115,12 @@ class Algorithm(abc.ABC):
 
     # ----- the contract ---------------------------------------------------------------------------
     @abc.abstractmethod
-    def step(self) -> Optional[dict[str, Any]]:
-        """One step of the run (see the class docstring); returns its metrics row, or None when none was due."""
+    def step(self, progress: Optional[bool] = None) -> Optional[dict[str, Any]]:
+        """One step of the run (see the class docstring); returns its metrics row, or None when none was due.
+
+        ``progress``: a bar of the step while it runs (``with self.step_bar(progress):`` around the work; None: in
+        a notebook kernel only); :meth:`run` passes False, since ``wait()`` shows the background loop's bar. An
+        implementation without a bar may leave the argument out."""
 
     @abc.abstractmethod
     def run(self, steps: Optional[int] = None) -> None:

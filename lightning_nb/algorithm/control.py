@@ -74,6 +74,7 @@ class LoopControl:
         self._parked_since = 0.0  # time.monotonic() when the loop parked
         self._progress = LoopProgress()
         self._cell_bar: Optional[LoopBar] = None  # step_bar(): a step run from a cell shows its phase
+        self._cell_bar_lock = threading.Lock()  # the step's thread and the bar's clock thread both draw it
 
     # ----- the loop's side ------------------------------------------------------------
     def start(self, body: Callable[[], Any], first_step: int, last_step: Optional[int]) -> None:
@@ -150,7 +151,7 @@ class LoopControl:
                         sample_round: int = 0) -> None:
         """Called by the loop as it works: :attr:`progress` becomes this snapshot (:class:`LoopProgress`).
 
-        Cheap (one small object, no I/O, no lock): the algorithm calls it at each poll of its
+        Cheap (one small object; I/O and a lock only while a cell's step bar is open): the algorithm calls it at each poll of its
         rollouts (about once a second) and the trainer's update after each micro-batch. A call
         from another thread while a background loop runs (a cell's ``evaluate()`` while the loop
         is paused) is ignored, so the record stays the loop's. ``sample_round`` (1, 2, ...): the step's
@@ -161,8 +162,12 @@ class LoopControl:
             return
         self._progress = LoopProgress(step=step, phase=phase, done=done, total=total, unit=unit,
                                       sample_round=sample_round)
-        bar = self._cell_bar
-        if bar is not None:  # a step run from a cell: its bar follows the phase
+        if self._cell_bar is None:
+            return
+        with self._cell_bar_lock:  # a step run from a cell: its bar follows the phase
+            bar = self._cell_bar
+            if bar is None:
+                return
             key = (step, phase, total) if not sample_round else (step, phase, "rounds")
             if bar.key != key:
                 bar.key = key
@@ -176,16 +181,32 @@ class LoopControl:
         """While the block runs, a tqdm.auto bar named ``desc`` that :meth:`report_progress` moves: the phase of the
         step being run (``step N: rollouts``, its sample rounds as a postfix, then ``step N: update`` micro-batches,
         then ``evaluate``). ``show`` False, or a bar already open: none; None: in a notebook kernel only
-        (:func:`lightning_nb._notebook.show_progress`)."""
+        (:func:`lightning_nb._notebook.show_progress`).
+
+        The bar's clock moves every second even while the step's own thread reports nothing (one micro-batch of
+        an update can take tens of seconds on a CPU): a daemon thread redraws it, so the cell is never silent."""
         if not show_progress(show) or self._cell_bar is not None:
             yield
             return
         self._cell_bar = LoopBar(self.paused_total, None, 0, desc, "rollouts", decimals=0)
+        ended = threading.Event()
+        clock = threading.Thread(target=self._tick_cell_bar, args=(ended,), name="lightning-nb-step-bar", daemon=True)
+        clock.start()
         try:
             yield
         finally:
-            bar, self._cell_bar = self._cell_bar, None
+            ended.set()
+            with self._cell_bar_lock:
+                bar, self._cell_bar = self._cell_bar, None
             bar.close()
+
+    def _tick_cell_bar(self, ended: threading.Event) -> None:
+        """Redraw :meth:`step_bar`'s bar each second (its clock), until ``ended`` is set."""
+        while not ended.wait(1.0):
+            with self._cell_bar_lock:
+                bar = self._cell_bar
+                if bar is not None:
+                    bar.move(bar.tqdm.n, bar.postfix)
 
     @property
     def progress(self) -> LoopProgress:

@@ -288,12 +288,16 @@ class TrafficLearner(CreditAssignment):
         return list(self.poll()["ready"])
 
     # ----- one update ------------------------------------------------------------------------
-    def step(self) -> Optional[dict[str, Any]]:
+    def step(self, progress: Optional[bool] = None) -> Optional[dict[str, Any]]:
         """Poll, and run one update if ``min_labelled`` labelled rollouts with signal are waiting.
 
         Returns the update's row of :meth:`updates_df` (a dict), or None when it is not due yet
         (:attr:`last_poll` says how many are labelled; ``last_poll["waiting_for"]`` why). Before the
         update the trainer's state is checkpointed to ``checkpoint_dir`` (:meth:`undo` loads it).
+
+        ``progress``: a tqdm.auto bar of the step's phase while it runs (labelled rollouts found, the checkpoint,
+        the update's micro-batches); None (the default): shown in a notebook kernel, not in a script. :meth:`run`
+        (the background loop, whose bar is ``wait()``'s) passes False.
 
         Raises:
             ConfigError: called from a cell while the background loop runs (it would use rollouts twice).
@@ -301,6 +305,11 @@ class TrafficLearner(CreditAssignment):
         if self.running and not self.loop.in_loop_thread():
             raise ConfigError("the learner's background loop is running and updates by itself; stop() it before "
                               "calling step() from a cell, or read poll() / updates_df()")
+        with self.step_bar(progress):
+            return self._step()
+
+    def _step(self) -> Optional[dict[str, Any]]:
+        """:meth:`step`'s work."""
         with self._poll_lock:
             poll = self._poll()
             ready = poll["ready"]
@@ -393,7 +402,7 @@ class TrafficLearner(CreditAssignment):
         done = 0
         while steps is None or done < steps:
             self.at_boundary("before poll")
-            if self.step() is not None:
+            if self.step(progress=False) is not None:
                 done += 1
             elif self.loop.sleep(self.config.poll_s):
                 raise LoopStopped("stopped while waiting for labelled traffic")
