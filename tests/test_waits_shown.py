@@ -246,3 +246,26 @@ def test_a_steps_bar_clock_moves_while_the_step_reports_nothing(capsys):
     assert {"00:00", "00:01", "00:02", "00:03"} <= clocks, frames
     _Sleeper().step()  # a script: quiet by default, no clock thread drawing
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.filterwarnings("ignore:start_runners. the LLM endpoint")  # the agent never calls it
+def test_a_rollout_waits_bar_clock_moves_between_finishes(capsys):
+    """Issue 53: ``store.wait_for_rollouts(progress=True)`` redraws each second, not only when a rollout finishes
+    (nb05's wait cell at full size was silent 15.4 s between two finishes)."""
+    from lightning_nb import start_runners
+    from lightning_nb.types import LLMResource
+
+    def agent(task, llm):
+        time.sleep(task)
+        return 1.0
+
+    agent.calls_model = False
+    store = InMemoryStore()
+    store.add_resources({"main_llm": LLMResource(endpoint="http://127.0.0.1:9/v1", model="m")})
+    with start_runners(agent, store, n=1):  # one runner: the first finishes at once, the second 3.5 s later
+        ids = [r.rollout_id for r in store.enqueue_rollouts([0.1, 3.5])]
+        done = store.wait_for_rollouts(ids, timeout=30, progress=True)
+    assert [r.status for r in done] == ["succeeded"] * 2
+    frames = [f for f in re.split(r"[\r\n]+", capsys.readouterr().err) if "| 1/2 " in f]
+    clocks = sorted({int(m) * 60 + int(s) for m, s in (re.search(r"\[(\d\d):(\d\d)", f).groups() for f in frames)})
+    assert len(clocks) >= 3 and clocks[-1] - clocks[0] >= 2, frames  # the clock moved while 1/2 stood still

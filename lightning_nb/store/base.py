@@ -487,7 +487,8 @@ class LightningStore(FrameViews, TrainingRecord, ABC):
 
     def _wait_with_progress(self, rollout_ids: Sequence[str], timeout: Optional[float]) -> list[Rollout]:
         """:meth:`wait_for_rollouts` in slices of at most 0.5 s, updating a tqdm.auto bar of finished rollouts whose
-        postfix, from the first frame, says how many of the others are queued and running (read once a second)."""
+        postfix, from the first frame, says how many of the others are queued and running (read, and the bar redrawn,
+        once a second: tqdm redraws on ``update`` only as often as the rollouts finish)."""
         from tqdm.auto import tqdm
 
         ids = list(rollout_ids)
@@ -503,10 +504,10 @@ class LightningStore(FrameViews, TrainingRecord, ABC):
                     bar.update(len(done) - bar.n)
                     bar.refresh()
                     return done
-                if time.monotonic() - read >= 1.0:
-                    read = time.monotonic()
-                    bar.set_postfix_str(self._unfinished(ids), refresh=False)
                 bar.update(len(done) - bar.n)
+                if time.monotonic() - read >= 1.0:  # redrawn each second, so its clock moves between finishes
+                    read = time.monotonic()
+                    bar.set_postfix_str(self._unfinished(ids))
 
     def _unfinished(self, rollout_ids: list[str]) -> str:
         """``"2 queued, 3 running"``: the rollouts of ``rollout_ids`` that wait for a runner, and those one took."""
