@@ -4,6 +4,7 @@ scores, the game families, and ``demo --task`` with a reasoning-gym dataset (tha
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,15 +48,20 @@ def test_a_name_that_does_not_exist_is_an_error_listing_what_does():
         load_task("textarena:")
 
 
-def test_the_command_line_refuses_an_unknown_task_before_anything_loads(capsys):
+@pytest.mark.parametrize("command", ["demo", "eval"])
+def test_the_command_line_refuses_an_unknown_task_before_anything_loads(capsys, command):
     from lightning_nb.cli import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["demo", "--task", "reasoning_gym:no_such_dataset"])
+        main([command, "--task", "reasoning_gym:no_such_dataset"])
     assert exc.value.code == 2 and "--task reasoning_gym:no_such_dataset" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
-        main(["demo", "--task", "reasoning_gym:basic_arithmetic", "--ood-size", "8"])
+        main([command, "--task", "reasoning_gym:basic_arithmetic", "--ood-size", "8"])
     assert exc.value.code == 2 and "--ood-size is the calc task's" in capsys.readouterr().err
+    if command == "eval":  # the demo's calc-only flags are not eval's at all
+        with pytest.raises(SystemExit) as exc:
+            main([command, "--task", "reasoning_gym:basic_arithmetic", "--all-numbers-bonus", "0.2"])
+        assert exc.value.code == 2 and "unrecognized arguments: --all-numbers-bonus" in capsys.readouterr().err
 
 
 def test_names_parse_into_family_target_and_literal_options():
@@ -216,3 +222,12 @@ def test_demo_trains_a_reasoning_gym_task_and_writes_the_same_files(tmp_path):
     assert summary["slice_weights"] is None and summary["all_numbers_bonus"] == 0.0 and summary["ood_size"] == 0
     assert 0.0 <= summary["val_reward_before"] <= 1.0 and df["val_reward"].iloc[0] == summary["val_reward_after"]
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # eval --task: the trained checkpoint on the same held-out seeds, by the same slices
+    proc = subprocess.run([sys.executable, "-m", "lightning_nb", "eval", "--task", cmd[5], "--checkpoint",
+                           str(out / "checkpoint.pt"), "--val-size", "4", "--runners", "4", "--max-tokens", "24",
+                           "--engine", "transformers"], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = re.search(r"held-out reward on 4 held-out tasks of reasoning_gym:basic_arithmetic\?max_terms=3 \(seeds "
+                     r"range\(10000000, 10000004\)\) \(greedy, step 1\): ([01]\.\d{3})", proc.stdout)
+    assert line and 0.0 <= float(line.group(1)) <= 1.0, proc.stdout[-2000:]
+    assert "difficulty" in proc.stdout.split(line.group(0))[1] and "val_ood" not in proc.stdout, proc.stdout[-2000:]

@@ -27,9 +27,6 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
              "runners": 64},
 }
 
-_SLICE_BY_HELP = ("break the held-out reward down by this task field (default ops: one- vs two-operation "
-                  "problems; 'none' turns it off)")
-
 
 def resolve_device_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The settings of :data:`DEVICE_DEFAULTS` that ``args`` (parsed ``demo`` or ``eval`` options) has: each one the
@@ -75,7 +72,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     machine does not have, exits 2 with its fix before any model loads)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    task = _task_defaults(args, parser) if args.command == "demo" else None  # before anything loads
+    task = _task_defaults(args, parser)  # before anything loads
     slice_by = None if args.slice_by.lower() in ("", "none") else args.slice_by
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.command == "demo":
@@ -89,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "eval":
         run_eval(args.val_size, checkpoint=args.checkpoint, runners=settings["runners"], max_tokens=args.max_tokens,
                  engine=args.engine, slice_by=slice_by, ood_size=args.ood_size, device=args.device,
-                 dtype=settings["dtype"])
+                 dtype=settings["dtype"], task=task)
     if args.command == "demo":
         run_demo(DemoSettings(
             args.steps, args.out, tasks_per_step=settings["tasks_per_step"], group_size=settings["group_size"],
@@ -119,13 +116,15 @@ def _task_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     calc = isinstance(task, CalcTaskSet)
     if args.slice_by is None:
         args.slice_by = (task.slice_by if isinstance(task.slice_by, str) else None) or "none"
-    if args.slice_weights is None:
+    demo = args.command == "demo"  # eval has no shaping term and no sampling weights
+    if demo and args.slice_weights is None:
         args.slice_weights = ",".join(f"{k}:{v:g}" for k, v in DEMO_SLICE_WEIGHTS.items()) if calc else "none"
-    for flag, value in (("--all-numbers-bonus", args.all_numbers_bonus), ("--ood-size", args.ood_size)):
+    calc_only = (("--all-numbers-bonus", args.all_numbers_bonus),) if demo else ()
+    for flag, value in (*calc_only, ("--ood-size", args.ood_size)):
         if not calc and value:
             parser.error(f"{flag} is the calc task's (its shaping term, its val_ood split); --task {args.task} has "
                          f"none: drop {flag}")
-    if args.all_numbers_bonus is None:
+    if demo and args.all_numbers_bonus is None:
         args.all_numbers_bonus = DEMO_ALL_NUMBERS_BONUS if calc else 0.0
     if not calc:
         args.ood_size = 0
@@ -249,17 +248,23 @@ def _add_task_options(demo: Any) -> None:
 def _add_eval_command(sub: Any) -> None:
     """The ``eval`` subcommand and its options (the keywords of :func:`run_eval`)."""
     ev = sub.add_parser("eval", help="held-out reward (greedy) of the default model or a checkpoint",
-                        description="Evaluate the calc agent on the val split with greedy decoding.")
-    ev.add_argument("--val-size", type=int, default=200, help="val tasks to evaluate (default 200, all)")
+                        description="Evaluate the calc agent on the val split (or --task NAME on its held-out "
+                                    "seeds) with greedy decoding.")
+    ev.add_argument("--val-size", type=int, default=200, help="held-out tasks to evaluate (default 200: all of calc's val)")
     ev.add_argument("--checkpoint", type=Path, default=None, help="a GRPOTrainer.save() file to evaluate")
     ev.add_argument("--max-tokens", type=int, default=32, help="completion token limit per LLM call (default 32)")
     ev.add_argument("--runners", type=int, default=None, help="runner threads (default 16; 64 on cuda)")
     _add_device_options(ev)
     ev.add_argument("--engine", choices=["vllm", "transformers"], default="vllm",
                     help="inference engine (default vllm; transformers needs no set-up)")
-    ev.add_argument("--slice-by", default="ops", help=_SLICE_BY_HELP)
+    ev.add_argument("--task", default="calc",
+                    help="the task set whose held-out tasks to evaluate, by name (default calc: its val file); as "
+                         "demo --task, docs/tasks.md")
+    ev.add_argument("--slice-by", default=None,
+                    help="break the held-out reward down by this task field (default: the task's own, ops for calc; "
+                         "'none' turns it off)")
     ev.add_argument("--ood-size", type=int, default=None,
-                    help="also evaluate this many val_ood tasks (default: as many as --val-size; 0: off)")
+                    help="calc: also evaluate this many val_ood tasks (default: as many as --val-size; 0: off)")
 
 
 def _add_device_options(command: Any) -> None:

@@ -429,32 +429,44 @@ def _evaluate_ood(algo: Any, tasks: list, slice_by: Optional[Slicer], who: str,
 
 def run_eval(val_size: int, *, checkpoint: Optional[Path] = None, runners: int = 16, max_tokens: int = 32,
              engine: str = "vllm", slice_by: Optional[str] = "ops", ood_size: Optional[int] = None,
-             device: str = "cpu", dtype: str = "float32") -> float:
+             device: str = "cpu", dtype: str = "float32", task: Any = "calc") -> float:
     """Held-out reward (greedy) of the default model, or of a trainer checkpoint; also printed per ``slice_by``
     slice (a task field, default ``"ops"``; None: off), and on the first ``ood_size`` ``val_ood`` tasks (None: as
     many as ``val_size``; 0: off). The model runs on ``device`` in ``dtype`` (a float32 checkpoint is cast).
-    Returns the overall mean on val.
+    Returns the overall mean on the held-out tasks.
+
+    ``task``: ``"calc"`` (the default: its ``val`` file), or another task set's name or
+    :class:`~lightning_nb.tasks.TaskSet` (docs/tasks.md): its agent on the tasks of its first ``val_size``
+    held-out seeds. ``ood_size`` is calc's (None and 0 are the same for another task set).
 
     Raises:
-        ConfigError: ``device`` is not available here.
+        ConfigError: ``device`` is not available here; the task name does not exist; ``ood_size`` > 0 for a task
+            set other than calc.
     """
     from lightning_nb import AlgorithmConfig, GRPOConfig, GRPOTrainer, LightningRL
-    from lightning_nb.tasks.calc import load_tasks
+    from lightning_nb.errors import ConfigError
+    from lightning_nb.tasks import CalcTaskSet, TaskSet, load_task
 
-    with _serving(runners, engine, device=device, dtype=dtype) as (engine, store):
+    task = task if isinstance(task, TaskSet) else load_task(task)
+    calc = isinstance(task, CalcTaskSet)
+    if not calc and ood_size:
+        raise ConfigError(f"ood_size={ood_size} is the calc task's val_ood split; task {task.name!r} has none: set it "
+                          "to 0")
+    with _serving(runners, engine, device=device, dtype=dtype, agent=None if calc else task.agent) as (engine, store):
         trainer = GRPOTrainer(engine, GRPOConfig(track_reference_kl=False, device=device, dtype=dtype,
                                                  **_lora_fields(checkpoint)))
-        val = load_tasks("val", limit=val_size)
+        val = task.heldout_tasks(val_size)
         algo = LightningRL(store, trainer, val, val, AlgorithmConfig(max_tokens=max_tokens))
         if checkpoint is not None:
             algo.load(checkpoint)
         report = algo.evaluate(by=slice_by) if slice_by else None
         reward = report.mean if report is not None else algo.evaluate()
-        print(f"[eval] held-out reward on {len(val)} val tasks (greedy, step {algo.global_step}): {reward:.3f}")
+        what = "val tasks" if calc else f"held-out tasks of {task.name} (seeds {task.seeds('held-out', len(val))})"
+        print(f"[eval] held-out reward on {len(val)} {what} (greedy, step {algo.global_step}): {reward:.3f}")
         if report is not None:
             print(f"[eval] {report}")
-        ood_size = val_size if ood_size is None else ood_size
-        _evaluate_ood(algo, load_tasks("val_ood", limit=ood_size) if ood_size > 0 else [], slice_by, "eval",
+        ood_size = (val_size if ood_size is None else ood_size) if calc else 0
+        _evaluate_ood(algo, task.ood_tasks(ood_size) if ood_size > 0 else [], slice_by, "eval",
                       f"(greedy, step {algo.global_step})")
     return reward
 
