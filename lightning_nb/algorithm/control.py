@@ -151,8 +151,8 @@ class LoopControl:
                         sample_round: int = 0) -> None:
         """Called by the loop as it works: :attr:`progress` becomes this snapshot (:class:`LoopProgress`).
 
-        Cheap (one small object; I/O and a lock only while a cell's step bar is open): the algorithm calls it at each poll of its
-        rollouts (about once a second) and the trainer's update after each micro-batch. A call
+        Cheap (one small object; I/O and a lock only while a cell's step bar is open): the algorithm calls it at
+        each poll of its rollouts (about once a second) and the trainer's update after each micro-batch. A call
         from another thread while a background loop runs (a cell's ``evaluate()`` while the loop
         is paused) is ignored, so the record stays the loop's. ``sample_round`` (1, 2, ...): the step's
         sample round, when ``done`` and ``total`` count every round so far (the bar of a step keeps one

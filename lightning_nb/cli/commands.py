@@ -250,7 +250,8 @@ def _add_eval_command(sub: Any) -> None:
     ev = sub.add_parser("eval", help="held-out reward (greedy) of the default model or a checkpoint",
                         description="Evaluate the calc agent on the val split (or --task NAME on its held-out "
                                     "seeds) with greedy decoding.")
-    ev.add_argument("--val-size", type=int, default=200, help="held-out tasks to evaluate (default 200: all of calc's val)")
+    ev.add_argument("--val-size", type=int, default=200,
+                    help="held-out tasks to evaluate (default 200: all of calc's val)")
     ev.add_argument("--checkpoint", type=Path, default=None, help="a GRPOTrainer.save() file to evaluate")
     ev.add_argument("--max-tokens", type=int, default=32, help="completion token limit per LLM call (default 32)")
     ev.add_argument("--runners", type=int, default=None, help="runner threads (default 16; 64 on cuda)")

@@ -428,10 +428,11 @@ def _evaluate_ood(algo: Any, tasks: list, slice_by: Optional[Slicer], who: str,
 
 
 def run_eval(val_size: int, *, checkpoint: Optional[Path] = None, runners: int = 16, max_tokens: int = 32,
-             engine: str = "vllm", slice_by: Optional[str] = "ops", ood_size: Optional[int] = None,
+             engine: str = "vllm", slice_by: Optional[str] = "task", ood_size: Optional[int] = None,
              device: str = "cpu", dtype: str = "float32", task: Any = "calc") -> float:
     """Held-out reward (greedy) of the default model, or of a trainer checkpoint; also printed per ``slice_by``
-    slice (a task field, default ``"ops"``; None: off), and on the first ``ood_size`` ``val_ood`` tasks (None: as
+    slice (a task field; ``"task"``, the default: the task set's own, ``"ops"`` for calc; None: off), and on the
+    first ``ood_size`` ``val_ood`` tasks (None: as
     many as ``val_size``; 0: off). The model runs on ``device`` in ``dtype`` (a float32 checkpoint is cast).
     Returns the overall mean on the held-out tasks.
 
@@ -449,6 +450,8 @@ def run_eval(val_size: int, *, checkpoint: Optional[Path] = None, runners: int =
 
     task = task if isinstance(task, TaskSet) else load_task(task)
     calc = isinstance(task, CalcTaskSet)
+    if slice_by == "task":
+        slice_by = task.slice_by if isinstance(task.slice_by, str) else None
     if not calc and ood_size:
         raise ConfigError(f"ood_size={ood_size} is the calc task's val_ood split; task {task.name!r} has none: set it "
                           "to 0")
