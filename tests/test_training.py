@@ -92,14 +92,8 @@ def test_save_then_load_continues_from_the_same_step(loop, tmp_path):
     path = algo.save(tmp_path / "ckpt.pt")
     saved_step, saved = algo.global_step, _weights(trainer.model)
     saved_rng = algo.state_dict()["rng"]
-    # move on, then come back: one more update on step 1's own sequences, regrouped as one group whose first
-    # rollout is rewarded, so the weights move (sampling another step would only cost time)
-    sampled = algo.last_update.triplets
-    rollouts = sorted({t.rollout_id for t in sampled})
-    assert len(rollouts) >= 2, rollouts
-    trainer.update([t.model_copy(update={"group_id": "move-on", "reward": float(t.rollout_id == rollouts[0])})
-                    for t in sampled])
-    assert trainer.updates_applied == saved_step + 1 and not _same(saved, _weights(trainer.model))
+    algo.step()  # move on, then come back
+    assert trainer.updates_applied == saved_step + 1
     fresh = GRPOTrainer(trainer.engine, trainer.config)  # its reference is the trained model: rebuilt on load
     algo2 = LightningRL(store, fresh, load_tasks("train"), config=algo.config)
     algo2.load(path)  # gets the saved sampler state
