@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import sys
 import threading
 import time
@@ -77,6 +78,7 @@ def main() -> int:
     parser.add_argument("--trainer", choices=["grpo", "verl"], default="grpo")
     args = parser.parse_args()
 
+    import numpy
     import torch
 
     from lightning_nb import (AlgorithmConfig, GRPOConfig, GRPOTrainer, InMemoryStore, LightningRL, LLMProxy,
@@ -85,6 +87,8 @@ def main() -> int:
 
     t_start = time.perf_counter()
     torch.manual_seed(1234)
+    random.seed(1234)  # all three RNG states a checkpoint holds start the same in every run (the Python and
+    numpy.random.seed(1234)  # numpy ones are seeded from the OS otherwise), so checkpoints compare entry for entry
     engine = TransformersEngine.from_default(max_batch_size=8)
     store = InMemoryStore()
     proxy = LLMProxy(engine, store).start()

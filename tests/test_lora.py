@@ -129,7 +129,7 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora_engine, one
     eng = lora_engine
     trainer = GRPOTrainer(eng, GRPOConfig(learning_rate=5e-4, track_reference_kl=False, **LORA))
     algo = LightningRL(InMemoryStore(), trainer, [{"id": "t"}])
-    algo.record(trainer.update(one_group(eng, seed=1)))
+    algo.record(trainer.update(one_group(eng, n=2, seed=1)))  # two episodes, rewarded and not: a real update
     trainer.config.learning_rate = 2e-4  # an edit made while paused travels with the checkpoint
     path = algo.save(tmp_path / "lora.pt")
     assert path.stat().st_size < 100e6  # adapters + their AdamW state, not the 1.6 GB of a full checkpoint
@@ -143,7 +143,7 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora_engine, one
         assert resumed.updates_applied == trainer.updates_applied
         assert [(m["step"], m["loss"]) for m in resumed_algo.metrics] == [(m["step"], m["loss"]) for m in algo.metrics]
         assert all(torch.equal(v, adapter_state_dict(eng.model)[k]) for k, v in adapter_state_dict(fresh.model).items())
-        batch = one_group(eng, seed=2)
+        batch = one_group(eng, n=2, seed=2)
         assert resumed.update(batch)["loss"] == pytest.approx(trainer.update(batch)["loss"], abs=1e-6)
         assert all(torch.equal(v, adapter_state_dict(eng.model)[k]) for k, v in adapter_state_dict(fresh.model).items())
         # keep_config=True keeps this trainer's values; the next update applies them and records the change

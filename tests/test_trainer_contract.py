@@ -170,7 +170,7 @@ def test_a_checkpoint_that_tracked_kl_loads_into_a_trainer_without_a_reference(m
 
 @pytest.mark.slow
 def test_state_dict_round_trip_continues_the_same_update(make_trainer, engine, one_group, tmp_path):
-    first, second = one_group(engine), one_group(engine, seed=1)
+    first, second = one_group(engine, n=2), one_group(engine, n=2, seed=1)  # a rewarded and an unrewarded one
     trainer = make_trainer(learning_rate=2e-5, track_reference_kl=False)
     trainer.update(first)
     trainer.config.learning_rate = 1e-5  # an edit made while paused travels with the state
