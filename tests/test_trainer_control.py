@@ -29,14 +29,16 @@ def test_pause_returns_only_at_a_step_boundary_under_load(engine, pristine):
     store = InMemoryStore()
     proxy = LLMProxy(engine, store).start()
     store.add_resources({"main_llm": proxy.as_resource()})
-    runners = start_runners(calc_agent, store, n=4)
+    runners = start_runners(calc_agent, store, n=2)
     trainer = GRPOTrainer(engine, GRPOConfig(learning_rate=1e-5, track_reference_kl=False))
     algo = LightningRL(store, trainer, load_tasks("train"), config=AlgorithmConfig(
-        tasks_per_step=2, group_size=2, max_tokens=16, temperature=1.0, max_sample_rounds=2))
+        tasks_per_step=1, group_size=2, max_tokens=8, temperature=1.0, max_sample_rounds=2))
     try:
         algo.start(steps=100)
         seen = set()
-        for delay in (0.5, 3.0, 6.0, 2.0):
+        # the loop runs (and costs) between pauses, and a pause waits for the phase it lands in: one group of two
+        # 8-token replies makes every phase short, and short waits still land the pauses in rollouts and updates
+        for delay in (0.5, 1.5, 3.0, 1.0):
             time.sleep(delay)
             assert algo.pause(timeout=300), algo.state
             assert algo.state == "paused" and algo.paused_at, (algo.state, algo.paused_at)
@@ -54,6 +56,7 @@ def test_pause_returns_only_at_a_step_boundary_under_load(engine, pristine):
             assert algo.state == "paused"
             algo.resume()
             assert algo.state in ("running", "finished")
+        print(f"\npaused at {sorted(seen)} after {trainer.updates_applied} updates")
         assert seen <= {"before collect", "between sample rounds", "before update", "before evaluate"}
         assert algo.stop(timeout=300) and algo.state == "stopped"
         assert algo.error is None
