@@ -36,7 +36,8 @@ attempt, so the spans, the triplets and the training step do not care which shap
 At full size (the defaults: one round of 8 rollouts, then one training step of 32) the notebook took 6.7 min on an
 idle 2-core CPU (2026-11-28, `bench/notebook_cell_times.py`): the round 51 s, the training step 335 s, the rest 15 s.
 With other jobs sharing the two cores (load average 5-8) it took 22 min: the round 300 s (six of its eight rollouts
-ran past the runners' 300 s timeout), the training step 992 s. A smoke run (the tests use it: one round of 4
+ran past the runners' 300 s timeout), the training step 992 s; on 2026-11-29 beside two other jobs, 18 min (the
+training step 17 min). A smoke run (the tests use it: one round of 4
 rollouts, then one step of 8 with one sampling round) took 131 s with other jobs on the cores. Set
 `LIGHTNING_NB_SMOKE=1` before the first code cell runs for it: uncomment its `%env` line, or start Jupyter with
 `LIGHTNING_NB_SMOKE=1 jupyter lab`. The LangGraph cell needs the `agents` extra (`pip install -e '.[agents]'`), the gym cell the `envs` extra."""),

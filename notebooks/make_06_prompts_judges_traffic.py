@@ -37,8 +37,8 @@ mechanisms, not what a strong proposer achieves ([Prompts, judges and traffic](.
 and [Performance](../docs/performance.md#prompts-judges-and-traffic) have the measured numbers). At these sizes the
 notebook took 2.7 min on an idle 2-core CPU (the APO cell 1.9 min, the judge cells 17 s, the traffic cells 14 s),
 and 33 min when other jobs shared the two cores (load average 4-7: the APO cell 29 min, the judge cells 3.5 min)
-(2026-11-28, `bench/notebook_cell_times.py` measures it). The smoke run the tests use took 1.1 min idle, 12 min
-shared. Set `LIGHTNING_NB_SMOKE=1` before the first code cell runs for it: uncomment its `%env` line, or start Jupyter
+(2026-11-28, `bench/notebook_cell_times.py` measures it), and 4.0 min beside one other job (the APO cell 3.3 min;
+2026-11-29). The smoke run the tests use took 1.1 min idle, 12 min shared. Set `LIGHTNING_NB_SMOKE=1` before the first code cell runs for it: uncomment its `%env` line, or start Jupyter
 with `LIGHTNING_NB_SMOKE=1 jupyter lab`."""),
     ("code", """# %env LIGHTNING_NB_SMOKE=1      # uncomment for the smoke run with small sizes
 import os
@@ -117,6 +117,7 @@ judge's score as its final reward, beside a hand-written length check. A verdict
 recorded, not raised: `score()` returns None (the agent gives 0 then) and `rewards_df()` shows why in its
 `judge_error` column. `Runner.step` runs one rollout in this cell's thread."""),
     ("code", """from openai import OpenAI
+from tqdm.auto import tqdm
 
 from lightning_nb.rewards import GroupJudge, Judge, JudgeError
 from lightning_nb.runners import Runner
@@ -139,7 +140,8 @@ def summary_agent(task, llm):
 
 
 runner = Runner(summary_agent, store, Tracer(store))
-summaries = [runner.step({"text": TEXT}).rollout_id for _ in range(3)]
+# a bar with one tick per rollout (the agent and its judge: seconds each)
+summaries = [runner.step({"text": TEXT}).rollout_id for _ in tqdm(range(3), desc="summaries")]
 rewards = store.rewards_df().query("rollout_id in @summaries")
 print("judge calls without a score:", rewards["judge_error"].notna().sum())
 rewards.pivot_table("reward", "rollout_id", "component")"""),
