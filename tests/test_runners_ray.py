@@ -98,10 +98,12 @@ def slow_agent(task, llm):
     return 1.0
 
 
-def _kill_the_runner_of(store, group, rid):
-    """SIGKILL the actor running ``rid``'s attempt once it runs; its worker id."""
+def _kill_the_runner_of(store, group, rid, marker):
+    """SIGKILL the actor running ``rid``'s attempt once its agent runs (``slow_agent`` created ``marker``: the
+    rollout reads "running" a moment before the agent starts, and a kill in between would leave the retry to sleep
+    as the first attempt); its worker id."""
     deadline = time.monotonic() + 60
-    while store.get_rollout_by_id(rid).status != "running" and time.monotonic() < deadline:
+    while not (marker.exists() and store.get_rollout_by_id(rid).status == "running") and time.monotonic() < deadline:
         time.sleep(0.05)
     wid = store.query_attempts(rid)[-1].worker_id
     pid = int(group.status().set_index("worker_id").loc[wid, "pid"])
@@ -117,11 +119,12 @@ def test_a_killed_actor_ends_its_attempt_at_once_and_the_rollout_is_retried(ray_
     short."""
     store = _resourced(InMemoryStore())
     config = RolloutConfig(max_attempts=2, timeout_seconds=60)
-    rid = store.enqueue_rollout(str(tmp_path / "first"), config=config).rollout_id
+    marker = tmp_path / "first"
+    rid = store.enqueue_rollout(str(marker), config=config).rollout_id
     with start_runners(slow_agent, store, n=2, backend="ray", num_cpus=0.5, max_restarts=max_restarts) as group:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
-            wid = _kill_the_runner_of(store, group, rid)
+            wid = _kill_the_runner_of(store, group, rid, marker)
             killed = time.monotonic()
             (done,) = store.wait_for_rollouts([rid], timeout=50)
             took = time.monotonic() - killed
