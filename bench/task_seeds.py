@@ -5,8 +5,8 @@
 Issue 52 asks for third-party tasks on which RL through the kit measurably improves SmolLM2-135M-Instruct. A task
 is worth training when the untrained model scores between 0.1 and 0.6 on its held-out seeds: lower gives GRPO
 groups without signal, higher leaves little to learn. ``screen`` loads the default model once
-(:class:`~lightning_nb.engines.transformers.TransformersEngine`), and for each name (:func:`lightning_nb.tasks.load_task`,
-docs/tasks.md) runs the task set's agent through the LLM proxy on the tasks of its first ``--n`` held-out seeds
+(:class:`~lightning_nb.engines.transformers.TransformersEngine`), and for each name
+(:func:`lightning_nb.tasks.load_task`, docs/tasks.md) runs the task set's agent through the LLM proxy on the tasks of its first ``--n`` held-out seeds
 (greedy, ``--max-tokens`` per call, 16 runner threads) and prints one row: the mean final reward (a failed rollout
 counts 0), its standard error (sample standard deviation / sqrt(n)), how many rollouts failed, and the seconds it
 took. Quote the rows with the commit, the machine and its load.
@@ -25,6 +25,7 @@ def screen(names: list[str], n: int, max_tokens: int, runners: int) -> list[dict
     """One row per task set name: ``{"task", "n", "mean", "se", "failed", "seconds"}`` (see the module docstring)."""
     from lightning_nb import InMemoryStore, LLMProxy, TransformersEngine, start_runners
     from lightning_nb.tasks import load_task
+    from lightning_nb.types import SAMPLING_PARAMETERS_KEY
 
     engine = TransformersEngine.from_default(max_batch_size=runners)
     rows = []
@@ -38,7 +39,7 @@ def screen(names: list[str], n: int, max_tokens: int, runners: int) -> list[dict
                 with start_runners(task.agent, store, n=runners):
                     sampling = {"temperature": 0.0, "max_tokens": max_tokens}
                     ids = [r.rollout_id for r in store.enqueue_rollouts(
-                        task.heldout_tasks(n), mode="val", metadata={"sampling_parameters": sampling})]
+                        task.heldout_tasks(n), mode="val", metadata={SAMPLING_PARAMETERS_KEY: sampling})]
                     done = store.wait_for_rollouts(ids, timeout=3600, progress=True)
             rewards = store.final_rewards(ids)
             values = [float(rewards.get(i) or 0.0) for i in ids]
