@@ -10,15 +10,29 @@ groups without signal, higher leaves little to learn. ``screen`` loads the defau
 (greedy, ``--max-tokens`` per call, 16 runner threads) and prints one row: the mean final reward (a failed rollout
 counts 0), its standard error (sample standard deviation / sqrt(n)), how many rollouts failed, and the seconds it
 took. Quote the rows with the commit, the machine and its load.
+
+    .venv/bin/python bench/task_seeds.py runs "reasoning_gym:number_format" --seeds 0 1 2 [-- --steps 16 ...]
+    .venv/bin/python bench/task_seeds.py table runs/task_seeds/*/seed-*
+
+``runs`` trains the task set with the CPU defaults (``python -m lightning_nb demo --task NAME --seed S``, one
+process per seed, one after the other; arguments after ``--`` go to the demo) into
+``--out/<task>/seed-<S>`` (its log in ``demo.log`` there) and prints one row per run from its summary.json: the
+held-out reward before and after with their standard errors, the paired gain with its standard error, whether the
+gain is more than twice that (issue 52's bar), and the minutes. ``table`` prints the same rows from runs already
+made.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import re
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def screen(names: list[str], n: int, max_tokens: int, runners: int) -> list[dict]:
@@ -55,6 +69,45 @@ def screen(names: list[str], n: int, max_tokens: int, runners: int) -> list[dict
     return rows
 
 
+RUN_HEADER = ("| task | seed | held-out before | after | gain (paired s.e.) | gain > 2 s.e. | steps | minutes |\n"
+              "|---|---|---|---|---|---|---|---|")
+
+
+def run_row(run_dir: Path) -> str:
+    """One table row from a demo run's summary.json (see the module docstring)."""
+    s = json.loads((Path(run_dir) / "summary.json").read_text())
+    task = s.get("task", {}).get("name", "calc")
+    before, after = s["val_reward_before"], s["val_reward_after"]
+    gain, gain_se = after - before, s.get("val_reward_gain_se")
+
+    def pm(mean: float, se: float | None) -> str:
+        return f"{mean:.3f} ± {se:.3f}" if se is not None else f"{mean:.3f}"
+
+    passed = "yes" if gain_se is not None and gain > 2 * gain_se else "no"
+    return (f"| `{task}` | {s['seed']} | {pm(before, s.get('val_reward_before_se'))} | "
+            f"{pm(after, s.get('val_reward_after_se'))} | {gain:+.3f} ± {gain_se or 0.0:.3f} | {passed} | "
+            f"{s['steps']} | {s['minutes']:.1f} |")
+
+
+def runs(name: str, seeds: list[int], out: Path, demo_args: list[str]) -> list[str]:
+    """Train ``name`` once per seed (``python -m lightning_nb demo``), printing each run's row as it ends."""
+    rows = []
+    slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_", name)
+    for seed in seeds:
+        run_dir = out / slug / f"seed-{seed}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "lightning_nb", "demo", "--task", name, "--seed", str(seed), "--out", str(run_dir),
+               *demo_args]
+        with open(run_dir / "demo.log", "w") as log:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+        if proc.returncode != 0:
+            print(f"| `{name}` | {seed} | failed (exit {proc.returncode}): see {run_dir / 'demo.log'} |", flush=True)
+            continue
+        rows.append(run_row(run_dir))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,7 +116,23 @@ def main() -> int:
     sc.add_argument("--n", type=int, default=64, help="held-out seeds per task set (default 64)")
     sc.add_argument("--max-tokens", type=int, default=64, help="completion tokens per LLM call (default 64)")
     sc.add_argument("--runners", type=int, default=16, help="runner threads and engine batch (default 16)")
-    args = parser.parse_args()
+    ru = sub.add_parser("runs", help="train a task set on several seeds with the demo's CPU defaults")
+    ru.add_argument("name", help="a task set name (docs/tasks.md)")
+    ru.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="run seeds (default 0 1 2)")
+    ru.add_argument("--out", type=Path, default=Path("runs/task_seeds"), help="where the runs go")
+    ta = sub.add_parser("table", help="the rows of runs already made (their folders)")
+    ta.add_argument("dirs", nargs="+", type=Path)
+    argv = sys.argv[1:]
+    demo_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if args.command in ("runs", "table"):
+        print(RUN_HEADER, flush=True)
+        if args.command == "runs":
+            runs(args.name, args.seeds, args.out, demo_args)
+        else:
+            for d in args.dirs:
+                print(run_row(d))
+        return 0
     print("| task | held-out seeds | reward (mean ± s.e.) | failed | seconds |\n|---|---|---|---|---|", flush=True)
     screen(args.names, args.n, args.max_tokens, args.runners)
     return 0

@@ -42,6 +42,10 @@ EXPECTED = {
                                    "what-if:",  # the groups' change of signal under the new reward
                                    "replayed exactly: True",  # the replay reached the same tokens
                                    "branches of", "'branch_groups': 1"],  # branch(); one step on branch groups
+    "08_your_task.ipynb": ["| reward of the answer: 1.0 | of a wrong one: 0.0",  # the family's reward, no model
+                           "held-out reward before training:", "held-out reward after training:",
+                           "gain: ", "(paired s.e.)",
+                           "<b>Reward by num_candidates</b>"],  # evaluate(by=...) on the family's slice field
 }
 # Issue 53: a wait in a notebook shows its live line at once, without progress=True. The first frame of each bar is
 # a widget output whose text/plain these read: what it waits for and how far it is.
@@ -59,6 +63,18 @@ NEVER = {"06_prompts_judges_traffic.ipynb": ["WaitWarning"]}
 # notebooks written by a script: notebooks/make_<notebook name>.py writes notebooks/<notebook name>.ipynb (its OUT)
 GENERATORS = sorted((ROOT / "notebooks").glob("make_*.py"))
 BIG_FILE = 10_000_000  # bytes: a smoke run may leave small temp files, never a checkpoint (~1.6 GB)
+
+
+def test_the_your_task_page_shows_the_notebooks_task_family_cell_as_it_runs(monkeypatch):
+    """docs/your-task.md's first code block is notebook 08's task-family cell, which the suite executes."""
+    import re
+
+    monkeypatch.syspath_prepend(str(ROOT / "notebooks"))  # notebooks/_nbgen.py
+    spec = importlib.util.spec_from_file_location("make_08", ROOT / "notebooks" / "make_08_your_task.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    block = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "your-task.md").read_text(), re.S)[0].strip()
+    assert block in [source.strip() for kind, source in module.CELLS if kind == "code"]
 
 
 def test_every_notebook_has_expectations():

@@ -94,6 +94,8 @@ def test_evaluate_by_field_gives_exact_counts_per_slice(graded):
     # without by: a float, the same mean (backwards compatible)
     plain = algo.evaluate(progress=False)
     assert type(plain) is float and plain == pytest.approx(report.mean)
+    # each task's reward, in task order: the spread behind the mean (the crash is a finished rollout: 0)
+    assert algo.last_eval_rewards == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
 
 
 def test_evaluate_by_function_and_on_given_tasks(graded):

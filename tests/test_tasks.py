@@ -4,6 +4,7 @@ scores, the game families, and ``demo --task`` with a reasoning-gym dataset (tha
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -201,6 +202,16 @@ def test_demo_settings_take_the_task_sets_defaults(tmp_path):
         _task_settings(DemoSettings(1, tmp_path, task=task, all_numbers_bonus=0.5))
 
 
+def test_the_summarys_standard_errors_are_over_tasks_and_paired_for_the_gain():
+    from lightning_nb.cli.demo import _held_out_spread
+
+    spread = _held_out_spread([0.0, 1.0, 0.0, 1.0, None], [1.0, 1.0, 0.0, 1.0, 1.0])  # None: a cancelled rollout
+    assert spread["val_reward_before_se"] == pytest.approx(math.sqrt(1 / 3) / 2)  # stdev of 0,1,0,1 / sqrt(4)
+    assert spread["val_reward_after_se"] == pytest.approx(math.sqrt(0.2) / math.sqrt(5))  # 1,1,0,1,1
+    assert spread["val_reward_gain_se"] == pytest.approx(0.5 / 2)  # gains 1,0,0,0: stdev 0.5, paired over 4
+    assert _held_out_spread([1.0], [0.0]) == dict.fromkeys(spread)  # one task: no spread, None (not NaN) in JSON
+
+
 # ----- the demo on a reasoning-gym dataset (loads the model) -----
 @pytest.mark.slow
 def test_demo_trains_a_reasoning_gym_task_and_writes_the_same_files(tmp_path):
@@ -221,6 +232,7 @@ def test_demo_trains_a_reasoning_gym_task_and_writes_the_same_files(tmp_path):
     assert summary["task"]["source"].startswith("reasoning-gym ")
     assert summary["slice_weights"] is None and summary["all_numbers_bonus"] == 0.0 and summary["ood_size"] == 0
     assert 0.0 <= summary["val_reward_before"] <= 1.0 and df["val_reward"].iloc[0] == summary["val_reward_after"]
+    assert all(summary[k] >= 0.0 for k in ("val_reward_before_se", "val_reward_after_se", "val_reward_gain_se"))
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # eval --task: the trained checkpoint on the same held-out seeds, by the same slices
     proc = subprocess.run([sys.executable, "-m", "lightning_nb", "eval", "--task", cmd[5], "--checkpoint",

@@ -105,6 +105,8 @@ class LightningRL(RewardAndBranches):
         self.slice_by = slice_by
         super().__init__(store, trainer, config or AlgorithmConfig())
         self.last_report: Optional[SliceReport] = None  # the latest evaluate(by=...) result
+        # the latest evaluate()'s final reward per task, in task order (None: cancelled)
+        self.last_eval_rewards: list[Optional[float]] = []
         self.train_tasks, self.val_tasks = list(train_tasks), list(val_tasks)
         self.adapter = adapter or TripletAdapter()
         self.id_key = id_key
@@ -274,6 +276,9 @@ class LightningRL(RewardAndBranches):
                 same as without ``by``: slicing happens afterwards. The report is also kept
                 as ``last_report``.
 
+        Each task's reward (in ``tasks`` order; None where its rollout was cancelled) is kept as
+        ``last_eval_rewards``: the spread behind the mean (``bench/task_seeds.py`` takes its standard error).
+
         Raises:
             ConfigError: no tasks; ``by`` names a field a task lacks (the error names the
                 field, the first such task's index and its keys); ``by`` raised on a task (the
@@ -291,6 +296,7 @@ class LightningRL(RewardAndBranches):
         self.wait_for(ids, desc="evaluating" if progress else None,
                       on_progress=self._reporter("evaluate", self.global_step, len(ids)))
         finished = self._finished_rewards(ids)
+        self.last_eval_rewards = [finished.get(rid) for rid in ids]
         rewards = list(finished.values())
         mean = sum(rewards) / len(rewards) if rewards else math.nan
         if keys is None or by is None:

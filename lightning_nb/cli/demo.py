@@ -10,6 +10,7 @@ import functools
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -188,6 +189,10 @@ def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict
     """Train the calculator agent (or the task set ``settings.task`` names) on SmolLM2-135M and write metrics.csv,
     reward_curve.png, summary.json.
 
+    summary.json holds the held-out reward before and after (``val_reward_before``/``_after``) with their standard
+    errors over the held-out tasks and that of the paired gain (:func:`_held_out_spread`: ``val_reward_before_se``,
+    ``val_reward_after_se``, ``val_reward_gain_se``).
+
     ``task``: ``"calc"`` (the default: everything below as it was), or another task set's name or
     :class:`~lightning_nb.tasks.TaskSet` (``"reasoning_gym:basic_arithmetic"``, ``"textarena:GuessTheNumber-v0-raw"``;
     docs/tasks.md). Such a run makes the first ``steps * tasks_per_step * sample_rounds`` training tasks and the first
@@ -260,12 +265,12 @@ def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict
             algo.load(s.resume)
             print(f"[demo] resumed from {s.resume} at step {algo.global_step}", flush=True)
         print(f"[demo] evaluating on {s.val_size} held-out tasks (greedy) ...", flush=True)
-        before, before_report = _evaluate_val(algo, s.slice_by, "before training")
+        before, before_report, rewards_before = _evaluate_val(algo, s.slice_by, "before training")
         n_ood = s.val_size if s.ood_size is None else s.ood_size
         ood_tasks = task.ood_tasks(n_ood) if calc and n_ood > 0 else []
         ood_before = _evaluate_ood(algo, ood_tasks, s.slice_by, "demo", "before training")
         _train(algo, s.steps, s.checkpoint_every, checkpoint, after_step)
-        after, after_report = _evaluate_after_training(algo, s.steps, s.slice_by)
+        after, after_report, rewards_after = _evaluate_after_training(algo, s.steps, s.slice_by)
         ood_after = _evaluate_ood(algo, ood_tasks, s.slice_by, "demo", "after training")
         if ood_after is not None:
             algo.add_metrics(algo.global_step, val_ood_reward=ood_after[0])
@@ -273,7 +278,8 @@ def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict
         _save_final(algo, checkpoint)
     df = _write_metrics(algo, s.out, before, after, before_report, ood_before, "calc agent" if calc else task.name)
     summary = {"val_reward_before": before, "val_reward_after": after, "steps": s.steps, "val_size": s.val_size,
-               "minutes": (time.time() - t_start) / 60, "out": str(s.out), "checkpoint": str(checkpoint),
+               **_held_out_spread(rewards_before, rewards_after), "minutes": (time.time() - t_start) / 60,
+               "out": str(s.out), "checkpoint": str(checkpoint),
                "engine": s.engine, "trainer": s.trainer_kind, "lora_rank": s.lora_rank, "learning_rate": s.learning_rate,
                **{k: getattr(trainer.config, k, None) for k in _PLACEMENT_KEYS}, "runners": s.runners,
                "tasks_per_step": s.tasks_per_step, "group_size": s.group_size, "overlong_filter": s.overlong_filter,
@@ -291,20 +297,35 @@ def run_demo(settings: DemoSettings, *, after_step: Optional[Callable[[Any, dict
     return summary
 
 
+def _held_out_spread(before: list[Optional[float]], after: list[Optional[float]]) -> dict[str, Optional[float]]:
+    """summary.json's standard errors of the held-out reward: ``val_reward_before_se`` and ``val_reward_after_se``
+    (sample standard deviation of the per-task final rewards / sqrt(n)), and ``val_reward_gain_se``, the standard
+    error of the mean paired gain (after - before on the same task; the same held-out tasks are evaluated before
+    and after). ``before``/``after``: per-task rewards in task order, None where the rollout was cancelled (left
+    out). None where fewer than 2 values."""
+    def se(values: list[float]) -> Optional[float]:
+        return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+
+    gains = [a - b for b, a in zip(before, after) if a is not None and b is not None]
+    return {"val_reward_before_se": se([x for x in before if x is not None]),
+            "val_reward_after_se": se([x for x in after if x is not None]), "val_reward_gain_se": se(gains)}
+
+
 def _ood_json(before: Optional[tuple], after: Optional[tuple]) -> dict:
     """summary.json's ``val_ood_before``/``_after`` (means) and ``val_ood_slices_before``/``_after`` (None: not run)."""
     return {f"val_ood{part}_{when}": (result[i] if result is not None else None)
             for part, i in (("", 0), ("_slices", 1)) for when, result in (("before", before), ("after", after))}
 
 
-def _evaluate_val(algo: Any, slice_by: Optional[Slicer], when: str) -> tuple[float, Any]:
-    """Held-out reward (greedy) on the val tasks, printed, per ``slice_by`` slice too; ``(mean, SliceReport or None)``."""
+def _evaluate_val(algo: Any, slice_by: Optional[Slicer], when: str) -> tuple[float, Any, list[Optional[float]]]:
+    """Held-out reward (greedy) on the val tasks, printed, per ``slice_by`` slice too; ``(mean, SliceReport or None,
+    each task's reward)``."""
     report = algo.evaluate(by=slice_by) if slice_by else None
     mean = report.mean if report is not None else algo.evaluate()
     print(f"[demo] val reward {when}: {mean:.3f}", flush=True)
     if report is not None:
         print(f"[demo] {when}, {report}", flush=True)
-    return mean, report
+    return mean, report, list(algo.last_eval_rewards)
 
 
 def _train(algo: Any, steps: int, checkpoint_every: int, checkpoint: Path,
@@ -333,9 +354,10 @@ def _train(algo: Any, steps: int, checkpoint_every: int, checkpoint: Path,
     bar.close()
 
 
-def _evaluate_after_training(algo: Any, steps: int, slice_by: Optional[Slicer]) -> tuple[float, Any]:
+def _evaluate_after_training(algo: Any, steps: int,
+                             slice_by: Optional[Slicer]) -> tuple[float, Any, list[Optional[float]]]:
     """Held-out reward after training, printed: the last step's when ``val_every`` evaluated it, else evaluated now
-    and added to the last metrics row (with its slices). ``(mean, SliceReport or None)``."""
+    and added to the last metrics row (with its slices). ``(mean, SliceReport or None, each task's reward)``."""
     after_report = None
     if algo.metrics and "val_reward" in algo.metrics[-1]:
         after = algo.metrics[-1]["val_reward"]  # val_every already evaluated the last step
@@ -350,7 +372,7 @@ def _evaluate_after_training(algo: Any, steps: int, slice_by: Optional[Slicer]) 
     print(f"[demo] val reward after {steps} steps: {after:.3f}", flush=True)
     if after_report is not None:
         print(f"[demo] after training, {after_report}", flush=True)
-    return after, after_report
+    return after, after_report, list(algo.last_eval_rewards)
 
 
 def _save_final(algo: Any, checkpoint: Path) -> None:
@@ -409,8 +431,11 @@ def _print_outcome(out: Path, summary: dict) -> None:
     print(f"[demo] wrote {out / 'metrics.csv'}, {out / 'reward_curve.png'}, {out / 'summary.json'}")
     ood = (f"; val_ood (other wordings and numbers) {ood_before:.3f} -> {ood_after:.3f}"
            if ood_before is not None and ood_after is not None else "")
+    gain_se = summary.get("val_reward_gain_se")
+    spread = (f", a gain of {after - before:+.3f} ± {gain_se:.3f} (s.e., paired over {summary['val_size']} tasks)"
+              if gain_se else "")
     print(f"[demo] held-out reward: before {before:.3f} -> after {after:.3f} "
-          f"({'rose' if after > before else 'did NOT rise'}){ood} in {summary['minutes']:.1f} min")
+          f"({'rose' if after > before else 'did NOT rise'}{spread}){ood} in {summary['minutes']:.1f} min")
 
 
 def _evaluate_ood(algo: Any, tasks: list, slice_by: Optional[Slicer], who: str,
@@ -465,7 +490,9 @@ def run_eval(val_size: int, *, checkpoint: Optional[Path] = None, runners: int =
         report = algo.evaluate(by=slice_by) if slice_by else None
         reward = report.mean if report is not None else algo.evaluate()
         what = "val tasks" if calc else f"held-out tasks of {task.name} (seeds {task.seeds('held-out', len(val))})"
-        print(f"[eval] held-out reward on {len(val)} {what} (greedy, step {algo.global_step}): {reward:.3f}")
+        se = _held_out_spread([], algo.last_eval_rewards)["val_reward_after_se"]
+        print(f"[eval] held-out reward on {len(val)} {what} (greedy, step {algo.global_step}): {reward:.3f}"
+              + (f" ± {se:.3f} (s.e.)" if se is not None else ""))
         if report is not None:
             print(f"[eval] {report}")
         ood_size = (val_size if ood_size is None else ood_size) if calc else 0
