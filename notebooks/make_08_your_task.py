@@ -86,7 +86,8 @@ def number_reward(reply, task):
 def number_agent(task, llm):
     client = openai.OpenAI(base_url=llm.endpoint, api_key=llm.api_key, max_retries=0)
     reply = client.chat.completions.create(
-        model=llm.model, messages=[{"role": "system", "content": PROMPT}, {"role": "user", "content": task["question"]}],
+        model=llm.model, messages=[{"role": "system", "content": PROMPT},
+                                   {"role": "user", "content": task["question"]}],
         **{"max_tokens": 24, **llm.sampling_parameters})
     return number_reward(reply.choices[0].message.content, task)
 
@@ -134,8 +135,8 @@ before"""),
     ("md", """## 3. Train, then the same held-out tasks again
 
 `algo.start()` runs the steps in the background, and `algo.wait()` shows their bar until they end (the kernel
-stays free without the wait: `algo.pause()`, `algo.resume()`, `algo.state`). The gain's standard error is paired: the same tasks, before and
-after."""),
+stays free without the wait: `algo.pause()`, `algo.resume()`, `algo.state`). The gain's standard error is
+paired: the same tasks, before and after."""),
     ("code", """algo.start()
 algo.wait()
 after = algo.evaluate(by=task.slice_by)

@@ -215,8 +215,10 @@ def test_the_summarys_standard_errors_are_over_tasks_and_paired_for_the_gain():
 # ----- the demo on a reasoning-gym dataset (loads the model) -----
 @pytest.mark.slow
 def test_demo_trains_a_reasoning_gym_task_and_writes_the_same_files(tmp_path):
+    """One step of issue 52's single-turn third-party task (number_format: the untrained model's held-out reward
+    is 0.141 ± 0.044, bench/README.md), then eval of its checkpoint."""
     out = tmp_path / "rg"
-    cmd = [sys.executable, "-m", "lightning_nb", "demo", "--task", "reasoning_gym:basic_arithmetic?max_terms=3",
+    cmd = [sys.executable, "-m", "lightning_nb", "demo", "--task", "reasoning_gym:number_format",
            "--steps", "1", "--val-size", "4", "--tasks-per-step", "2", "--group-size", "2", "--runners", "4",
            "--max-tokens", "24", "--sample-rounds", "1", "--engine", "transformers", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
@@ -224,9 +226,10 @@ def test_demo_trains_a_reasoning_gym_task_and_writes_the_same_files(tmp_path):
     assert "before training, reward by difficulty:" in proc.stdout and "held-out reward: before" in proc.stdout
     df = pd.read_csv(out / "metrics.csv")
     assert list(df.columns[:6]) == ["step", "reward_mean", "val_reward", "loss", "kl", "step_seconds"]
-    assert df["step"].tolist() == [1] and [c for c in df.columns if c.startswith("val_reward/difficulty=num_terms=")]
+    assert df["step"].tolist() == [1]
+    assert [c for c in df.columns if c.startswith("val_reward/difficulty=num_candidates=")]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["task"] == {"name": "reasoning_gym:basic_arithmetic?max_terms=3",
+    assert summary["task"] == {"name": "reasoning_gym:number_format",
                                "source": summary["task"]["source"], "slice_by": "difficulty",
                                "train_seeds": "range(0, 2)", "heldout_seeds": "range(10000000, 10000004)"}
     assert summary["task"]["source"].startswith("reasoning-gym ")
@@ -239,7 +242,7 @@ def test_demo_trains_a_reasoning_gym_task_and_writes_the_same_files(tmp_path):
                            str(out / "checkpoint.pt"), "--val-size", "4", "--runners", "4", "--max-tokens", "24",
                            "--engine", "transformers"], capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = re.search(r"held-out reward on 4 held-out tasks of reasoning_gym:basic_arithmetic\?max_terms=3 \(seeds "
+    line = re.search(r"held-out reward on 4 held-out tasks of reasoning_gym:number_format \(seeds "
                      r"range\(10000000, 10000004\)\) \(greedy, step 1\): ([01]\.\d{3})", proc.stdout)
     assert line and 0.0 <= float(line.group(1)) <= 1.0, proc.stdout[-2000:]
     assert "difficulty" in proc.stdout.split(line.group(0))[1] and "val_ood" not in proc.stdout, proc.stdout[-2000:]
