@@ -84,8 +84,9 @@ def run_row(run_dir: Path) -> str:
         return f"{mean:.3f} ± {se:.3f}" if se is not None else f"{mean:.3f}"
 
     passed = "yes" if gain_se is not None and gain > 2 * gain_se else "no"
+    gain_text = f"{gain:+.3f} ± {gain_se:.3f}" if gain_se is not None else f"{gain:+.3f}"
     return (f"| `{task}` | {s['seed']} | {pm(before, s.get('val_reward_before_se'))} | "
-            f"{pm(after, s.get('val_reward_after_se'))} | {gain:+.3f} ± {gain_se or 0.0:.3f} | {passed} | "
+            f"{pm(after, s.get('val_reward_after_se'))} | {gain_text} | {passed} | "
             f"{s['steps']} | {s['minutes']:.1f} |")
 
 

@@ -433,7 +433,7 @@ def _print_outcome(out: Path, summary: dict) -> None:
            if ood_before is not None and ood_after is not None else "")
     gain_se = summary.get("val_reward_gain_se")
     spread = (f", a gain of {after - before:+.3f} ± {gain_se:.3f} (s.e., paired over {summary['val_size']} tasks)"
-              if gain_se else "")
+              if gain_se is not None else "")
     print(f"[demo] held-out reward: before {before:.3f} -> after {after:.3f} "
           f"({'rose' if after > before else 'did NOT rise'}{spread}){ood} in {summary['minutes']:.1f} min")
 
