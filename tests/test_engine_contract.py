@@ -306,7 +306,10 @@ def test_engine_and_trainer_agree_on_the_demos_trained_tokens(served, pristine):
     # tokens (3 x 4 checked the same things for twice the CPU time)
     runners = start_runners(functools.partial(calc_agent, all_numbers_bonus=0.2, reward_fn=_spread_reward), store,
                             n=4)
-    trainer = GRPOTrainer(eng, GRPOConfig(learning_rate=2e-5, skip_zero_advantage=False, track_reference_kl=False))
+    # learning rate 5e-4 (the demo's: 2e-5): the first update must move the policy well past AGREEMENT on the stale
+    # tokens; at 2e-5 one update on 4 episodes moved them by 1.4e-4 nats on a fresh clone (74 tokens), and the check
+    # below failed. How far the policy moves does not bear on the engine/trainer agreement checked on fresh tokens.
+    trainer = GRPOTrainer(eng, GRPOConfig(learning_rate=5e-4, skip_zero_advantage=False, track_reference_kl=False))
     algo = LightningRL(store, trainer, load_tasks("train"), load_tasks("val", limit=1), AlgorithmConfig(
         tasks_per_step=2, group_size=2, max_tokens=10, temperature=0.7, max_sample_rounds=1, seed=0))
     try:
